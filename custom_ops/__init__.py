@@ -1,0 +1,154 @@
+"""Runtime face of ortlean: find and register the custom-op library, read its metrics.
+
+    import custom_ops
+    sess = custom_ops.session("model.lean.onnx", threads=2)
+    sess.run(None, feeds)
+    custom_ops.metrics()   # {node_name: {"tt.rank": 64.0, ...}}
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+DOMAIN = "ai.ortlean"
+LIB_NAME = "libortlean_ops.so"
+
+__all__ = [
+    "DOMAIN", "LibraryNotFoundError", "library_path", "load_library", "session_options",
+    "session", "metrics", "reset_metrics", "isa",
+]
+
+
+class LibraryNotFoundError(RuntimeError):
+    pass
+
+
+def _candidates() -> list[Path]:
+    out: list[Path] = []
+    env = os.environ.get("ORTLEAN_LIBRARY")
+    if env:
+        out.append(Path(env))
+    here = Path(__file__).resolve().parent
+    out.append(here / LIB_NAME)
+    # scikit-build-core editable installs put compiled files in site-packages/custom_ops
+    # while the Python sources stay in the checkout: ask the installed distribution.
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        dist = distribution("ortlean")
+        for f in dist.files or []:
+            if f.name == LIB_NAME:
+                out.append(Path(dist.locate_file(f)).resolve())
+    except Exception:  # not installed as a distribution: only the paths above
+        pass
+    for p in sys.path:
+        out.append(Path(p) / "custom_ops" / LIB_NAME)
+    return out
+
+
+def library_path() -> str:
+    """Absolute path of the built custom-op library (ORTLEAN_LIBRARY overrides)."""
+    tried = []
+    for c in _candidates():
+        if c.is_file():
+            return str(c)
+        tried.append(str(c))
+    raise LibraryNotFoundError(
+        f"ortlean custom-op library {LIB_NAME} not found (tried: {', '.join(dict.fromkeys(tried))}). "
+        "Build it with `pip install -e .` in the ortlean checkout, or point ORTLEAN_LIBRARY at it; "
+        "without a compiler use custom_ops.session(model, backend='reference')."
+    )
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def _preload_blas() -> None:
+    # The library links libscipy_openblas.so (DT_NEEDED, rpath into site-packages); loading it
+    # here first makes the dynamic linker find it whatever the install layout.
+    try:
+        import scipy_openblas32
+
+        lib = Path(scipy_openblas32.get_lib_dir()) / f"lib{scipy_openblas32.get_library()}.so"
+        if lib.is_file():
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except Exception:
+        pass
+
+
+def load_library() -> ctypes.CDLL:
+    """dlopen the library in this process (same handle ORT gets), for the metrics C API."""
+    global _LIB
+    if _LIB is None:
+        _preload_blas()
+        lib = ctypes.CDLL(library_path(), mode=ctypes.RTLD_GLOBAL)
+        lib.ortlean_metrics_json.restype = ctypes.c_size_t
+        lib.ortlean_metrics_json.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        lib.ortlean_metrics_reset.restype = None
+        lib.ortlean_metrics_reset.argtypes = []
+        lib.ortlean_isa.restype = ctypes.c_char_p
+        lib.ortlean_isa.argtypes = []
+        _LIB = lib
+    return _LIB
+
+
+def session_options(threads: int | None = None, *, backend: str = "native", so=None, **config):
+    """onnxruntime.SessionOptions with the ortlean ops registered.
+
+    backend="native" registers the C++ library; backend="reference" registers the numpy
+    references as onnxruntime-extensions Python ops (slow; no compiler needed).
+    Extra keyword arguments become session config entries (`ortlean.<key>`)."""
+    import onnxruntime as ort
+
+    so = so or ort.SessionOptions()
+    if threads is not None:
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+    for k, v in config.items():
+        so.add_session_config_entry(f"ortlean.{k}", str(v))
+    if backend == "native":
+        load_library()
+        so.register_custom_ops_library(library_path())
+    elif backend == "reference":
+        from .reference import ext
+
+        ext.register()
+        so.register_custom_ops_library(ext.library_path())
+    else:
+        raise ValueError(f"unknown backend {backend!r}: use 'native' or 'reference'")
+    return so
+
+
+def session(model, threads: int | None = None, *, backend: str = "native", providers=None, so=None, **config):
+    """onnxruntime.InferenceSession on `model` (path or bytes) with the ortlean ops registered."""
+    import onnxruntime as ort
+
+    so = session_options(threads, backend=backend, so=so, **config)
+    if isinstance(model, Path):
+        model = str(model)
+    if backend == "reference":
+        from .reference import ext
+
+        model = ext.prepare(model)
+    return ort.InferenceSession(model, sess_options=so, providers=providers or ["CPUExecutionProvider"])
+
+
+def metrics() -> dict[str, dict[str, float]]:
+    """Runtime metrics of every ortlean node run in this process, keyed by node name."""
+    lib = load_library()
+    need = lib.ortlean_metrics_json(None, 0)
+    buf = ctypes.create_string_buffer(need + 1)
+    lib.ortlean_metrics_json(buf, need + 1)
+    return json.loads(buf.value.decode() or "{}")
+
+
+def reset_metrics() -> None:
+    load_library().ortlean_metrics_reset()
+
+
+def isa() -> str:
+    """The kernel ISA path chosen at load time: scalar | avx2 | avx512."""
+    return load_library().ortlean_isa().decode()

@@ -1,0 +1,124 @@
+"""Calibration: run the ORIGINAL model in ONNX Runtime over calibration text and accumulate, for
+every distinct input tensor of the candidate MatMuls, the Gram matrix XᵀX (float64) — enough to
+measure any factorisation's output error on the calibration set exactly, in O(K²) memory
+whatever the amount of text (the activations themselves are never kept)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .errors import OrtleanError
+
+
+@dataclass
+class Gram:
+    G: np.ndarray          # [K, K] float64, Σ xᵀx over calibration rows
+    rows: int
+    absmax: float
+
+    @property
+    def K(self) -> int:
+        return self.G.shape[0]
+
+
+def tokenize_text(model_path: str | os.PathLike, text_path: str | os.PathLike, tokenizer: str | None = None):
+    from . import runner
+
+    tp = Path(text_path)
+    if not tp.is_file():
+        raise OrtleanError(f"--calib-text {tp}: no such file")
+    text = tp.read_text(encoding="utf-8", errors="replace")
+    if len(text.strip()) == 0:
+        raise OrtleanError(f"--calib-text {tp}: file is empty")
+    try:
+        tok = runner.load_tokenizer(model_path, tokenizer)
+    except OrtleanError:
+        raise
+    except Exception as e:
+        raise OrtleanError(str(e)) from None
+    return tok, text
+
+
+def _with_extra_outputs(model_path: Path, names: list[str], workdir: Path) -> Path:
+    """A copy of the model (proto only; external data linked, not copied) exposing `names`."""
+    proto = onnx.load(str(model_path), load_external_data=False)
+    existing = {o.name for o in proto.graph.output}
+    for n in names:
+        if n not in existing:
+            proto.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = dict((e.key, e.value) for e in t.external_data)["location"]
+            link = workdir / loc
+            if not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink((model_path.parent / loc).resolve(), link)
+    out = workdir / "calib.onnx"
+    onnx.save(proto, str(out))
+    return out
+
+
+def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_path: str | os.PathLike,
+                  tokenizer: str | None = None, max_tokens: int = 4096, window: int = 256,
+                  threads: int | None = None, progress: bool = True) -> dict[str, Gram]:
+    import onnxruntime as ort
+    from tqdm.auto import tqdm
+
+    from . import runner
+
+    model_path = Path(model_path)
+    tok, text = tokenize_text(model_path, text_path, tokenizer)
+    io = runner.ModelIO.from_model(str(model_path))
+    windows = calibration_windows(io, tok, text, max_tokens, window)
+    if not windows:
+        raise OrtleanError(f"--calib-text {text_path}: produced no tokens")
+    names = list(dict.fromkeys(value_names))
+    grams: dict[str, Gram] = {}
+    with tempfile.TemporaryDirectory(prefix="ortlean-calib-") as td:
+        cm = _with_extra_outputs(model_path, names, Path(td))
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep tensors as named
+        sess = ort.InferenceSession(str(cm), so, providers=["CPUExecutionProvider"])
+        bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
+        for ids in windows:
+            feeds = runner.feeds(io, np.asarray(ids, dtype=np.int64)[None, :])
+            outs = sess.run(names, feeds)
+            for n, x in zip(names, outs):
+                x = np.asarray(x, dtype=np.float32)
+                x = x.reshape(-1, x.shape[-1])
+                g = x.T @ x  # float32 per window (≤ a few hundred rows), accumulated in float64
+                if n in grams:
+                    grams[n].G += g
+                    grams[n].rows += x.shape[0]
+                    grams[n].absmax = max(grams[n].absmax, float(np.abs(x).max(initial=0.0)))
+                else:
+                    grams[n] = Gram(G=g.astype(np.float64), rows=x.shape[0], absmax=float(np.abs(x).max(initial=0.0)))
+            bar.update(len(ids))
+        bar.close()
+    return grams
+
+
+def calibration_windows(io, tok, text: str, max_tokens: int, window: int) -> list[list[int]]:
+    """Token windows: causal LMs get consecutive windows of the running text (each a fresh
+    prefill), encoders get text chunks encoded with their special tokens."""
+    if io.kind == "causal-lm":
+        ids = tok.encode(text, add_special_tokens=False).ids[:max_tokens]
+        return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
+    out, used = [], 0
+    words = text.split()
+    step = max(8, int(window * 0.6))
+    for i in range(0, len(words), step):
+        enc = tok.encode(" ".join(words[i:i + step]))
+        ids = enc.ids[:window]
+        out.append(ids)
+        used += len(ids)
+        if used >= max_tokens:
+            break
+    return out

@@ -1,0 +1,347 @@
+"""The `ortlean` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import OrtleanError
+
+EXIT_USER_ERROR = 2
+EXIT_NOTHING_WRITTEN = 3
+
+
+def _onoff(v: str) -> bool:
+    v = v.lower()
+    if v in ("on", "1", "true", "yes"):
+        return True
+    if v in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
+
+
+def _threads_list(v: str) -> list[int]:
+    try:
+        out = [int(x) for x in v.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts, got {v!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be ≥ 1, got {v!r}")
+    return out
+
+
+def _add_tt_flags(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("TTMatMul (seed 000)")
+    t.add_argument("--tt", type=_onoff, default=False, metavar="on|off", help="factor weight MatMuls into TT/low-rank cores")
+    t.add_argument("--tt-rank", type=int, default=None, help="cap on the TT bond rank (default: autotune up to break-even)")
+    t.add_argument("--tt-maxvol-k", type=int, default=8, help="alternating maxvol sweeps in TT-cross (default 8)")
+    t.add_argument("--tt-gap", type=float, default=0.02,
+                   help="max relative output error ‖XW−XŴ‖/‖XW‖ on calibration inputs per layer (default 0.02)")
+    t.add_argument("--tt-target", default="mlp", help="mlp | attn | both | head | all, or a comma list (default mlp)")
+    t.add_argument("--tt-method", default="svd", choices=None, help="svd (TT-SVD) | cross (TT-cross with maxvol)")
+    t.add_argument("--tt-d", default="auto", help="number of TT cores: 2 (low rank) | 3 | 4 | auto (tries 2 and 3)")
+    t.add_argument("--tt-whiten", default="full", help="activation awareness: full (Cholesky of XᵀX) | diag | none")
+    t.add_argument("--tt-speed-check", type=_onoff, default=True, metavar="on|off",
+                   help="keep a layer dense unless its kernel is measurably faster here (default on)")
+    t.add_argument("--tt-min-speedup", type=float, default=1.10, help="speedup a factored layer must show (default 1.10)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ortlean", description="ONNX graph rewriter + ONNX Runtime custom CPU ops")
+    ap.add_argument("--version", action="store_true", help="print versions and exit")
+    sub = ap.add_subparsers(dest="cmd")
+
+    p = sub.add_parser("rewrite", help="rewrite weight MatMuls into ortlean custom ops")
+    p.add_argument("model")
+    p.add_argument("-o", "--output", help="output model (default: MODEL with .lean.onnx)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB", help="only node names matching (repeatable)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip node names matching (repeatable)")
+    p.add_argument("--calib-text", help="calibration text file (tokenized with the model's tokenizer.json)")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
+    p.add_argument("--calib-window", type=int, default=256, help="tokens per calibration run (default 256)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: next to the model)")
+    p.add_argument("--report", help="write the per-layer report as JSON here")
+    p.add_argument("--threads", type=int, default=1, help="threads for the rewrite-time speed check (default 1)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    _add_tt_flags(p)
+
+    p = sub.add_parser("inspect", help="ops, layers and ortlean attributes of a model")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("eval", help="quality vs a dense reference: Δperplexity (causal LM) or embedding cosine (encoder)")
+    p.add_argument("model")
+    p.add_argument("--ref", required=True, help="the dense model")
+    p.add_argument("--text", required=True, help="held-out text file")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--windows", type=int, default=8, help="number of windows (causal LM) (default 8)")
+    p.add_argument("--sentences", type=int, default=256, help="sentences (encoder) (default 256)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokenizer")
+    p.add_argument("--json", help="write results as JSON here")
+
+    p = sub.add_parser("bench", help="prefill/decode speed vs the dense model in the same run")
+    p.add_argument("model")
+    p.add_argument("--ref", required=True, help="the dense model")
+    p.add_argument("--threads", type=_threads_list, default=[1, 2], help="comma list (default 1,2)")
+    p.add_argument("--prefill", type=int, default=128, help="prefill tokens (default 128)")
+    p.add_argument("--decode-past", type=int, default=128, help="past length for decode steps (default 128)")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--nbits", default="8,4", help="MatMulNBits comparison rows, comma list of bits, or 'none'")
+    p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile")
+    p.add_argument("--json", help="write results as JSON here")
+
+    p = sub.add_parser("generate", help="greedy decode with the KV cache")
+    p.add_argument("model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokenizer")
+
+    p = sub.add_parser("models", help="prepare the packaged real models as ONNX (cached)")
+    msub = p.add_subparsers(dest="mcmd")
+    pp = msub.add_parser("prepare")
+    pp.add_argument("name", choices=["minilm", "smollm2"])
+    pp.add_argument("--force", action="store_true")
+    pp = msub.add_parser("path")
+    pp.add_argument("name", choices=["minilm", "smollm2"])
+
+    p = sub.add_parser("corpus", help="fetch Jane Austen's novels (Debian r-cran-janeaustenr), print their paths")
+    p.add_argument("--calib", action="store_true", help="print only the calibration novel's path")
+    p.add_argument("--eval", action="store_true", help="print only the evaluation novel's path")
+
+    p = sub.add_parser("demo", help="prepare a real model and run rewrite → eval → bench end to end")
+    p.add_argument("name", choices=["minilm", "smollm2"])
+    p.add_argument("--out", default=None, help="working directory (default: <cache>/demo/<name>)")
+    p.add_argument("--threads", type=_threads_list, default=[1, 2])
+    p.add_argument("--no-bench", action="store_true")
+    _add_tt_flags(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.version:
+        return _version()
+    if not args.cmd:
+        ap.print_help()
+        return EXIT_USER_ERROR
+    try:
+        return {
+            "rewrite": cmd_rewrite, "inspect": cmd_inspect, "eval": cmd_eval, "bench": cmd_bench,
+            "generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "demo": cmd_demo,
+        }[args.cmd](args)
+    except OrtleanError as e:
+        print(f"ortlean {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _version() -> int:
+    import onnxruntime as ort
+
+    from . import __version__
+
+    print(f"ortlean {__version__}, onnxruntime {ort.__version__}")
+    try:
+        import custom_ops
+
+        print(f"library {custom_ops.library_path()} (isa {custom_ops.isa()})")
+    except Exception as e:
+        print(f"library: {e}")
+    return 0
+
+
+# --------------------------------------------------------------------------- rewrite
+def _tt_config(args):
+    from .tt import TTConfig, parse_targets
+
+    return TTConfig(enabled=args.tt, rank=args.tt_rank, maxvol_k=args.tt_maxvol_k, gap=args.tt_gap,
+                    targets=parse_targets(args.tt_target), method=args.tt_method, d=str(args.tt_d),
+                    whiten=args.tt_whiten, speed_check=args.tt_speed_check, min_speedup=args.tt_min_speedup,
+                    threads=getattr(args, "threads", 1) if isinstance(getattr(args, "threads", 1), int) else 1)
+
+
+def cmd_rewrite(args) -> int:
+    from . import pipeline
+
+    if args.calib_tokens < 1 or args.calib_window < 2:
+        raise OrtleanError(f"--calib-tokens {args.calib_tokens} / --calib-window {args.calib_window}: must be positive")
+    cfg = pipeline.RewriteConfig(model=args.model, output=args.output or pipeline.default_output(args.model),
+                                 tt=_tt_config(args), include=args.include, exclude=args.exclude,
+                                 calib_text=args.calib_text, calib_tokens=args.calib_tokens,
+                                 calib_window=args.calib_window, tokenizer=args.tokenizer, report=args.report,
+                                 progress=not args.quiet and sys.stderr.isatty())
+    summary = pipeline.run(cfg)
+    print(pipeline.format_report(summary))
+    return 0 if summary["output"] else EXIT_NOTHING_WRITTEN
+
+
+# --------------------------------------------------------------------------- inspect
+def cmd_inspect(args) -> int:
+    from collections import Counter
+
+    import onnx_ir as ir
+
+    from . import DOMAIN, graph as g
+
+    model = g.load_model(args.model)
+    ops = Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph)
+    custom = []
+    for n in g.ortlean_nodes(model):
+        attrs = {}
+        for k, a in n.attributes.items():
+            v = a.value
+            if isinstance(v, (list, tuple)) or hasattr(v, "__iter__") and not isinstance(v, str):
+                v = list(v)
+            attrs[k] = v
+        custom.append({"name": n.name, "op": n.op_type, "attributes": attrs})
+    cands = g.find_candidates(model)
+    info = {
+        "model": args.model,
+        "ir_version": model.ir_version,
+        "opsets": dict(model.opset_imports),
+        "ops": dict(ops.most_common()),
+        "weight_bytes": g.initializer_bytes(model),
+        "ortlean_nodes": custom,
+        "dense_candidates": [{"name": c.name, "target": c.target, "role": c.role, "block": c.layer, "shape": [c.K, c.N],
+                              "transposed_weight": c.transposed, "classified_by": c.how} for c in cands],
+    }
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(f"{args.model}: ir_version {info['ir_version']}, opsets {info['opsets']}, weights {info['weight_bytes'] / 2**20:.1f} MiB")
+    print("ops: " + ", ".join(f"{k}×{v}" for k, v in info["ops"].items()))
+    if custom:
+        print(f"\n{len(custom)} ortlean nodes:")
+        for c in custom:
+            a = c["attributes"]
+            extra = ", ".join(f"{k}={v}" for k, v in a.items() if k not in ("layer", "target"))
+            print(f"  {c['op']:<12} {c['name']}  [{a.get('target', '?')}]  {extra}")
+    print(f"\n{len(cands)} dense weight MatMuls:")
+    for c in info["dense_candidates"]:
+        print(f"  {c['name']}  {c['target']}/{c['role']}  block {c['block']}  {c['shape'][0]}x{c['shape'][1]}"
+              f"{'  (B = Transpose(W))' if c['transposed_weight'] else ''}  [{c['classified_by']}]")
+    return 0
+
+
+# --------------------------------------------------------------------------- eval / bench / generate
+def _session(path: str, threads: int):
+    import custom_ops
+
+    from . import graph as g
+
+    g.load_model(path)  # clear errors for missing / corrupt files before ORT's
+    try:
+        return custom_ops.session(path, threads=threads)
+    except custom_ops.LibraryNotFoundError as e:
+        raise OrtleanError(str(e)) from None
+    except Exception as e:
+        raise OrtleanError(f"{path}: onnxruntime could not load the model: {e}") from None
+
+
+def cmd_eval(args) -> int:
+    from . import evaluate
+
+    res = evaluate.evaluate(args.model, args.ref, args.text, threads=args.threads, window=args.window,
+                            windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer)
+    print(evaluate.format_eval(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import evaluate
+
+    nbits = [] if args.nbits.strip().lower() in ("none", "") else [int(b) for b in args.nbits.split(",")]
+    res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=args.decode_past,
+                         repeats=args.repeats, nbits=nbits, profile=not args.no_profile)
+    print(evaluate.format_bench(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from . import runner
+
+    sess = _session(args.model, args.threads)
+    io = runner.ModelIO.from_session(sess)
+    if io.kind != "causal-lm":
+        raise OrtleanError(f"{args.model}: not a causal LM with a KV cache (no past_key_values inputs)")
+    tok = runner.load_tokenizer(args.model, args.tokenizer)
+    text, ids = runner.generate(sess, io, tok, args.prompt, args.max_new_tokens)
+    print(text)
+    return 0
+
+
+# --------------------------------------------------------------------------- models / corpus / demo
+def cmd_models(args) -> int:
+    from models import prepare
+
+    if args.mcmd == "prepare":
+        d = prepare.prepare(args.name, force=args.force)
+        print(d / "model.onnx")
+        return 0
+    if args.mcmd == "path":
+        d = prepare.prepare(args.name)
+        print(d / "model.onnx")
+        return 0
+    raise OrtleanError("usage: ortlean models prepare|path minilm|smollm2")
+
+
+def cmd_corpus(args) -> int:
+    from models import corpus
+
+    novels = corpus.novels()
+    if args.calib:
+        print(novels[corpus.CALIB_NOVEL])
+    elif args.eval:
+        print(novels[corpus.EVAL_NOVEL])
+    else:
+        for title, path in novels.items():
+            tag = " (calibration)" if title == corpus.CALIB_NOVEL else " (evaluation)" if title == corpus.EVAL_NOVEL else ""
+            print(f"{title}{tag}: {path}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from models import corpus, prepare
+
+    from . import evaluate, pipeline
+
+    d = prepare.prepare(args.name)
+    dense = d / "model.onnx"
+    novels = corpus.novels()
+    work = Path(args.out) if args.out else Path(os.environ.get("ORTLEAN_CACHE", Path.home() / ".cache" / "ortlean")) / "demo" / args.name
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.tt:
+        args.tt = True
+    tag = f"tt-{args.tt_target.replace(',', '+')}-gap{args.tt_gap:g}"
+    out = work / f"model.{tag}.onnx"
+    cfg = pipeline.RewriteConfig(model=str(dense), output=str(out), tt=_tt_config(args),
+                                 calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
+                                 progress=sys.stderr.isatty())
+    print(f"== rewrite {dense} ({tag}), calibrated on {corpus.CALIB_NOVEL}")
+    summary = pipeline.run(cfg)
+    print(pipeline.format_report(summary))
+    if not summary["output"]:
+        return EXIT_NOTHING_WRITTEN
+    print(f"\n== quality on held-out {corpus.EVAL_NOVEL}")
+    res = evaluate.evaluate(str(out), str(dense), str(novels[corpus.EVAL_NOVEL]), threads=max(args.threads))
+    print(evaluate.format_eval(res))
+    if not args.no_bench:
+        print("\n== speed (same run, interleaved)")
+        b = evaluate.bench(str(out), str(dense), threads=args.threads, nbits=[8, 4], profile=True)
+        print(evaluate.format_bench(b))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""Model I/O and the candidate search: weight MatMuls classified attn | mlp | head from the graph
+structure (names are only a tie-breaking hint)."""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import tempfile
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from . import DOMAIN
+from .errors import OrtleanError
+
+# external data is used when the initializers exceed this (protobuf's hard limit is 2 GiB)
+EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 1_800_000_000))
+
+
+# --------------------------------------------------------------------------- load / save
+def load_model(path: str | os.PathLike) -> ir.Model:
+    """Load an ONNX model (external data is memory-mapped, not read) with clear errors."""
+    p = Path(path)
+    if not p.exists():
+        raise OrtleanError(f"{p}: no such file")
+    if p.is_dir():
+        raise OrtleanError(f"{p}: is a directory, expected an .onnx file")
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # DecodeError, OSError …
+        raise OrtleanError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    if not proto.HasField("graph") or len(proto.graph.node) == 0 or len(proto.opset_import) == 0:
+        raise OrtleanError(f"{p}: not an ONNX model (no graph, nodes or opset imports)")
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = dict((e.key, e.value) for e in t.external_data).get("location", "")
+            if not (p.parent / loc).is_file():
+                raise OrtleanError(f"{p}: external data file {loc!r} of initializer {t.name!r} is missing")
+    try:
+        model = ir.serde.deserialize_model(proto)
+        ir.external_data.set_base_dir(model.graph, p.parent)
+    except Exception as e:
+        raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
+    return model
+
+
+def initializer_bytes(model: ir.Model) -> int:
+    total = 0
+    for v in model.graph.initializers.values():
+        if v.const_value is not None:
+            total += v.const_value.nbytes
+    return total
+
+
+def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_path: str | os.PathLike | None = None) -> list[Path]:
+    """Save next to `out_path` in a temporary directory, then rename into place (data file
+    first, model last). Never writes over the input model or its external data."""
+    out = Path(out_path).resolve()
+    if input_path is not None:
+        inp = Path(input_path).resolve()
+        if out == inp:
+            raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
+        input_data = {Path(inp.parent, loc).resolve() for loc in _external_locations(inp)}
+    else:
+        input_data = set()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    large = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    data_name = out.name + ".data" if large else None
+    if data_name and (out.parent / data_name).resolve() in input_data:
+        raise OrtleanError(f"{out.parent / data_name}: would overwrite the input's external data")
+    tmpdir = Path(tempfile.mkdtemp(prefix=".ortlean-", dir=out.parent))
+    written: list[Path] = []
+    try:
+        tmp_model = tmpdir / out.name
+        ir.save(model, tmp_model, external_data=data_name)
+        if data_name:
+            os.replace(tmpdir / data_name, out.parent / data_name)
+            written.append(out.parent / data_name)
+        elif (out.parent / (out.name + ".data")).exists() and (out.parent / (out.name + ".data")).resolve() not in input_data:
+            # a stale data file from an earlier large save would mislead: remove it
+            (out.parent / (out.name + ".data")).unlink()
+        os.replace(tmp_model, out)
+        written.insert(0, out)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return written
+
+
+def _external_locations(path: Path) -> set[str]:
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return set()
+    locs = set()
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            for e in t.external_data:
+                if e.key == "location":
+                    locs.add(e.value)
+    return locs
+
+
+# --------------------------------------------------------------------------- candidates
+@dataclass
+class Candidate:
+    node: ir.Node
+    name: str
+    weight: ir.Value            # the initializer holding W (or W^T when transposed)
+    transposed: bool            # B = Transpose(weight)
+    K: int
+    N: int
+    target: str                 # attn | mlp | head
+    role: str                   # q/k/v/o/gate/up/down/fc1/fc2/head/? (best effort)
+    layer: int | None           # transformer block index when it can be told
+    how: str                    # "structure" | "name"
+    input: ir.Value = field(repr=False, default=None)
+
+    def weight_array(self) -> np.ndarray:
+        w = np.asarray(self.weight.const_value.numpy(), dtype=np.float32)
+        return np.ascontiguousarray(w.T if self.transposed else w)
+
+    @property
+    def params(self) -> int:
+        return self.K * self.N
+
+
+_SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Cast", "Squeeze", "Unsqueeze", "Flatten"}
+_ACT_OPS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "FastGelu", "BiasGelu", "QuickGelu", "Elu", "Selu",
+            "LeakyRelu", "Softplus", "HardSigmoid", "HardSwish", "Mish"}
+_NORM_OPS = {"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+             "RMSNormalization", "ReduceMean", "Pow", "Sqrt"}
+
+
+def _weight_of(node: ir.Node) -> tuple[ir.Value, bool] | None:
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    b = node.inputs[1]
+    if b is None:
+        return None
+    if b.is_initializer() and b.const_value is not None:
+        return b, False
+    prod = b.producer()
+    if prod is not None and prod.op_type == "Transpose" and prod.domain in ("", "ai.onnx"):
+        src = prod.inputs[0]
+        perm = prod.attributes.get("perm")
+        perm = list(perm.as_ints()) if perm is not None else [1, 0]
+        if src is not None and src.is_initializer() and src.const_value is not None and perm == [1, 0]:
+            return src, True
+    return None
+
+
+def _is_weight_matmul(node: ir.Node) -> bool:
+    return _weight_of(node) is not None
+
+
+def _is_act_matmul(node: ir.Node) -> bool:
+    """MatMul of two activations (QK^T or attn·V)."""
+    return node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and not _is_weight_matmul(node)
+
+
+def _consumers(v: ir.Value) -> list[ir.Node]:
+    return [u.node for u in v.uses()]
+
+
+def _downstream(node: ir.Node, limit: int = 40):
+    """Nodes reachable from node's outputs, stopping at weight MatMuls (not crossed)."""
+    seen: set[int] = set()
+    q = deque((c, 1) for o in node.outputs for c in _consumers(o))
+    while q:
+        n, depth = q.popleft()
+        if id(n) in seen or depth > limit:
+            continue
+        seen.add(id(n))
+        yield n, depth
+        if _is_weight_matmul(n):
+            continue
+        for o in n.outputs:
+            for c in _consumers(o):
+                q.append((c, depth + 1))
+
+
+def _upstream(v: ir.Value, limit: int = 12):
+    seen: set[int] = set()
+    q = deque([(v.producer(), 1)])
+    while q:
+        n, depth = q.popleft()
+        if n is None or id(n) in seen or depth > limit:
+            continue
+        seen.add(id(n))
+        yield n, depth
+        if _is_weight_matmul(n):
+            continue
+        for i in n.inputs:
+            if i is not None and not i.is_initializer():
+                q.append((i.producer(), depth + 1))
+
+
+def _reaches_output_plainly(node: ir.Node) -> bool:
+    """Output reaches a graph output through shape ops / bias Add only (a head projection)."""
+    frontier = list(node.outputs)
+    seen = set()
+    while frontier:
+        v = frontier.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.is_graph_output():
+            return True
+        for c in _consumers(v):
+            if c.op_type in _SHAPE_OPS or (c.op_type == "Add" and any(i is not None and i.is_initializer() for i in c.inputs)):
+                frontier.extend(c.outputs)
+    return False
+
+
+_NAME_HINTS = [
+    (re.compile(r"lm_head|classifier|\bhead\b"), "head", "head"),
+    (re.compile(r"q_proj|query"), "attn", "q"),
+    (re.compile(r"k_proj|\bkey\b|\.key"), "attn", "k"),
+    (re.compile(r"v_proj|value"), "attn", "v"),
+    (re.compile(r"o_proj|out_proj|attention\.output|attn.*dense|self_attn"), "attn", "o"),
+    (re.compile(r"gate_proj"), "mlp", "gate"),
+    (re.compile(r"up_proj"), "mlp", "up"),
+    (re.compile(r"down_proj"), "mlp", "down"),
+    (re.compile(r"fc1|intermediate"), "mlp", "fc1"),
+    (re.compile(r"fc2|\.output\.dense|mlp"), "mlp", "fc2"),
+]
+_LAYER_RE = re.compile(r"(?:layers?|h|blocks?)[._/](\d+)[._/]")
+
+
+def _layer_index(name: str) -> int | None:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _classify(node: ir.Node, K: int, N: int) -> tuple[str, str, str]:
+    """(target, role, how)."""
+    down = list(_downstream(node))
+    up = list(_upstream(node.inputs[0]))
+    down_ops = [n for n, _ in down]
+    # q/k/v: output flows (via reshape/rope/…) into a MatMul of two activations before any other weight MatMul
+    act_mm_down = [n for n, d in down if _is_act_matmul(n)]
+    softmax_down = any(n.op_type == "Softmax" for n, d in down if d <= 4)
+    weight_mm_down = [n for n, d in down if _is_weight_matmul(n)]
+    hint = _name_hint(node)
+    if _reaches_output_plainly(node) and not any(n.op_type in _NORM_OPS for n in down_ops[:3]):
+        # the last projection before a graph output (lm_head / classifier)
+        if not act_mm_down:
+            return "head", "head", "structure"
+    # o-proj: input comes from attn·V (MatMul of activations fed by Softmax)
+    for n, d in up:
+        if _is_weight_matmul(n):
+            break
+        if _is_act_matmul(n) and d <= 5:
+            srcs = [i.producer() for i in n.inputs if i is not None]
+            if any(s is not None and s.op_type in ("Softmax", "Cast", "Dropout") for s in srcs):
+                return "attn", "o", "structure"
+    if act_mm_down and (not weight_mm_down or _first_depth(down, act_mm_down[0]) < _first_depth(down, weight_mm_down[0])):
+        role = hint[1] if hint and hint[0] == "attn" and hint[1] in "qkv" else _qkv_role(node, down)
+        return "attn", role, "structure"
+    if softmax_down:
+        return "attn", "?", "structure"
+    # MLP: an elementwise nonlinearity right after (gate/up/fc1) or right before (down/fc2)
+    near_down = [n for n, d in down if d <= 3]
+    if any(n.op_type in _ACT_OPS for n in near_down) or any(
+        n.op_type == "Mul" and _mul_of_two_projections(n) for n in near_down
+    ):
+        role = hint[1] if hint and hint[0] == "mlp" and hint[1] in ("gate", "up", "fc1") else ("gate" if any(n.op_type == "Sigmoid" for n in near_down) else "up")
+        if any(n.op_type in ("Gelu", "Erf", "Relu", "FastGelu", "Tanh") for n in near_down) and not any(n.op_type == "Sigmoid" for n in near_down):
+            role = "fc1"
+        return "mlp", role, "structure"
+    near_up = [n for n, d in up if d <= 4]
+    if any(n.op_type in _ACT_OPS for n in near_up) or any(n.op_type == "Mul" and _mul_of_two_projections(n) for n in near_up):
+        role = "down" if any(n.op_type == "Sigmoid" for n in near_up) or any(n.op_type == "Mul" and _mul_of_two_projections(n) for n in near_up) else "fc2"
+        if hint and hint[0] == "mlp" and hint[1] in ("down", "fc2"):
+            role = hint[1]
+        return "mlp", role, "structure"
+    if hint:
+        return hint[0], hint[1], "name"
+    return "mlp", "?", "default"
+
+
+def _first_depth(down, node) -> int:
+    for n, d in down:
+        if n is node:
+            return d
+    return 1 << 30
+
+
+def _qkv_role(node: ir.Node, down) -> str:
+    # k goes through a Transpose into the QK^T MatMul as its second input, v is the second input of attn·V
+    for n, d in down:
+        if _is_act_matmul(n):
+            srcs = [i.producer() for i in n.inputs if i is not None]
+            if any(s is not None and s.op_type == "Softmax" for s in srcs):
+                return "v"
+            return "q|k"
+    return "?"
+
+
+def _mul_of_two_projections(mul: ir.Node) -> bool:
+    """SwiGLU: Mul(act(gate), up) — both sides come from weight MatMuls within a few hops."""
+    hits = 0
+    for i in mul.inputs:
+        if i is None:
+            continue
+        for n, d in _upstream(i, limit=4):
+            if _is_weight_matmul(n):
+                hits += 1
+                break
+    return hits == 2
+
+
+def _name_hint(node: ir.Node):
+    name = (node.name or "") + " " + " ".join(v.name or "" for v in node.inputs if v is not None)
+    name = name.lower()
+    for rx, target, role in _NAME_HINTS:
+        if rx.search(name):
+            return target, role
+    return None
+
+
+def find_candidates(model: ir.Model) -> list[Candidate]:
+    out = []
+    for node in model.graph:
+        wt = _weight_of(node)
+        if wt is None:
+            continue
+        w, transposed = wt
+        shape = w.const_value.shape
+        if len(shape) != 2 or w.const_value.dtype != ir.DataType.FLOAT:
+            continue
+        K, N = (int(shape[1]), int(shape[0])) if transposed else (int(shape[0]), int(shape[1]))
+        target, role, how = _classify(node, K, N)
+        name = node.name or f"MatMul_{node.outputs[0].name}"
+        layer = _layer_index(node.name or "") if node.name else None
+        if layer is None:
+            layer = _layer_index(w.name or "")
+        out.append(Candidate(node=node, name=name, weight=w, transposed=transposed, K=K, N=N,
+                             target=target, role=role, layer=layer, how=how, input=node.inputs[0]))
+    _fill_layers(out)
+    return out
+
+
+def _fill_layers(cands: list[Candidate]) -> None:
+    """When names carry no block index, number blocks in graph order: a new block starts at
+    each attention q/k/v group following an MLP."""
+    if all(c.layer is not None for c in cands if c.target != "head"):
+        return
+    layer, prev = -1, None
+    for c in cands:
+        if c.target == "head":
+            c.layer = None
+            continue
+        if c.target == "attn" and prev in (None, "mlp"):
+            layer += 1
+        c.layer = max(layer, 0)
+        prev = c.target
+
+
+def ortlean_nodes(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph if n.domain == DOMAIN]
+
+
+def select(cands: list[Candidate], include: list[str], exclude: list[str], all_names: list[str] | None = None) -> tuple[list[Candidate], dict[str, str]]:
+    """Filter by node-name globs. A glob that matches no candidate is an error."""
+    excluded: dict[str, str] = {}
+    names = [c.name for c in cands]
+    for g in include + exclude:
+        if not any(fnmatch.fnmatchcase(n, g) for n in names):
+            raise OrtleanError(
+                f"glob {g!r} matches no eligible MatMul (candidates: {', '.join(names[:6])}{' …' if len(names) > 6 else ''})")
+    keep = []
+    for c in cands:
+        if include and not any(fnmatch.fnmatchcase(c.name, g) for g in include):
+            excluded[c.name] = "not matched by --include"
+            continue
+        if any(fnmatch.fnmatchcase(c.name, g) for g in exclude):
+            excluded[c.name] = "matched by --exclude"
+            continue
+        keep.append(c)
+    return keep, excluded

@@ -1,0 +1,138 @@
+"""Quick kernel-vs-dense timing at rewrite time (the planner keeps a layer dense when its factored
+kernel is not faster on this CPU). Results are cached per CPU, library build and shape."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import DOMAIN
+
+IR_VERSION = 10
+OPSET = 17
+
+
+def cache_file() -> Path:
+    root = Path(os.environ.get("ORTLEAN_CACHE", Path.home() / ".cache" / "ortlean"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root / "speed.json"
+
+
+def _cpu_id() -> str:
+    try:
+        txt = Path("/proc/cpuinfo").read_text()
+        model = next((l.split(":", 1)[1].strip() for l in txt.splitlines() if l.startswith("model name")), "")
+    except OSError:
+        model = platform.processor()
+    return model
+
+
+def _lib_sig() -> str:
+    import custom_ops
+
+    p = Path(custom_ops.library_path())
+    st = p.stat()
+    return f"{st.st_size}-{int(st.st_mtime)}-{custom_ops.isa()}"
+
+
+def tt_model(K: int, N: int, modes_k, modes_n, ranks, x_scale: bool = False, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    inits, names = [], []
+    for i in range(len(modes_k)):
+        c = (rng.standard_normal((ranks[i], modes_k[i], modes_n[i], ranks[i + 1])) * 0.05).astype(np.float32)
+        names.append(f"g{i}")
+        inits.append(onnx.numpy_helper.from_array(c, f"g{i}"))
+    ins = ["x"] + names + [""] * (4 - len(names))
+    if x_scale:
+        inits.append(onnx.numpy_helper.from_array(np.ones(K, np.float32), "xs"))
+        ins.append("xs")
+    while ins and ins[-1] == "":
+        ins.pop()
+    node = helper.make_node("TTMatMul", ins, ["y"], domain=DOMAIN, name="tt", modes_k=list(modes_k), modes_n=list(modes_n),
+                            ranks=list(ranks), method="svd", gap=0.0, params_dense=K * N,
+                            params_stored=int(sum(i.dims[0] * i.dims[1] * i.dims[2] * i.dims[3] for i in inits if len(i.dims) == 4)),
+                            speedup=0.0, layer="bench", target="mlp")
+    g = helper.make_graph([node], "tt", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)])
+    m.ir_version = IR_VERSION
+    return m.SerializeToString()
+
+
+def dense_model(K: int, N: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    g = helper.make_graph([node], "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
+                          initializer=[onnx.numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = IR_VERSION
+    return m.SerializeToString()
+
+
+def time_sessions(sessions: dict, feeds: dict, min_time: float = 0.15, max_reps: int = 400, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per run for each session, runs interleaved so drift hits all alike."""
+    for s in sessions.values():
+        for _ in range(warmup):
+            s.run(None, feeds)
+    times = {k: [] for k in sessions}
+    t_start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < 5 or time.perf_counter() - t_start < min_time * len(sessions)):
+        for k, s in sessions.items():
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times[k].append(time.perf_counter() - t0)
+        reps += 1
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def measure_tt(K: int, N: int, modes_k, modes_n, ranks, Ms=(1, 128), threads: int = 1, x_scale: bool = False,
+               use_cache: bool = True) -> dict[int, dict[str, float]]:
+    """{M: {"dense": s, "tt": s, "speedup": dense/tt}} measured in one process, interleaved."""
+    import custom_ops
+    import onnxruntime as ort
+
+    key_base = json.dumps([_cpu_id(), _lib_sig(), K, N, list(modes_k), list(modes_n), list(ranks), bool(x_scale), threads, ort.__version__])
+    key = hashlib.sha1(key_base.encode()).hexdigest()
+    cf = cache_file()
+    cache = {}
+    if use_cache and cf.exists():
+        try:
+            cache = json.loads(cf.read_text())
+        except Exception:
+            cache = {}
+    res = {}
+    todo = []
+    for M in Ms:
+        k = f"{key}-{M}"
+        if use_cache and k in cache:
+            res[M] = cache[k]
+        else:
+            todo.append(M)
+    if todo:
+        so = custom_ops.session_options(threads)
+        so_d = ort.SessionOptions()
+        so_d.intra_op_num_threads = threads
+        so_d.inter_op_num_threads = 1
+        s_tt = ort.InferenceSession(tt_model(K, N, modes_k, modes_n, ranks, x_scale), so, providers=["CPUExecutionProvider"])
+        s_d = ort.InferenceSession(dense_model(K, N), so_d, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(1)
+        for M in todo:
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            t = time_sessions({"dense": s_d, "tt": s_tt}, {"x": x})
+            res[M] = {"dense": t["dense"], "tt": t["tt"], "speedup": t["dense"] / max(t["tt"], 1e-12)}
+            cache[f"{key}-{M}"] = res[M]
+        if use_cache:
+            tmp = cf.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cf)
+    return res
