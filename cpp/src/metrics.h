@@ -1,0 +1,56 @@
+// Process-wide runtime metrics, keyed by node name then metric name (values are doubles).
+//
+// A node entry is created on first use and never freed (kernels keep a pointer to it); several
+// kernels with the same node name (e.g. two sessions of one model) share the entry. Values are
+// either static ("set": rank, gap, ...) or counters ("add": calls, rows, ...).
+// ortlean_metrics_reset() zeroes the counters only: nodes stay listed with their static values.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <deque>
+#include <mutex>
+#include <string>
+
+namespace ortlean {
+namespace metrics {
+
+using Value = std::atomic<double>;
+
+inline void set(Value* v, double x) { v->store(x, std::memory_order_relaxed); }
+inline void add(Value* v, double x) {
+  double cur = v->load(std::memory_order_relaxed);
+  while (!v->compare_exchange_weak(cur, cur + x, std::memory_order_relaxed)) {
+  }
+}
+
+class Node;
+std::string to_json();
+void reset_counters();
+
+class Node {
+ public:
+  // The metric `key` of this node, created (value 0) if absent; the pointer stays valid for the
+  // life of the process. Call at kernel construction, then use set()/add() lock-free.
+  Value* metric(const std::string& key, bool counter);
+
+ private:
+  friend std::string to_json();
+  friend void reset_counters();
+  struct Entry {
+    std::string key;
+    bool counter = false;
+    Value value{0.0};
+  };
+  std::mutex mu_;  // guards entries_ (a deque: element addresses stay valid on growth)
+  std::deque<Entry> entries_;
+};
+
+// Get-or-create the entry of a node.
+Node* node(const std::string& name);
+
+// JSON object {"node": {"metric": value, ...}, ...}; non-finite values are written as null.
+std::string to_json();
+void reset_counters();
+
+}  // namespace metrics
+}  // namespace ortlean

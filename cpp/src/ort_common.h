@@ -1,0 +1,133 @@
+// ONNX Runtime C++ API (headers only; the library never links libonnxruntime: the API table is
+// set in RegisterCustomOps) and helpers shared by every op.
+#pragma once
+#ifndef ORT_API_MANUAL_INIT
+#define ORT_API_MANUAL_INIT
+#endif
+#include <onnxruntime_cxx_api.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ortlean {
+
+// The C API version the library asks for: that of ORT 1.21, so it loads in every runtime >= 1.21.
+constexpr uint32_t kOrtApiVersion = 21;
+static_assert(ORT_API_VERSION >= kOrtApiVersion, "ONNX Runtime headers older than 1.21");
+
+// Error carrying an OrtErrorCode (validation failures use ORT_INVALID_ARGUMENT).
+struct OpError : std::runtime_error {
+  OrtErrorCode code;
+  OpError(OrtErrorCode c, const std::string& msg) : std::runtime_error(msg), code(c) {}
+};
+[[noreturn]] inline void fail(const std::string& msg) { throw OpError(ORT_INVALID_ARGUMENT, msg); }
+
+// Runs f() and turns any exception into an OrtStatus (nothing may cross the C boundary).
+template <class F>
+OrtStatus* status_guard(const std::string& prefix, F&& f) noexcept {
+  const OrtApi& api = Ort::GetApi();
+  try {
+    f();
+    return nullptr;
+  } catch (const OpError& e) {
+    return api.CreateStatus(e.code, (prefix + e.what()).c_str());
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), (prefix + e.what()).c_str());
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (prefix + "out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (prefix + e.what()).c_str());
+  } catch (...) {
+    return api.CreateStatus(ORT_FAIL, (prefix + "unknown error").c_str());
+  }
+}
+
+// 64-byte aligned float buffer (packed weights).
+class AlignedBuf {
+ public:
+  AlignedBuf() = default;
+  explicit AlignedBuf(size_t n) { resize(n); }
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+  AlignedBuf(AlignedBuf&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  AlignedBuf& operator=(AlignedBuf&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  ~AlignedBuf() { std::free(p_); }
+  void resize(size_t n) {
+    std::free(p_);
+    p_ = nullptr;
+    n_ = 0;
+    if (!n) return;
+    const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+    p_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (!p_) throw std::bad_alloc();
+    n_ = n;
+  }
+  float* data() { return p_; }
+  const float* data() const { return p_; }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+
+ private:
+  float* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// Per-thread scratch that only grows (no heap traffic per call once warm). Two levels so a
+// Compute() on a thread can hold the "outer" buffer while ORT's ParallelFor runs tasks (which use
+// the "task" buffer) on the same thread.
+struct Scratch {
+  AlignedBuf buf;
+  float* get(size_t n) {
+    if (buf.size() < n) buf.resize(n + n / 4 + 64);
+    return buf.data();
+  }
+};
+Scratch& outer_scratch();
+Scratch& task_scratch();
+
+inline size_t round_up16(size_t n) { return (n + 15) / 16 * 16; }
+
+// Runs f(i) for i in [0, n) on ORT's intra-op pool (inline when n == 1). f must not throw.
+template <class F>
+void parallel_for(const Ort::KernelContext& ctx, size_t n, F& f) {
+  if (n == 0) return;
+  if (n == 1) {
+    f(size_t{0});
+    return;
+  }
+  ctx.ParallelFor([](void* u, size_t i) { (*static_cast<F*>(u))(i); }, n, 0, &f);
+}
+
+// Reads attribute `name` into out; false when the node has no such attribute (any other error,
+// e.g. a type mismatch, propagates).
+template <class T>
+bool try_attribute(const Ort::ConstKernelInfo& info, const char* name, T& out) {
+  try {
+    out = info.GetAttribute<T>(name);
+    return true;
+  } catch (const Ort::Exception& e) {
+    if (std::strstr(e.what(), "No attribute")) return false;
+    throw;
+  }
+}
+inline bool try_attributes(const Ort::ConstKernelInfo& info, const char* name, std::vector<int64_t>& out) {
+  try {
+    out = info.GetAttributes<int64_t>(name);
+    return true;
+  } catch (const Ort::Exception& e) {
+    if (std::strstr(e.what(), "No attribute")) return false;
+    throw;
+  }
+}
+
+}  // namespace ortlean

@@ -1,0 +1,94 @@
+// Library entry points: RegisterCustomOps (called by ORT's register_custom_ops_library) and the
+// small ortlean_* C API read by custom_ops/__init__.py through ctypes.
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "blas.h"
+#include "isa.h"
+#include "metrics.h"
+#include "ort_common.h"
+#include "tt_matmul.h"
+
+#define ORTLEAN_EXPORT extern "C" __attribute__((visibility("default")))
+
+#ifndef ORTLEAN_VERSION
+#define ORTLEAN_VERSION "0.0.0"
+#endif
+
+namespace ortlean {
+
+Scratch& outer_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+Scratch& task_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+namespace {
+
+// One instance of each op for the life of the process (ORT keeps pointers to them).
+TTMatMulOp& tt_matmul_op() {
+  static TTMatMulOp* op = [] {
+    auto* o = new TTMatMulOp();
+    o->version = kOrtApiVersion;  // newer headers would announce a newer struct; ask for 1.21's
+    return o;
+  }();
+  return *op;
+}
+
+constexpr const char* kDomain = "ai.ortlean";
+
+}  // namespace
+}  // namespace ortlean
+
+ORTLEAN_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  using namespace ortlean;
+  const OrtApi* api = api_base ? api_base->GetApi(kOrtApiVersion) : nullptr;
+  if (!api) {
+    const OrtApi* api1 = api_base ? api_base->GetApi(1) : nullptr;
+    return api1 ? api1->CreateStatus(ORT_FAIL,
+                                     "ortlean: this ONNX Runtime is older than 1.21 (C API 21 unavailable); "
+                                     "libortlean_ops.so needs onnxruntime >= 1.21")
+                : nullptr;
+  }
+  Ort::InitApi(api);
+  return status_guard("ortlean: RegisterCustomOps: ", [&] {
+    blas::init();
+    (void)kernels();  // pick the ISA now (ORTLEAN_ISA is read once per process)
+    // A domain per session options; never released (it must outlive every session using it).
+    OrtCustomOpDomain* domain = nullptr;
+    Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
+    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &tt_matmul_op()));
+    Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
+  });
+}
+
+ORTLEAN_EXPORT size_t ortlean_metrics_json(char* buf, size_t cap) {
+  try {
+    const std::string s = ortlean::metrics::to_json();
+    if (buf && cap > s.size()) {
+      std::memcpy(buf, s.data(), s.size());
+      buf[s.size()] = '\0';
+    } else if (buf && cap > 0) {
+      buf[0] = '\0';
+    }
+    return s.size();
+  } catch (...) {
+    if (buf && cap > 0) buf[0] = '\0';
+    return 0;
+  }
+}
+
+ORTLEAN_EXPORT void ortlean_metrics_reset(void) {
+  try {
+    ortlean::metrics::reset_counters();
+  } catch (...) {
+  }
+}
+
+ORTLEAN_EXPORT const char* ortlean_isa(void) { return ortlean::isa_name(); }
+
+ORTLEAN_EXPORT const char* ortlean_version(void) { return ORTLEAN_VERSION; }

@@ -1,0 +1,495 @@
+#include "tt_matmul.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include "blas.h"
+#include "isa.h"
+
+namespace ortlean {
+namespace {
+
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // BLAS takes 32-bit ints
+// Work (multiply-adds) per ParallelFor task: a task should run a few microseconds so ORT's
+// dispatch cost stays small. Matvec steps are memory-bound: ~64K weights per task.
+constexpr int64_t kGrainMatvec = 64 * 1024;
+constexpr int64_t kGrainRows = 256 * 1024;
+constexpr int64_t kMaxTasks = 16;
+// Products at least this big (and with >= 8 rows) go to OpenBLAS, smaller ones to our kernels.
+constexpr int64_t kBlasMinWork = 64 * 1024;
+constexpr int64_t kBlasMinRows = 8;
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+// The float attribute as the shortest decimal that rounds back to it (0.01f -> 0.01, not
+// 0.009999999776), so metrics show what the rewriter wrote.
+double float_attr_value(float f) {
+  if (!std::isfinite(f)) return static_cast<double>(f);
+  char buf[32];
+  for (int prec = 6; prec <= 9; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
+  }
+  return static_cast<double>(f);
+}
+
+int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  if (a > 0 && b > kMaxDim / a) fail(std::string("TTMatMul: ") + what + " too large");
+  return a * b;
+}
+
+TTPlan make_plan(std::vector<int64_t> mk, std::vector<int64_t> mn, std::vector<int64_t> ranks) {
+  TTPlan p;
+  const size_t d = mk.size();
+  if (d < 2 || d > 4) fail("modes_k must have 2..4 entries (d), got " + std::to_string(d));
+  if (mn.size() != d)
+    fail("modes_n has " + std::to_string(mn.size()) + " entries, modes_k has " + std::to_string(d));
+  if (ranks.size() != d + 1)
+    fail("ranks must have d+1 = " + std::to_string(d + 1) + " entries, got " + std::to_string(ranks.size()) + " " +
+         shape_str(ranks));
+  for (size_t i = 0; i < d; ++i)
+    if (mk[i] < 1 || mn[i] < 1) fail("modes must be positive: modes_k=" + shape_str(mk) + " modes_n=" + shape_str(mn));
+  for (auto r : ranks)
+    if (r < 1) fail("ranks must be positive, got " + shape_str(ranks));
+  if (ranks.front() != 1 || ranks.back() != 1) fail("ranks must start and end with 1, got " + shape_str(ranks));
+  p.d = static_cast<int>(d);
+  p.K = 1;
+  p.N = 1;
+  for (size_t i = 0; i < d; ++i) {
+    p.K = checked_mul(p.K, mk[i], "prod(modes_k)");
+    p.N = checked_mul(p.N, mn[i], "prod(modes_n)");
+  }
+  p.mk = std::move(mk);
+  p.mn = std::move(mn);
+  p.ranks = std::move(ranks);
+  int64_t P = 1;
+  p.max_state = std::max(p.K, p.N);
+  for (int i = 0; i < p.d; ++i) {
+    TTPlan::Step s;
+    s.P = P;
+    s.r0 = p.ranks[i];
+    s.k = p.mk[i];
+    s.n = p.mn[i];
+    s.r1 = p.ranks[i + 1];
+    s.jr = 1;
+    for (int j = i + 1; j < p.d; ++j) s.jr *= p.mk[j];
+    s.inner = checked_mul(s.r0, s.k, "core");
+    s.rows = checked_mul(s.n, s.r1, "core");
+    checked_mul(s.inner, s.rows, "core");
+    const int64_t in = checked_mul(checked_mul(s.P, s.inner, "state"), s.jr, "state");
+    const int64_t out = checked_mul(checked_mul(s.P, s.rows, "state"), s.jr, "state");
+    p.max_state = std::max({p.max_state, in, out});
+    p.steps.push_back(s);
+    P *= s.n;
+  }
+  p.lowrank = p.d == 2 && p.mk[1] == 1 && p.mn[0] == 1;
+  return p;
+}
+
+// ------------------------------------------------------------------ per-call compute pieces
+struct Call {
+  const TTPlan* plan;
+  const Kernels* kr;
+  TTMatMulKernel::CoreRef cores[4];
+  const float* scale;  // nullptr when absent
+};
+
+// C[M,N] = A[M,K] . B[K,N], row-major; OpenBLAS for big products, our kernels otherwise.
+inline void gemm_nn(const Call& c, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                    int64_t ldb, float* C, int64_t ldc) {
+  if (M >= kBlasMinRows && M * N * K >= kBlasMinWork)
+    blas::sgemm(false, false, M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+  else
+    c.kr->sgemm_nn(M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+// Step s of the chain on the output region p in [p0, p1), q in [q0, q1) (q indexes (n, r1)).
+// in: [P, inner, cols], out: [P, rows, cols], cols = jr * mb (the mb rows innermost).
+void step_region(const Call& c, int s, const float* in, float* out, int64_t mb, int64_t p0, int64_t p1, int64_t q0,
+                 int64_t q1) {
+  const TTPlan::Step& st = c.plan->steps[static_cast<size_t>(s)];
+  const int64_t cols = st.jr * mb;
+  const TTMatMulKernel::CoreRef& core = c.cores[s];
+  if (p1 <= p0 || q1 <= q0) return;
+  if (cols == 1) {
+    // out[p, q] = sum_t in[p, t] cm[t, q]: one product with P rows
+    gemm_nn(c, p1 - p0, q1 - q0, st.inner, in + p0 * st.inner, st.inner, core.cm + q0, st.rows,
+            out + p0 * st.rows + q0, st.rows);
+    return;
+  }
+  const int64_t nq = q1 - q0;
+  const bool use_blas = nq >= kBlasMinRows && nq * cols * st.inner >= kBlasMinWork;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* ip = in + p * st.inner * cols;
+    float* op = out + p * st.rows * cols + q0 * cols;
+    if (use_blas)
+      blas::sgemm(true, false, nq, cols, st.inner, 1.0f, core.cm + q0, st.rows, ip, cols, 0.0f, op, cols);
+    else
+      c.kr->sgemm_nn(nq, cols, st.inner, core.cmt + q0 * st.inner, st.inner, ip, cols, op, cols);
+  }
+}
+
+// The whole chain for mb consecutive rows X [mb, K] -> Y [mb, N], sequentially.
+// scratch: 2 * max_state * mb floats.
+void run_chunk(const Call& c, const float* X, float* Y, int64_t mb, float* scratch) {
+  const TTPlan& p = *c.plan;
+  float* bufs[2] = {scratch, scratch + p.max_state * mb};
+  const float* in;
+  if (mb == 1) {
+    if (c.scale) {
+      c.kr->scale(X, c.scale, bufs[0], p.K);
+      in = bufs[0];
+    } else {
+      in = X;
+    }
+  } else {
+    c.kr->transpose(X, p.K, bufs[0], mb, mb, p.K, c.scale);  // [K, mb]
+    in = bufs[0];
+  }
+  int cur = 1;
+  for (int s = 0; s < p.d; ++s) {
+    const TTPlan::Step& st = p.steps[static_cast<size_t>(s)];
+    float* out = (s == p.d - 1 && mb == 1) ? Y : bufs[cur];
+    step_region(c, s, in, out, mb, 0, st.P, 0, st.rows);
+    in = out;
+    cur ^= 1;
+  }
+  if (mb > 1) c.kr->transpose(in, mb, Y, p.N, p.N, mb, nullptr);  // [N, mb] -> [mb, N]
+}
+
+// Low rank W = A B (A [K, r], B [r, N]) for mb rows, row-major. scratch: mb*r (+ mb*K with scale).
+void run_lowrank_chunk(const Call& c, const float* X, float* Y, int64_t mb, float* scratch) {
+  const TTPlan& p = *c.plan;
+  const int64_t r = p.ranks[1];
+  float* t = scratch;
+  const float* xs = X;
+  if (c.scale) {
+    float* xb = scratch + round_up16(static_cast<size_t>(mb * r));
+    for (int64_t i = 0; i < mb; ++i) c.kr->scale(X + i * p.K, c.scale, xb + i * p.K, p.K);
+    xs = xb;
+  }
+  gemm_nn(c, mb, r, p.K, xs, p.K, c.cores[0].cm, r, t, r);
+  gemm_nn(c, mb, p.N, r, t, r, c.cores[1].cm, p.N, Y, p.N);
+}
+
+// Scalar double-precision recompute of one row (non-finite guard), from the stored cores.
+void row_double(const Call& c, const float* x, float* y) {
+  const TTPlan& p = *c.plan;
+  std::vector<double> a(static_cast<size_t>(p.max_state)), b(static_cast<size_t>(p.max_state));
+  for (int64_t j = 0; j < p.K; ++j) a[j] = static_cast<double>(x[j]) * (c.scale ? static_cast<double>(c.scale[j]) : 1.0);
+  for (int s = 0; s < p.d; ++s) {
+    const TTPlan::Step& st = p.steps[static_cast<size_t>(s)];
+    const float* cm = c.cores[s].cm;  // [r0, k, n, r1]
+    std::fill(b.begin(), b.begin() + st.P * st.rows * st.jr, 0.0);
+    for (int64_t pp = 0; pp < st.P; ++pp)
+      for (int64_t ra = 0; ra < st.r0; ++ra)
+        for (int64_t j = 0; j < st.k; ++j) {
+          const double* in = &a[((pp * st.r0 + ra) * st.k + j) * st.jr];
+          const float* g = cm + (ra * st.k + j) * st.rows;
+          for (int64_t q = 0; q < st.rows; ++q) {
+            const double w = g[q];
+            double* out = &b[(pp * st.rows + q) * st.jr];
+            for (int64_t J = 0; J < st.jr; ++J) out[J] += in[J] * w;
+          }
+        }
+    a.swap(b);
+  }
+  for (int64_t o = 0; o < p.N; ++o) y[o] = static_cast<float>(a[o]);
+}
+
+// Non-finite guard over rows [m0, m1): returns the number of rows recomputed.
+int64_t guard_rows(const Call& c, const float* X, float* Y, int64_t m0, int64_t m1, bool scale_finite) {
+  const TTPlan& p = *c.plan;
+  int64_t n = 0;
+  for (int64_t m = m0; m < m1; ++m) {
+    float* y = Y + m * p.N;
+    if (c.kr->all_finite(y, p.N)) continue;
+    const float* x = X + m * p.K;
+    if (!scale_finite || !c.kr->all_finite(x, p.K)) continue;
+    row_double(c, x, y);
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ construction
+TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
+  Ort::ConstKernelInfo info{info_ptr};
+  name_ = info.GetNodeName();
+
+  std::vector<int64_t> mk, mn, ranks;
+  if (!try_attributes(info, "modes_k", mk)) fail("missing attribute 'modes_k'");
+  if (!try_attributes(info, "modes_n", mn)) fail("missing attribute 'modes_n'");
+  if (!try_attributes(info, "ranks", ranks)) fail("missing attribute 'ranks'");
+  plan_ = make_plan(std::move(mk), std::move(mn), std::move(ranks));
+  const TTPlan& p = plan_;
+
+  // inputs: X, G1..G4 (G_{d+1}.. absent), x_scale
+  const size_t n_in = info.GetInputCount();
+  auto present = [&](size_t i) { return i < n_in && !info.GetInputName(i).empty(); };
+  for (int i = 0; i < 4; ++i) {
+    const bool want = i < p.d;
+    if (want && !present(1 + i))
+      fail("core G" + std::to_string(i + 1) + " (input " + std::to_string(1 + i) + ") is missing; d = " +
+           std::to_string(p.d) + " from modes_k");
+    if (!want && present(1 + i))
+      fail("input G" + std::to_string(i + 1) + " is given but d = " + std::to_string(p.d) +
+           " (len(modes_k)); unused cores must be the empty name");
+  }
+  has_scale_ = present(5);
+
+  for (int i = 0; i < p.d; ++i) {
+    const std::vector<int64_t> want = {p.ranks[i], p.mk[i], p.mn[i], p.ranks[i + 1]};
+    // static shape of the graph input / initializer (dims < 0 are symbolic)
+    {
+      auto ti = info.GetInputTypeInfo(1 + i);
+      if (ti.GetONNXType() == ONNX_TYPE_TENSOR) {
+        auto tsi = ti.GetTensorTypeAndShapeInfo();
+        if (tsi.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+          fail("core G" + std::to_string(i + 1) + " must be float32");
+        auto shp = tsi.GetShape();
+        bool ok = shp.size() == 4;
+        for (size_t j = 0; ok && j < 4; ++j) ok = shp[j] < 0 || shp[j] == want[j];
+        if (!ok && !shp.empty())
+          fail("core G" + std::to_string(i + 1) + " has shape " + shape_str(shp) + ", expected " + shape_str(want) +
+               " = [r" + std::to_string(i) + ", k" + std::to_string(i + 1) + ", n" + std::to_string(i + 1) + ", r" +
+               std::to_string(i + 1) + "] from modes_k/modes_n/ranks");
+      }
+    }
+    int is_const = 0;
+    Ort::ConstValue v = info.GetTensorConstantInput(1 + i, &is_const);
+    if (!is_const) continue;
+    auto tsi = v.GetTensorTypeAndShapeInfo();
+    if (tsi.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+      fail("core G" + std::to_string(i + 1) + " must be float32");
+    const auto shp = tsi.GetShape();
+    if (shp != want)
+      fail("core G" + std::to_string(i + 1) + " has shape " + shape_str(shp) + ", expected " + shape_str(want) +
+           " from modes_k/modes_n/ranks");
+    const TTPlan::Step& st = p.steps[static_cast<size_t>(i)];
+    const float* src = v.GetTensorData<float>();
+    cm_[i].resize(static_cast<size_t>(st.inner * st.rows));
+    std::memcpy(cm_[i].data(), src, sizeof(float) * cm_[i].size());
+    if (!p.lowrank) {
+      cmt_[i].resize(cm_[i].size());
+      for (int64_t t = 0; t < st.inner; ++t)
+        for (int64_t q = 0; q < st.rows; ++q) cmt_[i].data()[q * st.inner + t] = src[t * st.rows + q];
+    }
+    core_const_[i] = true;
+  }
+  if (has_scale_) {
+    int is_const = 0;
+    Ort::ConstValue v = info.GetTensorConstantInput(5, &is_const);
+    if (is_const) {
+      auto tsi = v.GetTensorTypeAndShapeInfo();
+      if (tsi.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("x_scale must be float32");
+      const auto shp = tsi.GetShape();
+      if (shp != std::vector<int64_t>{p.K})
+        fail("x_scale has shape " + shape_str(shp) + ", expected [" + std::to_string(p.K) + "] (prod(modes_k))");
+      scale_.resize(static_cast<size_t>(p.K));
+      std::memcpy(scale_.data(), v.GetTensorData<float>(), sizeof(float) * p.K);
+      scale_const_ = true;
+    }
+  }
+
+  // metadata attributes (optional for the kernel; defaults when absent)
+  std::string method, target, layer;
+  float gap = NAN, speedup = 0.0f;
+  int64_t params_dense = p.K * p.N, params_stored = 0;
+  for (int i = 0; i < p.d; ++i) params_stored += p.core_size(i);
+  try_attribute(info, "method", method);
+  try_attribute(info, "target", target);
+  try_attribute(info, "layer", layer);
+  try_attribute(info, "gap", gap);
+  try_attribute(info, "speedup", speedup);
+  try_attribute(info, "params_dense", params_dense);
+  try_attribute(info, "params_stored", params_stored);
+  if (!method.empty() && method != "svd" && method != "cross")
+    fail("attribute method must be 'svd' or 'cross', got '" + method + "'");
+  if (!target.empty() && target != "mlp" && target != "attn" && target != "head")
+    fail("attribute target must be 'mlp', 'attn' or 'head', got '" + target + "'");
+
+  metrics::Node* m = metrics::node(name_);
+  metrics::set(m->metric("tt.enabled", false), 1.0);
+  metrics::set(m->metric("tt.rank", false), static_cast<double>(*std::max_element(p.ranks.begin(), p.ranks.end())));
+  metrics::set(m->metric("tt.gap", false), float_attr_value(gap));
+  metrics::set(m->metric("tt.speedup", false), float_attr_value(speedup));
+  metrics::set(m->metric("tt.mem_saved", false),
+               params_dense > 0 ? 1.0 - static_cast<double>(params_stored) / static_cast<double>(params_dense) : 0.0);
+  m_calls_ = m->metric("tt.calls", true);
+  m_rows_ = m->metric("tt.rows", true);
+  m_nonfinite_ = m->metric("tt.nonfinite_recomputes", true);
+}
+
+OrtStatusPtr TTMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
+  *op_kernel = nullptr;
+  std::string prefix = "ortlean TTMatMul: ";
+  {
+    OrtStatus* st = status_guard(prefix, [&] {
+      prefix = "ortlean TTMatMul node '" + Ort::ConstKernelInfo{info}.GetNodeName() + "': ";
+    });
+    if (st) return st;
+  }
+  return status_guard(prefix, [&] { *op_kernel = new TTMatMulKernel(api, info); });
+}
+
+// ------------------------------------------------------------------ compute
+OrtStatusPtr TTMatMulKernel::ComputeV2(OrtKernelContext* context) noexcept {
+  return status_guard("ortlean TTMatMul node '" + name_ + "': ", [&] { Compute(context); });
+}
+
+void TTMatMulKernel::Compute(OrtKernelContext* context) const {
+  Ort::KernelContext ctx(context);
+  const TTPlan& p = plan_;
+  Call c;
+  c.plan = &p;
+  c.kr = &kernels();
+
+  Ort::ConstValue xv = ctx.GetInput(0);
+  auto xinfo = xv.GetTensorTypeAndShapeInfo();
+  std::vector<int64_t> yshape = xinfo.GetShape();
+  if (yshape.empty()) fail("input X must have rank >= 1, got a scalar");
+  if (yshape.back() != p.K)
+    fail("input X has shape " + shape_str(yshape) + ": last dim must be prod(modes_k) = " + std::to_string(p.K));
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < yshape.size(); ++i) M *= yshape[i];
+  yshape.back() = p.N;
+  Ort::UnownedValue yv = ctx.GetOutput(0, yshape);
+  const float* X = xv.GetTensorData<float>();
+  float* Y = yv.GetTensorMutableData<float>();
+
+  // cores / scale: prepacked constants, or read from the inputs (validated, packed per call)
+  size_t outer_need = 0;
+  const float* dyn_cm[4] = {nullptr, nullptr, nullptr, nullptr};
+  for (int i = 0; i < p.d; ++i) {
+    if (core_const_[i]) {
+      c.cores[i] = {cm_[i].data(), cmt_[i].empty() ? nullptr : cmt_[i].data()};
+      continue;
+    }
+    Ort::ConstValue gv = ctx.GetInput(static_cast<size_t>(1 + i));
+    if (!gv) fail("core G" + std::to_string(i + 1) + " is missing");
+    const auto shp = gv.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> want = {p.ranks[i], p.mk[i], p.mn[i], p.ranks[i + 1]};
+    if (shp != want)
+      fail("core G" + std::to_string(i + 1) + " has shape " + shape_str(shp) + ", expected " + shape_str(want));
+    dyn_cm[i] = gv.GetTensorData<float>();
+    c.cores[i] = {dyn_cm[i], nullptr};
+    if (!p.lowrank) outer_need += round_up16(static_cast<size_t>(p.core_size(i)));
+  }
+  c.scale = nullptr;
+  if (has_scale_) {
+    if (scale_const_) {
+      c.scale = scale_.data();
+    } else {
+      Ort::ConstValue sv = ctx.GetInput(5);
+      if (sv) {
+        const auto shp = sv.GetTensorTypeAndShapeInfo().GetShape();
+        if (shp != std::vector<int64_t>{p.K})
+          fail("x_scale has shape " + shape_str(shp) + ", expected [" + std::to_string(p.K) + "]");
+        c.scale = sv.GetTensorData<float>();
+      }
+    }
+  }
+
+  if (M == 0) {
+    metrics::add(m_calls_, 1.0);
+    return;
+  }
+
+  const bool matvec = M == 1;
+  if (matvec) outer_need += round_up16(static_cast<size_t>(2 * p.max_state));
+  float* outer = outer_need ? outer_scratch().get(outer_need) : nullptr;
+  float* op = outer;
+  for (int i = 0; i < p.d; ++i) {
+    if (!dyn_cm[i] || p.lowrank) continue;
+    const TTPlan::Step& st = p.steps[static_cast<size_t>(i)];
+    c.kr->transpose(dyn_cm[i], st.rows, op, st.inner, st.inner, st.rows, nullptr);
+    c.cores[i].cmt = op;
+    op += round_up16(static_cast<size_t>(p.core_size(i)));
+  }
+
+  bool scale_finite = true;
+  if (c.scale) scale_finite = c.kr->all_finite(c.scale, p.K) != 0;
+  std::atomic<int64_t> recomputed{0};
+
+  if (matvec) {
+    // one row: parallelize inside each step of the chain (memory-bound matvecs)
+    float* bufs[2] = {op, op + p.max_state};
+    const float* in = X;
+    if (c.scale) {
+      c.kr->scale(X, c.scale, bufs[0], p.K);
+      in = bufs[0];
+    }
+    int cur = 1;
+    for (int s = 0; s < p.d; ++s) {
+      const TTPlan::Step& st = p.steps[static_cast<size_t>(s)];
+      float* out = s == p.d - 1 ? Y : bufs[cur];
+      const int64_t work = st.P * st.rows * st.inner * st.jr;
+      const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrainMatvec));
+      // split P when there are enough blocks, else the (n, r1) outputs in multiples of 16
+      const bool split_p = st.P >= ntasks;
+      const int64_t qchunk = split_p ? st.rows : static_cast<int64_t>(round_up16(static_cast<size_t>((st.rows + ntasks - 1) / ntasks)));
+      const int64_t pchunk = split_p ? (st.P + ntasks - 1) / ntasks : st.P;
+      const int64_t nt = split_p ? (st.P + pchunk - 1) / pchunk : (st.rows + qchunk - 1) / qchunk;
+      auto task = [&](size_t t) noexcept {
+        const int64_t ti = static_cast<int64_t>(t);
+        if (split_p)
+          step_region(c, s, in, out, 1, ti * pchunk, std::min(st.P, (ti + 1) * pchunk), 0, st.rows);
+        else
+          step_region(c, s, in, out, 1, 0, st.P, ti * qchunk, std::min(st.rows, (ti + 1) * qchunk));
+      };
+      parallel_for(ctx, static_cast<size_t>(nt), task);
+      in = out;
+      cur ^= 1;
+    }
+    recomputed += guard_rows(c, X, Y, 0, 1, scale_finite);
+  } else {
+    // several rows: chunks of rows across the pool, each chunk runs the whole chain
+    int64_t per_row = 0;
+    for (const auto& st : p.steps) per_row += st.P * st.rows * st.inner * st.jr;
+    const int64_t ntasks0 = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, M, M * per_row / kGrainRows}));
+    const int64_t mb = (M + ntasks0 - 1) / ntasks0;
+    const int64_t nt = (M + mb - 1) / mb;
+    const int64_t r = p.ranks[1];
+    std::atomic<bool> oom{false};
+    auto task = [&](size_t t) noexcept {
+      const int64_t m0 = static_cast<int64_t>(t) * mb;
+      const int64_t rows = std::min(mb, M - m0);
+      float* scratch;
+      try {
+        scratch = task_scratch().get(p.lowrank ? round_up16(static_cast<size_t>(rows * r)) +
+                                                     (c.scale ? static_cast<size_t>(rows * p.K) : 0)
+                                               : static_cast<size_t>(2 * p.max_state * rows));
+      } catch (...) {
+        oom = true;
+        return;
+      }
+      if (p.lowrank)
+        run_lowrank_chunk(c, X + m0 * p.K, Y + m0 * p.N, rows, scratch);
+      else
+        run_chunk(c, X + m0 * p.K, Y + m0 * p.N, rows, scratch);
+      const int64_t n = guard_rows(c, X, Y, m0, m0 + rows, scale_finite);
+      if (n) recomputed += n;
+    };
+    parallel_for(ctx, static_cast<size_t>(nt), task);
+    if (oom) throw std::bad_alloc();
+  }
+
+  metrics::add(m_calls_, 1.0);
+  metrics::add(m_rows_, static_cast<double>(M));
+  if (const int64_t n = recomputed.load()) metrics::add(m_nonfinite_, static_cast<double>(n));
+}
+
+}  // namespace ortlean
