@@ -1,0 +1,85 @@
+"""Child-process half of :func:`models.prepare.prepare`: the torch/transformers/optimum part.
+
+Run as ``python -m models._build NAME SOURCE_DIR WORK_DIR``; writes the optimum export to
+``WORK_DIR/onnx``. It runs in its own process so that torch and the fp32 model (a few GiB at
+peak) are gone when it exits, and the caller never imports torch. Lines starting with
+``##ortlean-step`` on stdout are progress markers read by the parent.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+STEP = "##ortlean-step"
+
+
+def step(msg: str) -> None:
+    print(f"{STEP} {msg}", flush=True)
+
+
+def dequantize_gguf(src: Path, gguf_file: str, out: Path) -> None:
+    """GGUF (any quantization transformers can read) -> fp32 safetensors HF checkpoint in ``out``.
+
+    Builds the model from the GGUF config and loads the dequantized tensors ourselves, so that
+    `accelerate` (which ``from_pretrained(gguf_file=...)`` insists on) is not needed."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    step(f"reading tokenizer and config from {gguf_file}")
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    cfg = AutoConfig.from_pretrained(src, gguf_file=gguf_file)
+    cfg.dtype = torch.float32
+    step("dequantizing GGUF tensors to fp32")
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(src / gguf_file), return_tensors=True, model_to_load=model)["tensors"]
+    state = {k: torch.as_tensor(v).to(torch.float32) for k, v in tensors.items()}
+    del tensors
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    del state
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    allowed_missing = {"lm_head.weight"} if tied else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise RuntimeError(f"GGUF tensors do not match the model: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    model.eval()
+    step("saving fp32 checkpoint")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    # The GGUF tokenizer's "vocab file" is the whole GGUF: don't carry a copy around.
+    (out / "tokenizer.model").unlink(missing_ok=True)
+
+
+def export(model_dir: Path, task: str, out: Path) -> None:
+    from optimum.exporters.onnx import main_export
+
+    step(f"exporting ONNX with optimum (task {task})")
+    main_export(str(model_dir), output=str(out), task=task, device="cpu",
+                library_name="transformers", do_validation=False)
+
+
+def main(argv: list[str]) -> int:
+    name, src, work = argv[0], Path(argv[1]), Path(argv[2])
+    t0 = time.monotonic()
+    if name == "smollm2":
+        hf = work / "hf"
+        dequantize_gguf(src, argv[3], hf)
+        export(hf, "text-generation-with-past", work / "onnx")
+    elif name == "minilm":
+        export(src, "feature-extraction", work / "onnx")
+    else:
+        raise SystemExit(f"unknown model {name}")
+    step(f"export finished in {time.monotonic() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
