@@ -497,7 +497,8 @@ def _stats(samples_s: list[float]) -> dict:
 def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 128,
                    decode_past: int = 128, decode_steps: int = 16, repeats: int = 7,
                    warmup: int = 2, short_len: int = 16, batch: int = 1, seed: int = 0,
-                   baseline: str | None = None, progress: bool = False) -> dict:
+                   baseline: str | None = None, vocab_size: int | None = None,
+                   progress: bool = False) -> dict:
     """Time the sessions (same model interface, e.g. dense vs rewritten) on the same inputs.
 
     Causal LM: prefill latency of ``prefill_len`` tokens from an empty cache, and decode step
@@ -509,15 +510,15 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
     measurement, round-robin (the order rotates every round) so drift hits all alike. Reports
     per session the median / p10 / p90 (over rounds for prefill; over all steps for decode),
     tokens/s from the median, and ratios vs ``baseline`` (default: "dense" if present, else the
-    first session): ``speedup = baseline_median / session_median``."""
+    first session): ``speedup = baseline_median / session_median``. Token ids are random
+    (seeded) below ``vocab_size`` (default: the logits width; 100 when unknown, e.g. encoders)."""
     names = list(sessions)
     if not names:
         raise ValueError("no sessions")
     baseline = baseline or ("dense" if "dense" in sessions else names[0])
     rng = np.random.default_rng(seed)
-    vocab = io.vocab_size or 1000
-    hi = max(min(vocab, 30000), 2)
-    lo = min(100, hi - 1)
+    hi = max(int(vocab_size or io.vocab_size or 100), 2)
+    lo = 100 if hi > 1000 else 0  # skip the special tokens at the start of big vocabularies
     long_ids = rng.integers(lo, hi, size=(batch, prefill_len), dtype=np.int64)
     short_ids = rng.integers(lo, hi, size=(batch, short_len), dtype=np.int64)
     past_ids = rng.integers(lo, hi, size=(batch, decode_past), dtype=np.int64)
