@@ -419,5 +419,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _CallableModule(type(sys)):
+    """``models.prepare`` is both this module and, called, the function ``prepare``:
+    ``from models import prepare; prepare("smollm2")`` and ``models.prepare.MODELS`` both work."""
+
+    def __call__(self, name: str, force: bool = False, progress: bool = True) -> Path:
+        return prepare(name, force=force, progress=progress)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
 if __name__ == "__main__":
     sys.exit(main())
