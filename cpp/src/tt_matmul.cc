@@ -493,7 +493,8 @@ void TTMatMulKernel::Compute(OrtKernelContext* context) const {
     for (const auto& st : p.steps) per_row += st.P * st.rows * st.inner * st.jr;
     const int64_t ntasks0 = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, M, M * per_row / kGrainRows}));
     // chunks of a multiple of 6 rows (the register block height of the kernels)
-    const int64_t mb = std::min(M, ((M + ntasks0 - 1) / ntasks0 + 5) / 6 * 6);
+    int64_t mb = std::min(M, ((M + ntasks0 - 1) / ntasks0 + 5) / 6 * 6);
+    if (c.blas) mb = std::min(M, std::max<int64_t>(mb, 48));  // OpenBLAS wants taller blocks
     const int64_t nt = (M + mb - 1) / mb;
     const int64_t r = p.ranks[1];
     std::atomic<bool> oom{false};
