@@ -177,6 +177,19 @@ def test_3d_input():
             assert relerr(y, tt_matmul(x.astype(np.float64), cores)) < 2e-5
 
 
+def test_1d_input_and_long_prefill():
+    rng = np.random.default_rng(8)
+    for _, mk, mn, ranks in (CASES[0], CASES[4]):
+        cores = random_cores(rng, mk, mn, ranks)
+        K, N = int(np.prod(mk)), int(np.prod(mn))
+        x = rng.standard_normal(K).astype(np.float32)
+        y = run(tt_model(cores, xshape=[K]), {"X": x})
+        assert y.shape == (N,) and relerr(y, tt_matmul(x.astype(np.float64), cores)) < 2e-5
+        x = rng.standard_normal((1001, K)).astype(np.float32)  # many row chunks and a ragged tail
+        y = run(tt_model(cores), {"X": x})
+        assert relerr(y, tt_matmul(x.astype(np.float64), cores)) < 2e-5
+
+
 def test_empty_batch():
     rng = np.random.default_rng(2)
     cores = random_cores(rng, [5, 7], [3, 4], [1, 3, 1])

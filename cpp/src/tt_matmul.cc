@@ -19,6 +19,7 @@ constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // BLAS takes 32-bit ints
 constexpr int64_t kGrainMatvec = 64 * 1024;
 constexpr int64_t kGrainRows = 256 * 1024;
 constexpr int64_t kMaxTasks = 16;
+constexpr int64_t kMaxChunkRows = 48;    // rows per task in the M > 1 path
 constexpr int64_t kMatvecMinCols = 128;  // narrowest column block of a matvec task
 // With the scalar kernel table, products at least this big (and with >= 8 rows) go to OpenBLAS.
 // With AVX2/AVX-512 our register-blocked kernels are used throughout: measured ~2-3x faster than
@@ -493,8 +494,10 @@ void TTMatMulKernel::Compute(OrtKernelContext* context) const {
     for (const auto& st : p.steps) per_row += st.P * st.rows * st.inner * st.jr;
     const int64_t ntasks0 = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, M, M * per_row / kGrainRows}));
     // chunks of a multiple of 6 rows (the register block height of the kernels)
-    int64_t mb = std::min(M, ((M + ntasks0 - 1) / ntasks0 + 5) / 6 * 6);
-    if (c.blas) mb = std::min(M, std::max<int64_t>(mb, 48));  // OpenBLAS wants taller blocks
+    // (capped: bounded scratch and cache-resident blocks for long prefills; more tasks is fine)
+    int64_t mb = std::min<int64_t>(((M + ntasks0 - 1) / ntasks0 + 5) / 6 * 6, kMaxChunkRows);
+    if (c.blas) mb = std::max<int64_t>(mb, 48);  // OpenBLAS wants taller blocks
+    mb = std::min(M, mb);
     const int64_t nt = (M + mb - 1) / mb;
     const int64_t r = p.ranks[1];
     std::atomic<bool> oom{false};
