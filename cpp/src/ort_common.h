@@ -94,6 +94,7 @@ struct Scratch {
 };
 Scratch& outer_scratch();
 Scratch& task_scratch();
+Scratch& gemm_scratch();  // innermost: within one product (never held across a call into others)
 
 inline size_t round_up16(size_t n) { return (n + 15) / 16 * 16; }
 

@@ -26,6 +26,10 @@ Scratch& task_scratch() {
   thread_local Scratch s;
   return s;
 }
+Scratch& gemm_scratch() {
+  thread_local Scratch s;
+  return s;
+}
 
 namespace {
 

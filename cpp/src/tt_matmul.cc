@@ -19,7 +19,8 @@ constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // BLAS takes 32-bit ints
 constexpr int64_t kGrainMatvec = 64 * 1024;
 constexpr int64_t kGrainRows = 256 * 1024;
 constexpr int64_t kMaxTasks = 16;
-constexpr int64_t kMaxChunkRows = 48;    // rows per task in the M > 1 path
+constexpr int64_t kMaxChunkRows = 48;
+constexpr int64_t kNarrowCols = 16;      // below this many columns a step runs transposed    // rows per task in the M > 1 path
 constexpr int64_t kMatvecMinCols = 128;  // narrowest column block of a matvec task
 // With the scalar kernel table, products at least this big (and with >= 8 rows) go to OpenBLAS.
 // With AVX2/AVX-512 our register-blocked kernels are used throughout: measured ~2-3x faster than
@@ -139,6 +140,20 @@ void step_region(const Call& c, int s, const float* in, float* out, int64_t mb, 
   }
   const int64_t nq = q1 - q0;
   const bool blas = use_blas(c, nq, cols, st.inner);
+  if (!blas && cols < kNarrowCols && nq >= 2 * kNarrowCols) {
+    // few columns (e.g. jr * mb = 9): vectors would be mostly masked; compute the transposed
+    // product out_p^T [cols, nq] = in_p^T [cols, inner] . cm[:, q0:q1] instead (wide in q)
+    float* tin = gemm_scratch().get(static_cast<size_t>(cols * (st.inner + nq)));
+    float* tout = tin + cols * st.inner;
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* ip = in + p * st.inner * cols;
+      float* op = out + p * st.rows * cols + q0 * cols;
+      c.kr->transpose(ip, cols, tin, st.inner, st.inner, cols, nullptr);
+      c.kr->sgemm_nn(cols, nq, st.inner, tin, st.inner, core.cm + q0, st.rows, tout, nq);
+      c.kr->transpose(tout, nq, op, cols, cols, nq, nullptr);
+    }
+    return;
+  }
   for (int64_t p = p0; p < p1; ++p) {
     const float* ip = in + p * st.inner * cols;
     float* op = out + p * st.rows * cols + q0 * cols;
