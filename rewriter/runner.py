@@ -745,22 +745,31 @@ def weight_bytes(model_path) -> int:
 
 
 def quantize_matmul_nbits(dense_model_path, bits: int, out_path, block_size: int = 32,
-                          symmetric: bool = True, accuracy_level: int | None = 4,
+                          symmetric: bool = False, accuracy_level: int | None = 4,
                           nodes_to_exclude: Iterable[str] = ()) -> Path:
     """ORT's own weight-only quantization (``MatMulNBitsQuantizer``, QOperator format): every
     MatMul with a constant B becomes ``com.microsoft.MatMulNBits`` with ``bits`` (4 or 8; 2 in
-    recent ORT) bit blocks of ``block_size``. ``accuracy_level=4`` lets the CPU kernel compute in
-    int8 (what ORT's model builder uses for CPU). Writes ``out_path`` (weights inline, or external
+    recent ORT) bit blocks of ``block_size`` along K, asymmetric (ORT's default) unless
+    ``symmetric``. ``accuracy_level=4`` lets the CPU kernel compute in int8 (what ORT's model
+    builder uses for CPU). The lm_head is quantized too unless listed in ``nodes_to_exclude``. Writes ``out_path`` (weights inline, or external
     data ``<out>.data`` when over 2 GB) and returns it. Caching is the caller's business."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     if bits not in (2, 4, 8):
         raise ValueError(f"MatMulNBits supports 2, 4 or 8 bits, not {bits}")
+    import logging
+
     model = onnx.load(str(dense_model_path))
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
                              accuracy_level=accuracy_level, nodes_to_exclude=list(nodes_to_exclude))
-    q.process()
+    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = qlog.level
+    qlog.setLevel(logging.WARNING)  # it logs one INFO line per node
+    try:
+        q.process()
+    finally:
+        qlog.setLevel(level)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     qm = q.model.model
