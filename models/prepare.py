@@ -212,7 +212,6 @@ def graph_facts(model_path) -> dict:
     if "logits" in [o.name for o in g.output]:
         # lm_head: the weight MatMul nearest to `logits` walking producers backwards
         by_out = {w["node"]: w for w in weights}
-        names = {n.name: n for n in g.node}
         frontier, seen, head = ["logits"], set(), None
         while frontier and head is None:
             nxt = []
@@ -243,7 +242,6 @@ def graph_facts(model_path) -> dict:
                 tie["same_values_as_embedding"] = bool(e.shape == h.shape and np.array_equal(e, h))
                 del full, fi
             facts["lm_head"] = {**head, **tie}
-        _ = names
     return facts
 
 

@@ -6,7 +6,6 @@ its position and a running sum over the whole KV history, so cached generation o
 full recomputation when position_ids and present->past are fed right."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
