@@ -100,8 +100,11 @@ def session_options(threads: int | None = None, *, backend: str = "native", so=N
 
     backend="native" registers the C++ library; backend="reference" registers the numpy
     references as onnxruntime-extensions Python ops (slow; no compiler needed).
+    backend="auto" is native when the library is found, else reference.
     Extra keyword arguments become session config entries (`ortlean.<key>`)."""
     import onnxruntime as ort
+
+    backend = resolve_backend(backend)
 
     so = so or ort.SessionOptions()
     if threads is not None:
@@ -122,17 +125,30 @@ def session_options(threads: int | None = None, *, backend: str = "native", so=N
     return so
 
 
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        try:
+            library_path()
+            return "native"
+        except LibraryNotFoundError:
+            return "reference"
+    return backend
+
+
 def session(model, threads: int | None = None, *, backend: str = "native", providers=None, so=None, **config):
     """onnxruntime.InferenceSession on `model` (path or bytes) with the ortlean ops registered."""
     import onnxruntime as ort
 
+    backend = resolve_backend(backend)
     so = session_options(threads, backend=backend, so=so, **config)
     if isinstance(model, Path):
         model = str(model)
     if backend == "reference":
         from .reference import ext
 
-        model = ext.prepare(model)
+        model, data_dir = ext.prepare(model)
+        if data_dir:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", data_dir)
     return ort.InferenceSession(model, sess_options=so, providers=providers or ["CPUExecutionProvider"])
 
 

@@ -5,7 +5,6 @@ whatever the amount of text (the activations themselves are never kept)."""
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,23 +43,14 @@ def tokenize_text(model_path: str | os.PathLike, text_path: str | os.PathLike, t
     return tok, text
 
 
-def _with_extra_outputs(model_path: Path, names: list[str], workdir: Path) -> Path:
-    """A copy of the model (proto only; external data linked, not copied) exposing `names`."""
+def _with_extra_outputs(model_path: Path, names: list[str]) -> bytes:
+    """The model's proto (external data not loaded) exposing `names` as extra outputs."""
     proto = onnx.load(str(model_path), load_external_data=False)
     existing = {o.name for o in proto.graph.output}
     for n in names:
         if n not in existing:
             proto.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
-    for t in proto.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            loc = dict((e.key, e.value) for e in t.external_data)["location"]
-            link = workdir / loc
-            if not link.exists():
-                link.parent.mkdir(parents=True, exist_ok=True)
-                os.symlink((model_path.parent / loc).resolve(), link)
-    out = workdir / "calib.onnx"
-    onnx.save(proto, str(out))
-    return out
+    return proto.SerializeToString()
 
 
 def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_path: str | os.PathLike,
@@ -79,29 +69,33 @@ def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_pa
         raise OrtleanError(f"--calib-text {text_path}: produced no tokens")
     names = list(dict.fromkeys(value_names))
     grams: dict[str, Gram] = {}
-    with tempfile.TemporaryDirectory(prefix="ortlean-calib-") as td:
-        cm = _with_extra_outputs(model_path, names, Path(td))
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = threads
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep tensors as named
-        sess = ort.InferenceSession(str(cm), so, providers=["CPUExecutionProvider"])
-        bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
-        for ids in windows:
-            feeds = runner.feeds(io, np.asarray(ids, dtype=np.int64)[None, :])
-            outs = sess.run(names, feeds)
-            for n, x in zip(names, outs):
-                x = np.asarray(x, dtype=np.float32)
-                x = x.reshape(-1, x.shape[-1])
-                g = x.T @ x  # float32 per window (≤ a few hundred rows), accumulated in float64
-                if n in grams:
-                    grams[n].G += g
-                    grams[n].rows += x.shape[0]
-                    grams[n].absmax = max(grams[n].absmax, float(np.abs(x).max(initial=0.0)))
-                else:
-                    grams[n] = Gram(G=g.astype(np.float64), rows=x.shape[0], absmax=float(np.abs(x).max(initial=0.0)))
-            bar.update(len(ids))
-        bar.close()
+    cm = _with_extra_outputs(model_path, names)
+    so = ort.SessionOptions()
+    # external data (if any) stays where it is: ORT reads it from the model's directory
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.resolve().parent))
+    if threads:
+        so.intra_op_num_threads = threads
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep tensors as named
+    import custom_ops
+
+    # a model already holding ortlean ops needs them registered (native, or the references)
+    sess = custom_ops.session(cm, so=so, backend="auto")
+    bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
+    for ids in windows:
+        feeds = runner.feeds(io, np.asarray(ids, dtype=np.int64)[None, :])
+        outs = sess.run(names, feeds)
+        for n, x in zip(names, outs):
+            x = np.asarray(x, dtype=np.float32)
+            x = x.reshape(-1, x.shape[-1])
+            g = x.T @ x  # float32 per window (≤ a few hundred rows), accumulated in float64
+            if n in grams:
+                grams[n].G += g
+                grams[n].rows += x.shape[0]
+                grams[n].absmax = max(grams[n].absmax, float(np.abs(x).max(initial=0.0)))
+            else:
+                grams[n] = Gram(G=g.astype(np.float64), rows=x.shape[0], absmax=float(np.abs(x).max(initial=0.0)))
+        bar.update(len(ids))
+    bar.close()
     return grams
 
 

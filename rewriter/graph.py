@@ -57,9 +57,11 @@ def initializer_bytes(model: ir.Model) -> int:
     return total
 
 
-def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_path: str | os.PathLike | None = None) -> list[Path]:
-    """Save next to `out_path` in a temporary directory, then rename into place (data file
-    first, model last). Never writes over the input model or its external data."""
+def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_path: str | os.PathLike | None = None,
+                      check=None) -> list[Path]:
+    """Save next to `out_path` in a temporary directory, run `check(tmp_model_path)` on it, then
+    rename into place (data file first, model last). Never writes over the input model or its
+    external data; a failed check leaves nothing behind."""
     out = Path(out_path).resolve()
     if input_path is not None:
         inp = Path(input_path).resolve()
@@ -77,7 +79,13 @@ def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_pat
     written: list[Path] = []
     try:
         tmp_model = tmpdir / out.name
+        if data_name is None:
+            # tensors still memory-mapped from the input's external data go inline: the output
+            # must not point at the input's files
+            ir.external_data.load_to_model(model)
         ir.save(model, tmp_model, external_data=data_name)
+        if check is not None:
+            check(tmp_model)
         if data_name:
             os.replace(tmpdir / data_name, out.parent / data_name)
             written.append(out.parent / data_name)

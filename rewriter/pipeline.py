@@ -135,8 +135,9 @@ def run(cfg: RewriteConfig) -> dict:
     if emitted:
         model.opset_imports.setdefault(DOMAIN, 1)
         model.graph.sort()
-        check(model, out)
-    written = g.save_model_atomic(model, out, input_path=inp) if emitted else []
+    written = g.save_model_atomic(model, out, input_path=inp, check=lambda p: check(p, out)) if emitted else []
+    if emitted:
+        written += copy_sidecars(inp, out)
     summary = {
         "model": str(inp),
         "output": str(out) if emitted else None,
@@ -156,6 +157,26 @@ def run(cfg: RewriteConfig) -> dict:
     return summary
 
 
+SIDECARS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+            "generation_config.json", "vocab.txt", "ortlean.json")
+
+
+def copy_sidecars(inp: Path, out: Path) -> list[Path]:
+    """Tokenizer/config files next to the input go next to the output too (when it is another
+    directory and they are not there yet), so eval/generate work on the rewritten model alone."""
+    import shutil
+
+    copied = []
+    if inp.resolve().parent == out.resolve().parent:
+        return copied
+    for name in SIDECARS:
+        src, dst = inp.parent / name, out.parent / name
+        if src.is_file() and not dst.exists():
+            shutil.copy2(src, dst)
+            copied.append(dst)
+    return copied
+
+
 def _layer_label(c) -> str:
     return f"{c.layer}" if c.layer is not None else c.target
 
@@ -164,13 +185,11 @@ def _dense(c, why: str) -> LayerRecord:
     return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params, None, f"kept dense: {why}")
 
 
-def check(model: ir.Model, out: Path) -> None:
-    proto = ir.serde.serialize_model(model)
+def check(path: Path, out: Path) -> None:
+    """onnx.checker on the saved file (a path handles external data and > 2 GB models). The
+    custom domain has no schemas, so the checker validates the graph and the standard nodes."""
     try:
-        # the custom domain has no schemas: the checker validates the graph structure and the
-        # standard nodes; full_check would run shape inference that stops at unknown ops
-        if proto.ByteSize() < 2_000_000_000:
-            onnx.checker.check_model(proto)
+        onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as e:
         raise OrtleanError(f"{out}: rewritten model fails onnx.checker: {e}") from None
 

@@ -8,7 +8,6 @@ present (absent ones fed an empty tensor) and list attributes as JSON strings.""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -98,27 +97,19 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def prepare(model) -> bytes | str:
-    """A model (path, bytes or ModelProto) mapped for the reference backend: bytes when small,
-    else a temporary file (external data kept next to it)."""
+def prepare(model) -> tuple[bytes, str | None]:
+    """A model (path, bytes or ModelProto) mapped for the reference backend, as bytes, plus the
+    directory its external data lives in (None when it has none): ONNX Runtime is pointed there
+    with the `session.model_external_initializers_file_folder_path` config entry."""
+    base = None
     if isinstance(model, (str, Path)):
         path = Path(model)
         proto = onnx.load(str(path), load_external_data=False)
-        base = path.parent
+        base = str(path.resolve().parent)
     elif isinstance(model, bytes):
-        proto, base = onnx.load_from_string(model), None
+        proto = onnx.load_from_string(model)
     else:
-        proto, base = model, None
+        proto = model
     mapped = map_model(proto)
     has_external = any(t.data_location == TensorProto.EXTERNAL for t in mapped.graph.initializer)
-    if not has_external:
-        return mapped.SerializeToString()
-    td = Path(tempfile.mkdtemp(prefix="ortlean-ref-"))
-    for t in mapped.graph.initializer:
-        if t.data_location == TensorProto.EXTERNAL:
-            loc = dict((e.key, e.value) for e in t.external_data)["location"]
-            if not (td / loc).exists():
-                (td / loc).symlink_to((base / loc).resolve())
-    out = td / "model.onnx"
-    onnx.save(mapped, str(out))
-    return str(out)
+    return mapped.SerializeToString(), (base if has_external else None)

@@ -1,0 +1,101 @@
+"""Offline TT math: exactness at full rank, gap formula vs direct measurement, maxvol, modes."""
+import numpy as np
+import pytest
+
+from custom_ops.reference import tt_full, tt_matmul
+from rewriter import ttmath
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    K, N = 36, 40
+    W = rng.standard_normal((K, N))
+    X = rng.standard_normal((400, K)) * np.linspace(0.05, 4.0, K)  # anisotropic activations
+    return W, X, X.T @ X
+
+
+def test_gap_formula_matches_direct_output_error(data):
+    W, X, G = data
+    rng = np.random.default_rng(1)
+    W_hat = W + 0.1 * rng.standard_normal(W.shape)
+    direct = np.linalg.norm(X @ W - X @ W_hat) / np.linalg.norm(X @ W)
+    assert ttmath.output_gap(W, W_hat, G) == pytest.approx(direct, rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["svd", "cross"])
+def test_full_rank_lowrank_is_exact(data, method):
+    W, X, G = data
+    spec = ttmath.lowrank_svd(W, G)
+    f = ttmath.lowrank_factor(spec, W, G, min(W.shape), method=method)
+    x = X[:7].astype(np.float32)
+    ref = x.astype(np.float64) @ W
+    got = tt_matmul(x.astype(np.float64), [c.astype(np.float64) for c in f.cores])
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4
+    assert f.gap < 1e-4
+
+
+@pytest.mark.parametrize("d", [3, 4])
+@pytest.mark.parametrize("method", ["svd", "cross"])
+def test_full_rank_tt_is_exact(data, d, method):
+    W, X, G = data
+    mk, mn = ttmath.choose_modes(*W.shape, d)
+    f = ttmath.tt_factor(W, G, mk, mn, max_rank=10_000, method=method)
+    assert f.gap < 1e-4
+    x = X[:5]
+    got = tt_matmul(x, [c.astype(np.float64) for c in f.cores], f.x_scale.astype(np.float64))
+    assert np.linalg.norm(got - x @ W) / np.linalg.norm(x @ W) < 1e-4
+
+
+def test_whitened_gap_curve_predicts_measured_gap(data):
+    W, X, G = data
+    spec = ttmath.lowrank_svd(W, G)
+    curve = spec.gap_curve()
+    for r in (1, 5, 17, 30):
+        f = ttmath.lowrank_factor(spec, W, G, r)
+        measured = np.linalg.norm(X @ W - X @ f.dense()) / np.linalg.norm(X @ W)
+        assert measured == pytest.approx(curve[r], rel=1e-3, abs=1e-5)
+        assert f.gap == pytest.approx(measured, rel=1e-3, abs=1e-5)
+
+
+def test_activation_aware_beats_plain_svd_on_anisotropic_inputs(data):
+    W, X, G = data
+    r = 8
+    aware = ttmath.lowrank_factor(ttmath.lowrank_svd(W, G), W, G, r)
+    plain = ttmath.lowrank_factor(ttmath.lowrank_svd(W, None), W, G, r)
+    assert aware.gap < plain.gap
+
+
+def test_maxvol_dominance():
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((300, 7))
+    idx = ttmath.maxvol(A, tol=1.01)
+    assert len(set(idx.tolist())) == 7
+    B = A @ np.linalg.inv(A[idx])
+    assert np.abs(B).max() <= 1.01 + 1e-9
+
+
+def test_cross_recovers_exact_low_rank_matrix():
+    rng = np.random.default_rng(4)
+    A = rng.standard_normal((50, 6)) @ rng.standard_normal((6, 70))
+    left, right = ttmath.cross_lowrank(A, 6, sweeps=3)
+    assert np.linalg.norm(left @ right - A) / np.linalg.norm(A) < 1e-8
+
+
+@pytest.mark.parametrize("n,d", [(576, 3), (1536, 3), (384, 4), (97, 3), (49152, 3)])
+def test_factorize(n, d):
+    f = ttmath.factorize(n, d)
+    assert len(f) == d and int(np.prod(f)) == n
+
+
+def test_choose_modes_rejects_prime_dims():
+    assert ttmath.choose_modes(97, 64, 3) is None
+    assert ttmath.choose_modes(97, 64, 2) == ([97, 1], [1, 64])
+
+
+def test_tt_full_of_lowrank_cores():
+    rng = np.random.default_rng(5)
+    A, B = rng.standard_normal((9, 3)), rng.standard_normal((3, 11))
+    from custom_ops.reference import lowrank_cores
+
+    assert np.allclose(tt_full([c.astype(np.float64) for c in lowrank_cores(A, B)]), A.astype(np.float32) @ B.astype(np.float32), atol=1e-5)
