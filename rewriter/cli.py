@@ -22,6 +22,15 @@ def _onoff(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
 
 
+def _budget(v: str):
+    if v.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {v!r}") from None
+
+
 def _threads_list(v: str) -> list[int]:
     try:
         out = [int(x) for x in v.split(",") if x]
@@ -32,20 +41,11 @@ def _threads_list(v: str) -> list[int]:
     return out
 
 
-def _add_tt_flags(p: argparse.ArgumentParser) -> None:
-    t = p.add_argument_group("TTMatMul (seed 000)")
-    t.add_argument("--tt", type=_onoff, default=False, metavar="on|off", help="factor weight MatMuls into TT/low-rank cores")
-    t.add_argument("--tt-rank", type=int, default=None, help="cap on the TT bond rank (default: autotune up to break-even)")
-    t.add_argument("--tt-maxvol-k", type=int, default=8, help="alternating maxvol sweeps in TT-cross (default 8)")
-    t.add_argument("--tt-gap", type=float, default=0.02,
-                   help="max relative output error ‖XW−XŴ‖/‖XW‖ on calibration inputs per layer (default 0.02)")
-    t.add_argument("--tt-target", default="mlp", help="mlp | attn | both | head | all, or a comma list (default mlp)")
-    t.add_argument("--tt-method", default="svd", choices=None, help="svd (TT-SVD) | cross (TT-cross with maxvol)")
-    t.add_argument("--tt-d", default="auto", help="number of TT cores: 2 (low rank) | 3 | 4 | auto (tries 2 and 3)")
-    t.add_argument("--tt-whiten", default="full", help="activation awareness: full (Cholesky of XᵀX) | diag | none")
-    t.add_argument("--tt-speed-check", type=_onoff, default=True, metavar="on|off",
-                   help="keep a layer dense unless its kernel is measurably faster here (default on)")
-    t.add_argument("--tt-min-speedup", type=float, default=1.10, help="speedup a factored layer must show (default 1.10)")
+def _add_backend_flags(p: argparse.ArgumentParser) -> None:
+    from . import backends
+
+    for b in backends.all_backends():
+        b.add_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer.json (default: next to the model)")
     p.add_argument("--report", help="write the per-layer report as JSON here")
     p.add_argument("--threads", type=int, default=1, help="threads for the rewrite-time speed check (default 1)")
+    p.add_argument("--quality-budget", type=_budget, default=0.02,
+                   help="end-to-end loss allowed vs dense on held-out calibration text: Δppl for causal LMs, "
+                        "1 − mean embedding cosine for encoders (default 0.02; 'off' disables the check)")
+    p.add_argument("--quality-tokens", type=int, default=1024, help="held-out tokens for the end-to-end check (default 1024)")
     p.add_argument("-q", "--quiet", action="store_true")
-    _add_tt_flags(p)
+    _add_backend_flags(p)
 
     p = sub.add_parser("inspect", help="ops, layers and ortlean attributes of a model")
     p.add_argument("model")
@@ -117,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="working directory (default: <cache>/demo/<name>)")
     p.add_argument("--threads", type=_threads_list, default=[1, 2])
     p.add_argument("--no-bench", action="store_true")
-    _add_tt_flags(p)
+    p.add_argument("--quality-budget", type=_budget, default=0.02)
+    _add_backend_flags(p)
     return ap
 
 
@@ -158,13 +163,10 @@ def _version() -> int:
 
 
 # --------------------------------------------------------------------------- rewrite
-def _tt_config(args):
-    from .tt import TTConfig, parse_targets
+def _backend_configs(args) -> dict:
+    from . import backends
 
-    return TTConfig(enabled=args.tt, rank=args.tt_rank, maxvol_k=args.tt_maxvol_k, gap=args.tt_gap,
-                    targets=parse_targets(args.tt_target), method=args.tt_method, d=str(args.tt_d),
-                    whiten=args.tt_whiten, speed_check=args.tt_speed_check, min_speedup=args.tt_min_speedup,
-                    threads=getattr(args, "threads", 1) if isinstance(getattr(args, "threads", 1), int) else 1)
+    return {b.name: b.config(args) for b in backends.all_backends()}
 
 
 def cmd_rewrite(args) -> int:
@@ -173,10 +175,11 @@ def cmd_rewrite(args) -> int:
     if args.calib_tokens < 1 or args.calib_window < 2:
         raise OrtleanError(f"--calib-tokens {args.calib_tokens} / --calib-window {args.calib_window}: must be positive")
     cfg = pipeline.RewriteConfig(model=args.model, output=args.output or pipeline.default_output(args.model),
-                                 tt=_tt_config(args), include=args.include, exclude=args.exclude,
+                                 backends=_backend_configs(args), include=args.include, exclude=args.exclude,
                                  calib_text=args.calib_text, calib_tokens=args.calib_tokens,
                                  calib_window=args.calib_window, tokenizer=args.tokenizer, report=args.report,
-                                 progress=not args.quiet and sys.stderr.isatty())
+                                 quality_budget=args.quality_budget, quality_tokens=args.quality_tokens,
+                                 threads=args.threads, progress=not args.quiet and sys.stderr.isatty())
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))
     return 0 if summary["output"] else EXIT_NOTHING_WRITTEN
@@ -325,9 +328,9 @@ def cmd_demo(args) -> int:
         args.tt = True
     tag = f"tt-{args.tt_target.replace(',', '+')}-gap{args.tt_gap:g}"
     out = work / f"model.{tag}.onnx"
-    cfg = pipeline.RewriteConfig(model=str(dense), output=str(out), tt=_tt_config(args),
+    cfg = pipeline.RewriteConfig(model=str(dense), output=str(out), backends=_backend_configs(args),
                                  calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
-                                 progress=sys.stderr.isatty())
+                                 quality_budget=args.quality_budget, progress=sys.stderr.isatty())
     print(f"== rewrite {dense} ({tag}), calibrated on {corpus.CALIB_NOVEL}")
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))

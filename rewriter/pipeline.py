@@ -12,7 +12,6 @@ import onnx
 import onnx_ir as ir
 
 from . import DOMAIN, graph as g
-from . import tt as ttb
 from .errors import OrtleanError
 
 
@@ -20,7 +19,7 @@ from .errors import OrtleanError
 class RewriteConfig:
     model: str
     output: str
-    tt: ttb.TTConfig = field(default_factory=ttb.TTConfig)
+    backends: dict = field(default_factory=dict)      # backend name → its config (from backend.config(args))
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
     calib_text: str | None = None
@@ -28,6 +27,9 @@ class RewriteConfig:
     calib_window: int = 256
     tokenizer: str | None = None
     report: str | None = None
+    quality_budget: float | None = 0.02               # end-to-end; None = off
+    quality_tokens: int = 1024
+    threads: int = 1
     progress: bool = True
 
 
@@ -59,10 +61,15 @@ def default_output(model: str) -> str:
 def run(cfg: RewriteConfig) -> dict:
     from tqdm.auto import tqdm
 
+    from . import backends as reg
+    from . import runner
+
     t0 = time.time()
-    cfg.tt.validate()
-    if not cfg.tt.enabled:
-        raise OrtleanError("no backend enabled: pass --tt=on (the only backend so far)")
+    wbs = [b for b in reg.weight_backends() if b.name in cfg.backends and cfg.backends[b.name].enabled]
+    if not wbs:
+        raise OrtleanError("no backend enabled: pass --tt=on")
+    if cfg.quality_budget is not None and not (cfg.quality_budget > 0):
+        raise OrtleanError(f"--quality-budget {cfg.quality_budget}: must be > 0 (or 'off')")
     inp = Path(cfg.model)
     model = g.load_model(inp)
     out = Path(cfg.output)
@@ -83,78 +90,212 @@ def run(cfg: RewriteConfig) -> dict:
         extra = f" ({len(already)} layers are already rewritten by ortlean)" if already else ""
         raise OrtleanError(f"{inp}: no eligible MatMul (a MatMul whose B is a constant float initializer){extra}")
     sel, excluded = g.select(cands, cfg.include, cfg.exclude)
-    records: list[LayerRecord] = []
+    records: dict[str, LayerRecord] = {}
     todo = []
     for c in cands:
         if c.name in excluded:
-            records.append(_dense(c, f"excluded ({excluded[c.name]})"))
-        elif c.target not in cfg.tt.targets:
-            records.append(_dense(c, f"target {c.target} not in --tt-target"))
+            records[c.name] = _dense(c, f"excluded ({excluded[c.name]})")
+        elif not any(c.target in cfg.backends[b.name].targets for b in wbs):
+            records[c.name] = _dense(c, f"target {c.target} not selected by any backend's --*-target")
         else:
             todo.append(c)
     if not todo:
-        raise OrtleanError(f"{inp}: no MatMul left to rewrite after --tt-target {','.join(cfg.tt.targets)} and --include/--exclude")
+        raise OrtleanError(f"{inp}: no MatMul left to rewrite after the --*-target flags and --include/--exclude")
 
-    # calibration (one run, shared by all layers)
+    io = runner.ModelIO.from_model(str(inp))
+    ctx = reg.Context(model_path=str(inp), io=io, speed_M=1 if io.kind == "causal-lm" else 128,
+                      threads=cfg.threads, calib_text=cfg.calib_text, tokenizer=cfg.tokenizer)
+
+    # calibration (one run, shared by all backends and layers)
     grams = {}
-    if cfg.tt.whiten != "none":
+    if any(b.needs_calibration(cfg.backends[b.name]) for b in wbs):
         if not cfg.calib_text:
-            raise OrtleanError("activation-aware factorisation needs --calib-text FILE (or --tt-whiten=none, which is "
-                               "plain weight SVD and known to wreck real models)")
+            raise OrtleanError("activation-aware planning needs --calib-text FILE (for TT, --tt-whiten=none skips it: "
+                               "plain weight SVD, known to wreck real models)")
         from .calibrate import collect_grams
 
         grams = collect_grams(inp, [c.input.name for c in todo], cfg.calib_text, cfg.tokenizer,
                               cfg.calib_tokens, cfg.calib_window, progress=cfg.progress)
-    from . import runner
 
-    io = runner.ModelIO.from_model(str(inp))
-    speed_M = cfg.tt.speed_M or (1 if io.kind == "causal-lm" else 128)
-
-    emitted = 0
+    # plan every layer; the first weight backend that does not say "dense" takes it
+    chosen: list[tuple] = []        # (cand, backend, plan)
     bar = tqdm(todo, desc="plan", unit="layer", disable=not cfg.progress, leave=False)
     for c in bar:
         bar.set_postfix_str(c.name[-40:])
         W = c.weight_array()
         G = grams[c.input.name].G if c.input.name in grams else None
-        plan = ttb.plan_layer(W, G, cfg.tt, speed_M)
-        if plan.decision == "tt":
-            f = plan.factor
-            sp = plan.speed.get(f"M{speed_M}", {}).get("speedup", 0.0)
-            ttb.emit(model.graph, c, f, {"speedup": sp, "layer": _layer_label(c)})
-            emitted += 1
-            records.append(LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "tt", c.params, f.params, f.gap,
-                                       f"factored: d={len(f.modes_k)} rank {max(f.ranks)}, {plan.reason}",
-                                       rank=f.ranks, method=f.method, speed=plan.speed))
+        reasons = []
+        for b in wbs:
+            bcfg = cfg.backends[b.name]
+            if c.target not in bcfg.targets:
+                continue
+            plan = b.plan(c, W, G, bcfg, ctx)
+            if plan.decision != "dense":
+                chosen.append((c, b, plan))
+                records[c.name] = _record(c, plan)
+                break
+            reasons.append(plan)
         else:
-            records.append(LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params, plan.gap,
-                                       f"kept dense: {plan.reason}", speed=plan.speed or None))
+            last = reasons[-1]
+            records[c.name] = LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params,
+                                          last.gap, "; ".join(p.reason for p in reasons), speed=last.speed or None)
     bar.close()
 
-    order = {c.name: i for i, c in enumerate(cands)}
-    records.sort(key=lambda r: order.get(r.layer, 1 << 30))
+    # end-to-end quality guard: per-layer gaps compound; keep the largest set of rewritten layers
+    # (lowest gap first) whose whole-model loss on held-out calibration text meets the budget
+    quality = None
+    if chosen and cfg.quality_budget is not None:
+        chosen, quality = _quality_guard(cfg, inp, io, chosen, records, ctx)
+
+    for c, b, plan in chosen:
+        b.emit(model.graph, c, plan, ctx)
+    emitted = len(chosen)
     if emitted:
         model.opset_imports.setdefault(DOMAIN, 1)
         model.graph.sort()
     written = g.save_model_atomic(model, out, input_path=inp, check=lambda p: check(p, out)) if emitted else []
     if emitted:
         written += copy_sidecars(inp, out)
+    order = {c.name: i for i, c in enumerate(cands)}
+    recs = sorted(records.values(), key=lambda r: order.get(r.layer, 1 << 30))
     summary = {
         "model": str(inp),
         "output": str(out) if emitted else None,
         "written": [str(p) for p in written],
         "kind": io.kind,
-        "layers": [r.as_dict() for r in records],
+        "layers": [r.as_dict() for r in recs],
         "factored": emitted,
-        "kept_dense": len(records) - emitted,
-        "params_before": int(sum(r.params_before for r in records)),
-        "params_after": int(sum(r.params_after for r in records)),
-        "config": {"tt": cfg.tt.__dict__ | {"targets": list(cfg.tt.targets)}, "calib_text": cfg.calib_text,
-                   "calib_tokens": cfg.calib_tokens, "include": cfg.include, "exclude": cfg.exclude},
+        "kept_dense": len(recs) - emitted,
+        "params_before": int(sum(r.params_before for r in recs)),
+        "params_after": int(sum(r.params_after for r in recs)),
+        "quality": quality,
+        "config": {"backends": {k: _cfg_dict(v) for k, v in cfg.backends.items()}, "calib_text": cfg.calib_text,
+                   "calib_tokens": cfg.calib_tokens, "include": cfg.include, "exclude": cfg.exclude,
+                   "quality_budget": cfg.quality_budget, "quality_tokens": cfg.quality_tokens},
         "seconds": round(time.time() - t0, 1),
     }
     if cfg.report:
         _write_json_atomic(Path(cfg.report), summary)
     return summary
+
+
+def _cfg_dict(c) -> dict:
+    d = dict(getattr(c, "__dict__", {}))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def _record(c, plan) -> LayerRecord:
+    return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], plan.decision, c.params, plan.params_after,
+                       plan.gap, plan.reason, rank=plan.attrs.get("rank"), method=plan.attrs.get("method"),
+                       speed=plan.speed or None)
+
+
+# --------------------------------------------------------------------------- quality guard
+class QualityProbe:
+    """Whole-model loss of a candidate rewrite vs the dense model on held-out calibration text
+    (the part after the calibration tokens; never the evaluation text): Δppl for causal LMs,
+    1 − mean sentence-embedding cosine for encoders."""
+
+    def __init__(self, inp: Path, io, cfg: RewriteConfig):
+        import onnxruntime as ort
+
+        from . import runner
+        from .calibrate import tokenize_text
+
+        self.io = io
+        self.threads = max(1, cfg.threads)
+        tok, text = tokenize_text(inp, cfg.calib_text, cfg.tokenizer)
+        self.tok = tok
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        dense = _any_session(str(inp), so)
+        if io.kind == "causal-lm":
+            ids = tok.encode(text, add_special_tokens=False).ids
+            held = ids[cfg.calib_tokens: cfg.calib_tokens + cfg.quality_tokens]
+            if len(held) < 64:  # short text: score its tail, overlapping calibration
+                held = ids[-cfg.quality_tokens:]
+            self.ids = np.asarray(held, dtype=np.int64)
+            self.window = min(256, len(self.ids))
+            self.ref = runner.perplexity(dense, io, self.ids, window=self.window)["nll"]
+        else:
+            sents = runner.sentences_from_text(text, 4 * max(8, cfg.quality_tokens // 16))
+            self.sents = sents[1::4][: max(8, cfg.quality_tokens // 16)]  # not the calibration sentences' order
+            self.ref = runner.embeddings(dense, io, tok, self.sents)
+
+    def loss(self, model_bytes_or_path) -> float:
+        import onnxruntime as ort
+
+        from . import runner
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        sess = _any_session(model_bytes_or_path, so)
+        if self.io.kind == "causal-lm":
+            nll = runner.perplexity(sess, self.io, self.ids, window=self.window)["nll"]
+            return float(np.exp(nll - self.ref) - 1.0)
+        e = runner.embeddings(sess, self.io, self.tok, self.sents)
+        cos = np.sum(e * self.ref, axis=1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(self.ref, axis=1) + 1e-30)
+        return float(1.0 - cos.mean())
+
+
+def _any_session(model, so):
+    import custom_ops
+
+    return custom_ops.session(model, so=so, backend="auto")
+
+
+def _trial_model(inp: Path, chosen, ctx) -> bytes:
+    m = g.load_model(inp)
+    by_name = {n.name: n for n in m.graph}
+    cands = {c.name: c for c in g.find_candidates(m)}
+    for c, b, plan in chosen:
+        b.emit(m.graph, cands[c.name], plan, ctx)
+    m.opset_imports.setdefault(DOMAIN, 1)
+    ir.external_data.load_to_model(m)
+    return ir.serde.serialize_model(m).SerializeToString()
+
+
+def _quality_guard(cfg: RewriteConfig, inp: Path, io, chosen, records, ctx):
+    from tqdm.auto import tqdm
+
+    probe = QualityProbe(inp, io, cfg)
+    order = sorted(chosen, key=lambda t: (t[2].gap if t[2].gap is not None else 0.0, -(t[0].params - t[2].params_after)))
+    tried: dict[int, float] = {}
+    bar = tqdm(desc="quality guard", unit="trial", disable=not cfg.progress, leave=False)
+
+    def loss(k: int) -> float:
+        if k not in tried:
+            tried[k] = probe.loss(_trial_model(inp, order[:k], ctx)) if k else 0.0
+            bar.update(1)
+        return tried[k]
+
+    n = len(order)
+    if loss(n) <= cfg.quality_budget:
+        k = n
+    else:  # largest k with loss(k) ≤ budget (loss grows with k), by bisection
+        lo, hi = 0, n
+        while lo < hi - 1:
+            mid = (lo + hi) // 2
+            if loss(mid) <= cfg.quality_budget:
+                lo = mid
+            else:
+                hi = mid
+        k = lo
+    bar.close()
+    metric = "delta_ppl" if io.kind == "causal-lm" else "1-cosine"
+    final = loss(k)
+    above = [v for kk, v in tried.items() if kk > k] or [final]
+    why = (f"kept dense: end-to-end quality budget ({metric} {min(above):+.4f} with more layers > {cfg.quality_budget}; "
+           f"the {k} lowest-gap layers give {final:+.4f})")
+    for c, b, plan in order[k:]:
+        r = records[c.name]
+        r.decision = f"{why}; alone: {plan.reason}"
+        r.backend = "dense"
+        r.params_after = r.params_before
+    return order[:k], {"metric": metric, "budget": cfg.quality_budget, "kept": k, "planned": n,
+                       "loss": final, "trials": {str(kk): v for kk, v in sorted(tried.items())},
+                       "probe": ("tokens" if io.kind == "causal-lm" else "sentences"),
+                       "probe_size": int(probe.ids.size) if io.kind == "causal-lm" else len(probe.sents)}
 
 
 SIDECARS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
@@ -175,10 +316,6 @@ def copy_sidecars(inp: Path, out: Path) -> list[Path]:
             shutil.copy2(src, dst)
             copied.append(dst)
     return copied
-
-
-def _layer_label(c) -> str:
-    return f"{c.layer}" if c.layer is not None else c.target
 
 
 def _dense(c, why: str) -> LayerRecord:
@@ -221,6 +358,10 @@ def format_report(summary: dict) -> str:
         lines.append("  ".join(str(v).ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
     pb, pa = summary["params_before"], summary["params_after"]
     lines.append("")
+    q = summary.get("quality")
+    if q:
+        lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
+                     f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers (budget {q['budget']})")
     lines.append(f"{summary['factored']} layers factored, {summary['kept_dense']} kept dense; candidate params "
                  f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
     if summary["output"]:

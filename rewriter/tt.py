@@ -8,6 +8,7 @@ import numpy as np
 import onnx_ir as ir
 
 from . import DOMAIN, ttmath
+from .backends import Plan
 from .errors import OrtleanError
 
 TARGETS = ("mlp", "attn", "head")
@@ -244,3 +245,62 @@ def _drop_if_unused(graph: ir.Graph, v: ir.Value | None) -> None:
 
 def _safe(name: str) -> str:
     return name.strip("/").replace("/", ".") or "node"
+
+
+# --------------------------------------------------------------------------- registry face
+def _onoff(v: str) -> bool:
+    import argparse
+
+    v = v.lower()
+    if v in ("on", "1", "true", "yes"):
+        return True
+    if v in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
+
+
+class TTBackend:
+    name = "tt"
+    op_type = "TTMatMul"
+
+    def add_flags(self, p) -> None:
+        t = p.add_argument_group("TTMatMul (seed 000)")
+        t.add_argument("--tt", type=_onoff, default=False, metavar="on|off", help="factor weight MatMuls into TT/low-rank cores")
+        t.add_argument("--tt-rank", type=int, default=None, help="cap on the TT bond rank (default: autotune up to break-even)")
+        t.add_argument("--tt-maxvol-k", type=int, default=8, help="alternating maxvol sweeps in TT-cross (default 8)")
+        t.add_argument("--tt-gap", type=float, default=0.02,
+                       help="max relative output error ‖XW−XŴ‖/‖XW‖ on calibration inputs per layer (default 0.02)")
+        t.add_argument("--tt-target", default="mlp", help="mlp | attn | both | head | all, or a comma list (default mlp)")
+        t.add_argument("--tt-method", default="svd", help="svd (TT-SVD) | cross (TT-cross with maxvol)")
+        t.add_argument("--tt-d", default="auto", help="number of TT cores: 2 (low rank) | 3 | 4 | auto (tries 2 and 3)")
+        t.add_argument("--tt-whiten", default="full", help="activation awareness: full (Cholesky of XᵀX) | diag | none")
+        t.add_argument("--tt-speed-check", type=_onoff, default=True, metavar="on|off",
+                       help="keep a layer dense unless its kernel is measurably faster here (default on)")
+        t.add_argument("--tt-min-speedup", type=float, default=1.10, help="speedup a factored layer must show (default 1.10)")
+
+    def config(self, args) -> TTConfig:
+        cfg = TTConfig(enabled=args.tt, rank=args.tt_rank, maxvol_k=args.tt_maxvol_k, gap=args.tt_gap,
+                       targets=parse_targets(args.tt_target), method=args.tt_method, d=str(args.tt_d),
+                       whiten=args.tt_whiten, speed_check=args.tt_speed_check, min_speedup=args.tt_min_speedup,
+                       threads=int(getattr(args, "threads", 1) or 1) if isinstance(getattr(args, "threads", 1), int) else 1)
+        cfg.validate()
+        return cfg
+
+    def needs_calibration(self, cfg: TTConfig) -> bool:
+        return cfg.enabled and cfg.whiten != "none"
+
+    def plan(self, cand, W, G, cfg: TTConfig, ctx) -> Plan:
+        p = plan_layer(W, G, cfg, ctx.speed_M)
+        if p.decision != "tt":
+            return Plan("dense", f"kept dense: {p.reason}", p.gap, cand.params, speed=p.speed)
+        f = p.factor
+        return Plan("tt", f"factored: d={len(f.modes_k)} rank {max(f.ranks)}, {p.reason}", f.gap, f.params, payload=f,
+                    speed=p.speed, attrs={"rank": f.ranks, "method": f.method})
+
+    def emit(self, graph, cand, plan: Plan, ctx) -> None:
+        sp = plan.speed.get(f"M{ctx.speed_M}", {}).get("speedup", 0.0)
+        label = f"{cand.layer}" if cand.layer is not None else cand.target
+        emit(graph, cand, plan.payload, {"speedup": sp, "layer": label})
+
+
+BACKEND = TTBackend()

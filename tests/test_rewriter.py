@@ -258,3 +258,29 @@ def test_external_data_roundtrip(toy_model, toy_text, tmp_path, monkeypatch):
     # the rewritten-with-external-data model is itself a valid input
     code, _, se = _rewrite(out, toy_text, tmp_path / "again.onnx", "--exclude", "*q_proj*")
     assert code in (0, 3), se
+
+
+def test_quality_guard_reverts_layers_to_meet_budget(toy_model, toy_text, tmp_path):
+    rep_off, rep_tight = tmp_path / "off.json", tmp_path / "tight.json"
+    code, _, se = _rewrite(toy_model, toy_text, tmp_path / "off.onnx", "--quality-budget=off", "--report", rep_off)
+    assert code == 0, se
+    n_off = json.loads(rep_off.read_text())["factored"]
+    assert n_off >= 2
+    code, so, se = _rewrite(toy_model, toy_text, tmp_path / "tight.onnx", "--quality-budget=1e-9", "--report", rep_tight)
+    rep = json.loads(rep_tight.read_text())
+    q = rep["quality"]
+    assert q["planned"] == n_off and q["kept"] < n_off and q["loss"] <= 1e-9
+    assert sum("end-to-end quality budget" in L["decision"] for L in rep["layers"]) == n_off - q["kept"]
+    assert rep["factored"] == q["kept"]
+    if q["kept"] == 0:  # nothing met the budget: nothing is shipped
+        assert code == 3 and not (tmp_path / "tight.onnx").exists()
+    else:
+        assert code == 0, se
+
+
+def test_quality_guard_result_is_within_budget(toy_model, toy_text, tmp_path):
+    rep = tmp_path / "r.json"
+    code, so, se = _rewrite(toy_model, toy_text, tmp_path / "m.onnx", "--quality-budget=0.01", "--report", rep)
+    q = json.loads(rep.read_text())["quality"]
+    assert q["loss"] <= 0.01
+    assert "end-to-end check" in so

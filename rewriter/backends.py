@@ -1,0 +1,64 @@
+"""The backend registry: how a backend plugs into `ortlean rewrite`.
+
+A *weight backend* (TTMatMul, ProcSparseMatMul, EventGatedMatMul …) replaces one weight MatMul.
+It is a module-level object with:
+
+    name: str                                  # "tt"
+    op_type: str                               # "TTMatMul"
+    add_flags(parser) -> None                  # its seed flags on `ortlean rewrite`
+    config(args) -> cfg                        # cfg.enabled: bool, cfg.targets: tuple[str, ...]
+    needs_calibration(cfg) -> bool             # wants the Gram XᵀX of its layers' inputs
+    plan(cand, W, G, cfg, ctx) -> Plan         # decision for one layer (dense when it says so)
+    emit(graph, cand, plan, ctx) -> None       # replace cand.node by its op
+
+Weight backends are tried in registry order per layer; the first whose plan is not "dense"
+takes the layer (the weight backend is exclusive per MatMul). Backends that only make sense on a
+layer another backend left dense (gating) come later in the list.
+
+A *graph pass* (PackedAttention …) rewrites structure rather than one MatMul:
+
+    name, add_flags, config, run(model, ctx) -> list[LayerRecord-like dicts]
+
+Adding a backend: write the module, append it to WEIGHT_BACKENDS / GRAPH_PASSES below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Plan:
+    decision: str                   # the backend name, or "dense"
+    reason: str                     # why (kept dense: gap too high / no speed gain / …; or what was built)
+    gap: float | None               # relative output error on calibration inputs
+    params_after: int               # parameters stored for this layer after the decision
+    payload: Any = None             # what emit() needs (factors, deltas, thresholds …)
+    speed: dict = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)   # extra report fields (rank, method, fanout …)
+
+
+@dataclass
+class Context:
+    """What the pipeline knows that backends may use."""
+    model_path: str
+    io: Any                         # runner.ModelIO
+    speed_M: int                    # M whose timing decides (1 for causal LMs, 128 for encoders)
+    threads: int = 1
+    calib_text: str | None = None
+    tokenizer: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def weight_backends():
+    from . import tt
+
+    return [tt.BACKEND]
+
+
+def graph_passes():
+    return []
+
+
+def all_backends():
+    return weight_backends() + graph_passes()
