@@ -50,6 +50,19 @@ class Context:
     extra: dict = field(default_factory=dict)
 
 
+def add_shared_flags(p) -> None:
+    """Flags several backends read (seed 001's state packing: PackedAttention packs the KV cache,
+    EventGatedMatMul's zero-skip packs MLP activations). Defined once here."""
+    g = p.add_argument_group("state packing (seed 001, shared)")
+    g.add_argument("--state-pack", default="none", choices=["binary", "ternary", "none"],
+                   help="bit-pack states: binary | ternary | none (default none)")
+    g.add_argument("--state-pack-eps", type=float, default=None,
+                   help="|x| ≤ eps counts as zero (default: per backend, calibrated or 1e-4)")
+    g.add_argument("--state-pack-popcnt", default="auto", choices=["auto", "vpopcntdq", "avx2", "scalar"],
+                   help="popcount path (default auto: VPOPCNTDQ when the CPU has it)")
+    g.add_argument("--state-pack-target", default="kv", help="kv | mlp | both: what --state-pack applies to (default kv)")
+
+
 def weight_backends():
     from . import tt
 

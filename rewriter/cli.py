@@ -44,6 +44,7 @@ def _threads_list(v: str) -> list[int]:
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     from . import backends
 
+    backends.add_shared_flags(p)
     for b in backends.all_backends():
         b.add_flags(p)
 
