@@ -134,17 +134,24 @@ def _search_rank(W, G, cfg: TTConfig, mk, mn, dense_params: int, tried: list) ->
     """Smallest rank (on a grid) with gap ≤ tol and fewer parameters than dense."""
     K, N = W.shape
     d = len(mk)
-    # largest rank that still stores fewer parameters than the dense matrix
-    if d == 2:
-        limit = min(K, N, (dense_params - 1) // (K + N))
-    else:
-        limit = 1
-        while ttmath.tt_param_count(mk, mn, limit + 1) < dense_params and limit < min(K, N):
-            limit += 1
+    # largest rank that still stores fewer parameters than the dense matrix and — when speed
+    # matters — costs fewer multiply-adds than dense by the required margin (a layer whose flop
+    # count cannot beat dense is not worth factoring or timing)
+    flop_cap = dense_params / cfg.min_speedup if cfg.speed_check else float("inf")
+
+    def fits(r: int) -> bool:
+        ranks = ttmath.tt_ranks_for_cap(mk, mn, r)
+        params = sum(ranks[i] * mk[i] * mn[i] * ranks[i + 1] for i in range(d))
+        return params < dense_params and ttmath.tt_macs(mk, mn, ranks) < flop_cap
+
+    limit = 0
+    hi = min(K, N)
+    while limit < hi and fits(limit + 1):
+        limit += 1
     if cfg.rank is not None:
         limit = min(limit, cfg.rank)
     if limit < 1:
-        tried.append({"d": d, "result": "no rank stores fewer parameters than dense"})
+        tried.append({"d": d, "result": "no rank stores fewer parameters / multiply-adds than dense"})
         return None
     grid = _rank_grid(limit)
     if d == 2:

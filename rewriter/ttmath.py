@@ -28,8 +28,22 @@ def output_gap(W: np.ndarray, W_hat: np.ndarray, G: np.ndarray | None) -> float:
     return math.sqrt(max(num, 0.0) / max(den, 1e-30))
 
 
+_WHITE_CACHE: dict = {}
+
+
 def whitening(G: np.ndarray, ridge: float = 1e-6) -> np.ndarray:
-    """Upper-triangular R with RᵀR = G + ridge·mean(diag)·I, so ‖XE‖ ≈ ‖RE‖."""
+    """Upper-triangular R with RᵀR = G + ridge·mean(diag)·I, so ‖XE‖ ≈ ‖RE‖. The last result is
+    cached (q/k/v and gate/up share one input, hence one G)."""
+    key = (id(G), G.shape, float(G.flat[0]), float(G.flat[-1]), ridge)
+    if key in _WHITE_CACHE:
+        return _WHITE_CACHE[key]
+    R = _whitening(G, ridge)
+    _WHITE_CACHE.clear()
+    _WHITE_CACHE[key] = R
+    return R
+
+
+def _whitening(G: np.ndarray, ridge: float) -> np.ndarray:
     G = np.asarray(G, np.float64)
     K = G.shape[0]
     lam = ridge * max(float(np.trace(G)) / K, 1e-12)
@@ -257,12 +271,27 @@ def tt_factor(W: np.ndarray, G: np.ndarray | None, mk: list[int], mn: list[int],
 
 
 def tt_param_count(mk: list[int], mn: list[int], r: int) -> int:
+    ranks = tt_ranks_for_cap(mk, mn, r)
+    return int(sum(ranks[i] * mk[i] * mn[i] * ranks[i + 1] for i in range(len(mk))))
+
+
+def tt_macs(modes_k: list[int], modes_n: list[int], ranks: list[int]) -> int:
+    """Multiply-adds per input row of the sequential contraction (first core first), the cost
+    model of the TTMatMul kernel: sum_i prod(n_<i)·n_i·r_i·r_{i-1}·k_i·prod(k_>i)."""
+    d = len(modes_k)
+    total = 0
+    for i in range(d):
+        total += int(np.prod(modes_n[:i])) * modes_n[i] * ranks[i + 1] * ranks[i] * modes_k[i] * int(np.prod(modes_k[i + 1:]))
+    return int(total)
+
+
+def tt_ranks_for_cap(mk: list[int], mn: list[int], r: int) -> list[int]:
+    """Bond ranks TT-SVD produces with a rank cap r (capped by the unfolding sizes)."""
     d = len(mk)
     ranks = [1] + [r] * (d - 1) + [1]
-    # bond ranks are capped by the unfolding sizes
     left = 1
     for i in range(d - 1):
         left *= mk[i] * mn[i]
         right = int(np.prod([mk[j] * mn[j] for j in range(i + 1, d)]))
         ranks[i + 1] = min(r, left, right)
-    return int(sum(ranks[i] * mk[i] * mn[i] * ranks[i + 1] for i in range(d)))
+    return ranks
