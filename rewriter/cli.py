@@ -180,7 +180,7 @@ def cmd_rewrite(args) -> int:
                                  calib_text=args.calib_text, calib_tokens=args.calib_tokens,
                                  calib_window=args.calib_window, tokenizer=args.tokenizer, report=args.report,
                                  quality_budget=args.quality_budget, quality_tokens=args.quality_tokens,
-                                 threads=args.threads, progress=not args.quiet and sys.stderr.isatty())
+                                 threads=args.threads, progress=not args.quiet)
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))
     return 0 if summary["output"] else EXIT_NOTHING_WRITTEN
@@ -331,7 +331,7 @@ def cmd_demo(args) -> int:
     out = work / f"model.{tag}.onnx"
     cfg = pipeline.RewriteConfig(model=str(dense), output=str(out), backends=_backend_configs(args),
                                  calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
-                                 quality_budget=args.quality_budget, progress=sys.stderr.isatty())
+                                 quality_budget=args.quality_budget, progress=True)
     print(f"== rewrite {dense} ({tag}), calibrated on {corpus.CALIB_NOVEL}")
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))
