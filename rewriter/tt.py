@@ -158,20 +158,17 @@ def _search_rank(W, G, cfg: TTConfig, mk, mn, dense_params: int, tried: list) ->
         spec = ttmath.lowrank_svd(W, G, cfg.whiten if G is not None else "none")
         curve = spec.gap_curve()
         build = lambda r: ttmath.lowrank_factor(spec, W, G, r, cfg.method, cfg.maxvol_k)
-        # the whitened spectrum predicts the SVD gap exactly: start from the first rank that meets it
+        # the whitened spectrum gives the Frobenius gap exactly, a lower bound of the layer gap:
+        # no rank below the first that meets it can pass
         start = next((i for i, r in enumerate(grid) if curve[min(r, len(curve) - 1)] <= cfg.gap), None)
         if start is None:
             f = build(grid[-1])
             tried.append({"d": d, "rank": grid[-1], "gap": f.gap, "params": f.params})
             return None
-        for r in grid[start:]:
-            f = build(r)
-            tried.append({"d": d, "rank": r, "gap": f.gap, "params": f.params})
-            if f.gap <= cfg.gap:
-                return f
-        return None
-    # d ≥ 3: the gap is monotone in the rank cap (up to cross noise): bisection on the grid
-    build = lambda r: ttmath.tt_factor(W, G, mk, mn, r, cfg.method, cfg.maxvol_k, diag_scale=G is not None)
+        grid = grid[start:]
+    else:
+        build = lambda r: ttmath.tt_factor(W, G, mk, mn, r, cfg.method, cfg.maxvol_k, diag_scale=G is not None)
+    # the gap falls with the rank (up to cross noise): bisection on the grid
     f_hi = build(grid[-1])
     tried.append({"d": d, "rank": grid[-1], "gap": f_hi.gap, "params": f_hi.params, "modes": [mk, mn]})
     if f_hi.gap > cfg.gap:

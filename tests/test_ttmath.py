@@ -55,7 +55,8 @@ def test_whitened_gap_curve_predicts_measured_gap(data):
         f = ttmath.lowrank_factor(spec, W, G, r)
         measured = np.linalg.norm(X @ W - X @ f.dense()) / np.linalg.norm(X @ W)
         assert measured == pytest.approx(curve[r], rel=1e-3, abs=1e-5)
-        assert f.gap == pytest.approx(measured, rel=1e-3, abs=1e-5)
+        assert ttmath.output_gap(W, f.dense(), G) == pytest.approx(measured, rel=1e-3, abs=1e-5)
+        assert f.gap >= ttmath.output_gap(W, f.dense(), G) - 1e-12  # layer gap = max(frobenius, channel)
 
 
 def test_activation_aware_beats_plain_svd_on_anisotropic_inputs(data):
@@ -99,3 +100,27 @@ def test_tt_full_of_lowrank_cores():
     from custom_ops.reference import lowrank_cores
 
     assert np.allclose(tt_full([c.astype(np.float64) for c in lowrank_cores(A, B)]), A.astype(np.float32) @ B.astype(np.float32), atol=1e-5)
+
+
+def test_channel_gap_catches_massive_activation_channel():
+    """One output channel 1000x larger than the rest: a rank-1 factor reproducing it has a tiny
+    Frobenius gap but destroys every other channel; the layer gap must say so."""
+    rng = np.random.default_rng(7)
+    K, N = 40, 30
+    W = rng.standard_normal((K, N))
+    W[:, 0] *= 1000.0
+    X = rng.standard_normal((300, K))
+    G = X.T @ X
+    f = ttmath.lowrank_factor(ttmath.lowrank_svd(W, G), W, G, 1)
+    assert ttmath.output_gap(W, f.dense(), G) < 0.05
+    assert ttmath.channel_gap(W, f.dense(), G) > 0.8
+    assert f.gap > 0.8
+
+
+def test_channel_gap_direct():
+    rng = np.random.default_rng(8)
+    W = rng.standard_normal((12, 9))
+    Wh = W + 0.1 * rng.standard_normal(W.shape)
+    X = rng.standard_normal((100, 12))
+    per = np.sum((X @ (W - Wh)) ** 2, axis=0) / np.sum((X @ W) ** 2, axis=0)
+    assert ttmath.channel_gap(W, Wh, X.T @ X) == pytest.approx(np.sqrt(per.mean()), rel=1e-9)
