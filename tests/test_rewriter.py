@@ -284,3 +284,48 @@ def test_quality_guard_result_is_within_budget(toy_model, toy_text, tmp_path):
     q = json.loads(rep.read_text())["quality"]
     assert q["loss"] <= 0.01
     assert "end-to-end check" in so
+
+
+def test_eval_bench_generate_cli_on_toy(toy_model, toy_text, tmp_path):
+    out = tmp_path / "lean.onnx"
+    assert _rewrite(toy_model, toy_text, out, "--quality-budget=off")[0] == 0
+    code, so, se = run_cli("eval", out, "--ref", toy_model, "--text", toy_text, "--window", "64", "--windows", "2",
+                           "--json", tmp_path / "e.json")
+    assert code == 0, se
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert e["kind"] == "causal-lm" and np.isfinite(e["ppl"]) and np.isfinite(e["ppl_ref"])
+    assert "Δppl" in so
+    code, so, se = run_cli("bench", out, "--ref", toy_model, "--threads", "1", "--prefill", "16", "--decode-past", "8",
+                           "--repeats", "2", "--nbits", "none", "--json", tmp_path / "b.json")
+    assert code == 0, se
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert set(b["runs"][0]["results"]["sessions"]) == {"dense", "lean"}
+    assert "ORT profile, lean" in so and "TTMatMul" in so
+    code, so, se = run_cli("generate", out, "--prompt", "the sister", "--max-new-tokens", "4")
+    assert code == 0, se
+
+
+def test_generate_refuses_encoder(tmp_path):
+    from onnx import TensorProto, helper
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
+    out = helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["b", "s", 4])
+    emb = onnx.numpy_helper.from_array(np.ones((10, 4), np.float32), "E")
+    m = helper.make_model(helper.make_graph([helper.make_node("Gather", ["E", "input_ids"], ["last_hidden_state"])],
+                                            "enc", [ids], [out], initializer=[emb]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    p = tmp_path / "enc.onnx"
+    onnx.save(m, str(p))
+    import toy
+
+    toy.write_tokenizer(tmp_path / "tokenizer.json")
+    code, _, se = run_cli("generate", p, "--prompt", "the sister")
+    assert code == 2 and "not a causal LM" in se
+
+
+def test_eval_bad_inputs(toy_model, tmp_path):
+    code, _, se = run_cli("eval", toy_model, "--ref", tmp_path / "nope.onnx", "--text", toy_model)
+    assert code == 2 and "nope.onnx" in se
+    code, _, se = run_cli("eval", toy_model, "--ref", toy_model, "--text", tmp_path / "missing.txt")
+    assert code == 2 and "missing.txt" in se
