@@ -14,7 +14,8 @@ namespace {
 
 constexpr int64_t kGrain = 64 * 1024;  // multiply-adds per ParallelFor task (a few microseconds)
 constexpr int64_t kMaxTasks = 16;
-constexpr int64_t kRowChunk = 32;      // input rows per task in the M > 1 path (X chunk stays in L2)
+constexpr int64_t kRowChunk = 32;     // input rows per pass in the M > 1 path (the X chunk stays in L2)
+constexpr int64_t kSliceBytes = 192 * 1024;  // deltas per task in the M > 1 path (stay in L2 across row chunks)
 
 const ProcKernels& proc_kernels() {
   static const ProcKernels* k = isa() == Isa::Avx512 ? proc_kernels_avx512()
@@ -255,25 +256,22 @@ void ProcSparseMatMulKernel::Compute(OrtKernelContext* context) const {
   base.ldy = N_;
   base.ldmask = ldmask;
 
-  // tasks: a grid of (input-row chunks) x (output-column ranges)
+  // tasks: ranges of output rows n whose deltas fit in L2 (and at least one range per pool task);
+  // each task runs every chunk of input rows over its range, so the deltas are streamed from
+  // memory once per call and re-read from L2 for the later row chunks
   const int64_t work = M * std::max<int64_t>(nnzb_, 1) * B_ * (scale_ != 0.0f ? 2 : 1);
   const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrain));
-  const int64_t mchunk = M <= kRowChunk ? M : kRowChunk;
-  const int64_t nm = (M + mchunk - 1) / mchunk;
-  const int64_t nsplit = std::max<int64_t>(1, std::min<int64_t>(N_, (ntasks + nm - 1) / nm));
+  const int64_t per_row_bytes = std::max<int64_t>(1, (nnzb_ * B_ * 4) / N_);
+  const int64_t by_cache = M > 1 ? (N_ * per_row_bytes + kSliceBytes - 1) / kSliceBytes : 1;
+  const int64_t nsplit = std::max<int64_t>(1, std::min<int64_t>(N_, std::max(ntasks, by_cache)));
   const int64_t nchunk = (N_ + nsplit - 1) / nsplit;
   const int64_t nn = (N_ + nchunk - 1) / nchunk;
+  const int64_t mchunk = M <= kRowChunk ? M : kRowChunk;
   const size_t wneed = scale_ != 0.0f ? static_cast<size_t>(std::max<int64_t>(max_row_, 1) * B_) : 0;
   std::atomic<int64_t> visited{0};
   std::atomic<bool> oom{false};
   auto task = [&](size_t t) noexcept {
-    const int64_t im = static_cast<int64_t>(t) / nn, in = static_cast<int64_t>(t) % nn;
     ProcRowsArgs a = base;
-    const int64_t m0 = im * mchunk;
-    a.mb = std::min(mchunk, M - m0);
-    a.X = X + m0 * K_;
-    a.Y = Y + m0 * N_;
-    a.mask = mask ? mask + m0 * ldmask : nullptr;
     a.wbuf = nullptr;
     if (wneed) {
       try {
@@ -283,10 +281,18 @@ void ProcSparseMatMulKernel::Compute(OrtKernelContext* context) const {
         return;
       }
     }
-    const int64_t n0 = in * nchunk;
-    visited += pk.rows(&a, n0, std::min(N_, n0 + nchunk));
+    const int64_t n0 = static_cast<int64_t>(t) * nchunk, n1 = std::min(N_, n0 + nchunk);
+    int64_t v = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
+      a.mb = std::min(mchunk, M - m0);
+      a.X = X + m0 * K_;
+      a.Y = Y + m0 * N_;
+      a.mask = mask ? mask + m0 * ldmask : nullptr;
+      v += pk.rows(&a, n0, n1);
+    }
+    visited += v;
   };
-  parallel_for(ctx, static_cast<size_t>(nm * nn), task);
+  parallel_for(ctx, static_cast<size_t>(nn), task);
   if (oom) throw std::bad_alloc();
 
   // non-finite guard: a row that is non-finite from a finite input is recomputed in double
