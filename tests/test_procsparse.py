@@ -425,6 +425,22 @@ def test_plan_layer_converts_block_sparse_and_refuses_dense():
     assert p.decision == "dense" and "gap too high" in p.reason and "of dense bytes" in p.reason
 
 
+def test_channel_gap_rejects_massive_channel_layers():
+    """One output channel with a huge activation energy: the plain output gap is met by keeping
+    that channel's blocks only; the per-channel gap (default on) refuses it."""
+    rng = np.random.default_rng(4)
+    K, N, B = 256, 64, 32
+    W = (rng.standard_normal((K, N)) * 0.02).astype(np.float32)
+    W[:, 0] *= 300.0
+    G = _gram(rng, K)
+    on = ps.ProcConfig(enabled=True, fanout="all", gap=0.05, speed_check=False, shed_eps=0.0)
+    off = ps.ProcConfig(enabled=True, fanout="all", gap=0.05, speed_check=False, shed_eps=0.0, channel_gap=False)
+    p_off = ps.plan_layer(W, G, off, 1)
+    assert p_off.decision == "procsparse" and p_off.layer.gap_channels > 0.5
+    p_on = ps.plan_layer(W, G, on, 1)
+    assert p_on.decision == "dense" and "per-channel" in p_on.reason
+
+
 # --------------------------------------------------------------------------- rewriter end to end
 def _run_cli(*args):
     p = subprocess.run([sys.executable, "-m", "rewriter.cli", *map(str, args)], capture_output=True, text=True,
