@@ -65,8 +65,9 @@ def add_shared_flags(p) -> None:
 
 def weight_backends():
     from . import tt
+    from . import procsparse
 
-    return [tt.BACKEND]
+    return [tt.BACKEND, procsparse.BACKEND]
 
 
 def graph_passes():

@@ -48,6 +48,7 @@ class LayerRecord:
     rank: list[int] | None = None
     method: str | None = None
     speed: dict | None = None
+    extra: dict | None = None       # backend-specific report fields (fanout, blocks, tried …)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -138,7 +139,8 @@ def run(cfg: RewriteConfig) -> dict:
         else:
             last = reasons[-1]
             records[c.name] = LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params,
-                                          last.gap, "; ".join(p.reason for p in reasons), speed=last.speed or None)
+                                          last.gap, "; ".join(p.reason for p in reasons), speed=last.speed or None,
+                                          extra=_extra(last))
     bar.close()
 
     # end-to-end quality guard: per-layer gaps compound; keep the largest set of rewritten layers
@@ -187,7 +189,11 @@ def _cfg_dict(c) -> dict:
 def _record(c, plan) -> LayerRecord:
     return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], plan.decision, c.params, plan.params_after,
                        plan.gap, plan.reason, rank=plan.attrs.get("rank"), method=plan.attrs.get("method"),
-                       speed=plan.speed or None)
+                       speed=plan.speed or None, extra=_extra(plan))
+
+
+def _extra(plan) -> dict | None:
+    return {k: v for k, v in plan.attrs.items() if k not in ("rank", "method")} or None
 
 
 # --------------------------------------------------------------------------- quality guard

@@ -8,6 +8,7 @@
 #include "isa.h"
 #include "metrics.h"
 #include "ort_common.h"
+#include "proc_sparse.h"
 #include "tt_matmul.h"
 
 #define ORTLEAN_EXPORT extern "C" __attribute__((visibility("default")))
@@ -43,6 +44,15 @@ TTMatMulOp& tt_matmul_op() {
   return *op;
 }
 
+ProcSparseMatMulOp& proc_sparse_matmul_op() {
+  static ProcSparseMatMulOp* op = [] {
+    auto* o = new ProcSparseMatMulOp();
+    o->version = kOrtApiVersion;
+    return o;
+  }();
+  return *op;
+}
+
 constexpr const char* kDomain = "ai.ortlean";
 
 }  // namespace
@@ -66,6 +76,7 @@ ORTLEAN_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* opti
     OrtCustomOpDomain* domain = nullptr;
     Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &tt_matmul_op()));
+    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &proc_sparse_matmul_op()));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   });
 }

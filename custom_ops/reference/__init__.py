@@ -1,9 +1,11 @@
 """Numpy references of every ortlean op: the normative semantics, the oracle of the tests, and —
 through onnxruntime-extensions (see `ext`) — a way to run any rewritten model without the C++
 library: `custom_ops.session(model, backend="reference")`."""
+from .procsparse import hash_base, proc_full, proc_sparse_matmul
 from .tt import lowrank_cores, tt_full, tt_matmul, tt_params
 
-__all__ = ["tt_matmul", "tt_full", "lowrank_cores", "tt_params", "OPS"]
+__all__ = ["tt_matmul", "tt_full", "lowrank_cores", "tt_params", "OPS",
+           "proc_sparse_matmul", "proc_full", "hash_base"]
 
 
 def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
@@ -14,4 +16,5 @@ def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
 # op_type → (callable(*inputs, **attributes), number of inputs incl. optional ones)
 OPS = {
     "TTMatMul": (_tt_op, 6),
+    "ProcSparseMatMul": (proc_sparse_matmul, 5),
 }

@@ -25,6 +25,16 @@ _ATTR_TYPES: dict[str, dict[str, int]] = {
                  "method": AttributeProto.STRING, "gap": AttributeProto.FLOAT, "params_dense": AttributeProto.INT,
                  "params_stored": AttributeProto.INT, "speedup": AttributeProto.FLOAT, "layer": AttributeProto.STRING,
                  "target": AttributeProto.STRING},
+    "ProcSparseMatMul": {"shape": AttributeProto.INTS, "block": AttributeProto.INT, "seed": AttributeProto.INT,
+                         "base_scale": AttributeProto.FLOAT, "fanout": AttributeProto.INT, "watermark": AttributeProto.INT,
+                         "shed_eps": AttributeProto.FLOAT, "trims": AttributeProto.INT, "gap": AttributeProto.FLOAT,
+                         "params_dense": AttributeProto.INT, "params_stored": AttributeProto.INT,
+                         "bytes_stored": AttributeProto.INT, "speedup": AttributeProto.FLOAT,
+                         "layer": AttributeProto.STRING, "target": AttributeProto.STRING},
+}
+# input element types other than all-float32 (index → onnxruntime_extensions PyCustomOpDef dt_* name)
+_INPUT_TYPES: dict[str, dict[int, str]] = {
+    "ProcSparseMatMul": {1: "dt_int32", 2: "dt_int32"},
 }
 
 
@@ -57,7 +67,8 @@ def register() -> None:
                   for k, v in attrs.items()}
             return np.ascontiguousarray(_fn(*args, **kw), dtype=np.float32)
 
-        onnx_op(op_type=f"ortlean_{op_type}", inputs=[PyCustomOpDef.dt_float] * n_inputs,
+        in_types = [getattr(PyCustomOpDef, _INPUT_TYPES.get(op_type, {}).get(i, "dt_float")) for i in range(n_inputs)]
+        onnx_op(op_type=f"ortlean_{op_type}", inputs=in_types,
                 outputs=[PyCustomOpDef.dt_float], attrs={k: _dt(t) for k, t in types.items()})(body)
     _registered = True
 
