@@ -23,9 +23,9 @@ const GatingKernels& gating_kernels() {
 namespace {
 
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
-constexpr int64_t kGrain = 96 * 1024;  // weights per matvec task (memory-bound)
+constexpr int64_t kGrain = 320 * 1024;  // weights per matvec task (memory-bound; ORT dispatch costs ~us)
 constexpr int64_t kMaxTasks = 16;
-constexpr int64_t kMinCols = 64;
+constexpr int64_t kMinCols = 384;
 
 std::string shape_str(const std::vector<int64_t>& s) {
   std::ostringstream o;
@@ -62,6 +62,7 @@ struct GatingCall {
   float* ytmp;   // [N]
   int32_t* idx;  // [K]
   int32_t* ord;  // [nb]
+  float* ptmp = nullptr;  // [kMaxTasks, N] partial sums
   // per-call metric accumulators
   double kept = 0, chans = 0, duty_hits = 0, density_sum = 0, density_rows = 0, active = 0, pack_dense = 0;
   double ev_ms = 0, ev_quorum = 0, ev_checks = 0, ev_disables = 0, ev_rows = 0;
@@ -70,22 +71,44 @@ struct GatingCall {
   int64_t blk0(int64_t b) const { return b * k.a_.block; }
   int64_t blk1(int64_t b) const { return std::min(k.K_, (b + 1) * k.a_.block); }
 
-  // y[0:N] = x . W over the listed rows (all rows when idx == nullptr), columns split on the pool
+  // y[0:N] (+)= x . W over the listed rows (all rows when rows == nullptr: v = x), split on the
+  // pool by columns (wide outputs) or by rows with partial sums (narrow outputs).
   void matvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const {
-    const int64_t K = k.K_, N = k.N_;
-    const int64_t work = (rows ? n : K) * N;
+    const int64_t N = k.N_;
+    if (!rows) {
+      rows = k.iota_.data();
+      v = x;
+      n = k.K_;
+    }
+    const int64_t work = n * N;
     int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrain));
-    int64_t chunk = std::max<int64_t>(kMinCols, ((N + nt - 1) / nt + 15) / 16 * 16);
-    nt = (N + chunk - 1) / chunk;
+    if (nt == 1) {
+      gk.gather_axpy(rows, v, n, k.W_, N, y, N, acc ? 1 : 0);
+      return;
+    }
+    if (N / nt >= kMinCols) {
+      const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;
+      nt = (N + chunk - 1) / chunk;
+      auto task = [&](size_t t) noexcept {
+        const int64_t c0 = static_cast<int64_t>(t) * chunk;
+        gk.gather_axpy(rows, v, n, k.W_ + c0, N, y + c0, std::min(chunk, N - c0), acc ? 1 : 0);
+      };
+      parallel_for(ctx, static_cast<size_t>(nt), task);
+      return;
+    }
+    // split the rows; partial sums in ptmp [nt, N]
+    const int64_t rchunk = (n + nt - 1) / nt;
+    nt = (n + rchunk - 1) / rchunk;
     auto task = [&](size_t t) noexcept {
-      const int64_t c0 = static_cast<int64_t>(t) * chunk;
-      const int64_t nc = std::min(chunk, N - c0);
-      if (rows)
-        gk.gather_axpy(rows, v, n, k.W_ + c0, N, y + c0, nc, acc ? 1 : 0);
-      else
-        kr.sgemm_nn(1, nc, K, x, K, k.W_ + c0, N, y + c0, N);
+      const int64_t r0 = static_cast<int64_t>(t) * rchunk;
+      gk.gather_axpy(rows + r0, v + r0, std::min(rchunk, n - r0), k.W_, N, ptmp + t * N, N, 0);
     };
     parallel_for(ctx, static_cast<size_t>(nt), task);
+    for (int64_t o = 0; o < N; ++o) {
+      float s = acc ? y[o] : 0.0f;
+      for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];
+      y[o] = s;
+    }
   }
 
   // Gating of one row: writes x~ into xt, the kept block mask into keep (uint8 as float 0/1 in
@@ -441,6 +464,8 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const OrtApi&, const OrtKernelInf
          std::to_string(a.kwta_k));
   S_ = kHdr + K_ + N_ + 2 * nb_;
   stateful_ = a.event || a.kwta_duty > 1;
+  iota_.resize(static_cast<size_t>(K_));
+  for (int64_t j = 0; j < K_; ++j) iota_[static_cast<size_t>(j)] = static_cast<int32_t>(j);
   norms_.resize(static_cast<size_t>(K_));
   for (int64_t j = 0; j < K_; ++j) {
     double s = 0;
@@ -556,7 +581,7 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
 
   // buffers: x~ rows [M, K], per-row masks, per-row work
   RowScratch& rs = row_scratch();
-  const size_t nf = static_cast<size_t>(M * K_ + 3 * K_ + N_ + 2 * nb_ + 64);
+  const size_t nf = static_cast<size_t>(M * K_ + 3 * K_ + N_ + 2 * nb_ + 64 + kMaxTasks * N_);
   if (rs.f.size() < nf) rs.f.resize(nf + nf / 4);
   const size_t ni = static_cast<size_t>(K_ + nb_ + 16);
   if (rs.i.size() < ni) rs.i.resize(ni + ni / 4);
@@ -569,11 +594,31 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
   c.vals = c.bs + nb_ + 16;
   c.ytmp = c.vals + K_;
   c.ord = c.idx + K_;
+  c.ptmp = c.ytmp + N_ + 16;
   int64_t* nkeep = rs.i64.data();
   uint8_t* pending = masks + 2 * M * nb_;  // rows left for the batched product
   std::fill(pending, pending + M, 0);
   int64_t npending = 0;
   double kept_frac_pending = 0;
+
+  // fast path (the planner's decode case): one stateless row, per-channel KWTA threshold:
+  // mask, indices and values in one pass over x, then the row-skipping matvec
+  if (M == 1 && !stateful_ && a.kwta && a.kwta_select == 0 && a.block == 1 && !a.pack && !a.kwta_renorm) {
+    const int64_t n = c.gk.threshold_compress(X, a.score_xw ? norms_.data() : nullptr, a.kwta_threshold, K_, c.idx,
+                                              c.vals);
+    if (n == K_)
+      c.matvec(X, nullptr, nullptr, 0, Y, false);
+    else if (n == 0)
+      std::fill(Y, Y + N_, 0.0f);
+    else
+      c.matvec(nullptr, c.idx, c.vals, n, Y, false);
+    metrics::add(m_calls_, 1.0);
+    metrics::add(m_rows_, 1.0);
+    metrics::add(m_kept_, static_cast<double>(n));
+    metrics::add(m_chan_, static_cast<double>(K_));
+    metrics::set(m_keep_, static_cast<double>(n) / static_cast<double>(K_));
+    return;
+  }
 
   for (int64_t b = 0; b < B; ++b) {
     float* st = stateful_ ? st_out + b * S_ : nullptr;

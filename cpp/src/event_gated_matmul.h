@@ -43,6 +43,7 @@ class EventGatedMatMulKernel {
   bool stateful_ = false;
   const float* W_ = nullptr;   // the constant initializer (owned by the session)
   AlignedBuf norms_;           // ||W_k|| per row
+  std::vector<int32_t> iota_;  // 0..K-1 (the dense path is the row kernel over every row)
   metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr, *m_keep_ = nullptr, *m_duty_ = nullptr,
                  *m_density_ = nullptr, *m_active_ = nullptr, *m_pack_dense_ = nullptr, *m_ev_enabled_ = nullptr,
                  *m_ev_ms_ = nullptr, *m_ev_quorum_ = nullptr, *m_ev_topk_ = nullptr, *m_ev_gap_ = nullptr,

@@ -14,6 +14,9 @@ struct GatingKernels {
                       int64_t ncols, int acc);
   // score[k] = |x[k]| * norm[k] (norm may be null: |x[k]|)
   void (*abs_scale)(const float* x, const float* norm, float* score, int64_t n);
+  // Channels with |x[k]| * norm[k] > thr (norm may be null): their indices and values, in order;
+  // returns how many (the KWTA threshold mask built in one pass over x).
+  int64_t (*threshold_compress)(const float* x, const float* norm, float thr, int64_t n, int32_t* idx, float* vals);
 };
 
 const GatingKernels* gating_kernels_scalar();
