@@ -447,3 +447,20 @@ def test_isa_paths(isa):
     if res["isa"] != isa:
         pytest.skip(f"CPU has no {isa} (ran {res['isa']})")
     assert not res["bad"], res["bad"]
+
+
+def test_reference_backend_runs_the_op():
+    """The same model on the onnxruntime-extensions reference ops gives the reference's numbers."""
+    rng = np.random.default_rng(13)
+    K, N = 40, 24
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    for a in (dict(kwta=1, kwta_threshold=0.5), dict(event=1, event_topk=0.5, event_gap_every=0)):
+        s = custom_ops.session(gate_model(W, a), backend="reference")
+        xs = _stream(rng, 4, K, 0.2)[None]
+        y, st = run(s, xs[:, :2])
+        yr, sr = event_gated_matmul(xs[:, :2], W, None, **a)
+        np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5)
+        if stateful(a):
+            y, st = run(s, xs[:, 2:3], st)
+            yr, sr = event_gated_matmul(xs[:, 2:3], W, sr, **a)
+            np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5)

@@ -2,8 +2,9 @@
 through onnxruntime-extensions (see `ext`) — a way to run any rewritten model without the C++
 library: `custom_ops.session(model, backend="reference")`."""
 from .tt import lowrank_cores, tt_full, tt_matmul, tt_params
+from .gating import event_gated_matmul
 
-__all__ = ["tt_matmul", "tt_full", "lowrank_cores", "tt_params", "OPS"]
+__all__ = ["tt_matmul", "tt_full", "lowrank_cores", "tt_params", "event_gated_matmul", "OPS"]
 
 
 def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
@@ -11,7 +12,19 @@ def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
     return tt_matmul(x, cores, x_scale)
 
 
-# op_type → (callable(*inputs, **attributes), number of inputs incl. optional ones)
+def _gate_op(x, w, state=None, **attrs):
+    import numpy as np
+
+    y, st = event_gated_matmul(x, w, state, **attrs)
+    if st is None:
+        b = int(np.prod(x.shape[:-2])) if x.ndim >= 3 else int(np.prod(x.shape[:-1]))
+        st = np.zeros((b, 0), np.float32)
+    return y, st
+
+
+# op_type → (callable(*inputs, **attributes), number of inputs incl. optional ones
+#            [, number of outputs incl. optional ones (default 1); callables then return a tuple])
 OPS = {
     "TTMatMul": (_tt_op, 6),
+    "EventGatedMatMul": (_gate_op, 3, 2),
 }
