@@ -64,9 +64,9 @@ def add_shared_flags(p) -> None:
 
 
 def weight_backends():
-    from . import tt
+    from . import gating, tt
 
-    return [tt.BACKEND]
+    return [tt.BACKEND, gating.BACKEND]
 
 
 def graph_passes():
