@@ -464,3 +464,24 @@ def test_reference_backend_runs_the_op():
             y, st = run(s, xs[:, 2:3], st)
             yr, sr = event_gated_matmul(xs[:, 2:3], W, sr, **a)
             np.testing.assert_allclose(y, yr, rtol=1e-5, atol=1e-5)
+
+
+def test_event_budget_stops_after_first_chunk():
+    """A budget that is spent at once: the kernel applies the first chunk (256 rows, highest
+    priority first) and leaves the rest stale = the reference with topk = 256 rows."""
+    rng = np.random.default_rng(14)
+    K, N = 1024, 64
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    a = dict(event=1, event_budget_ms=1e-6, event_gap_every=0)
+    s = sess(gate_model(W, a, name="budget"))
+    x0 = rng.standard_normal((1, 1, K)).astype(np.float32)
+    x1 = rng.standard_normal((1, 1, K)).astype(np.float32)
+    _, st = run(s, x0)
+    custom_ops.reset_metrics()
+    y, st1 = run(s, x1, st)
+    ref = dict(event=1, event_topk=256 / K, event_gap_every=0)
+    _, sr = event_gated_matmul(x0, W, None, **ref)
+    yr, sr1 = event_gated_matmul(x1, W, sr, **ref)
+    np.testing.assert_allclose(y, yr, rtol=1e-4, atol=1e-3)
+    m = custom_ops.metrics()["budget"]
+    assert m["event.topk_kept"] == pytest.approx(0.25) and m["event.budget_ms_used"] > 0
