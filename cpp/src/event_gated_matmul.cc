@@ -346,7 +346,8 @@ struct GatingCall {
     ev_topk_last = static_cast<double>(done_blocks) / static_cast<double>(nb);
     ev_stale_last = 100.0 * static_cast<double>(stale) / static_cast<double>(nb);
     std::memcpy(y, ycache, sizeof(float) * N);
-    if (a.event_gap_every > 0 && step % a.event_gap_every == 0) {
+    const int64_t ge = a.event_gap_every;  // checks on steps 1, 2, 4, ... (< ge), then every ge
+    if (ge > 0 && (step % ge == 0 || (step < ge && (step & (step - 1)) == 0))) {
       matvec(xt, nullptr, nullptr, 0, ytmp, false);
       double num = 0, den = 0;
       for (int64_t o = 0; o < N; ++o) {

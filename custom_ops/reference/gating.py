@@ -25,7 +25,8 @@ block may be shorter) — take part, in one ordering:
    index) until event_topk · nb blocks are taken or their Σe_b reaches event_quorum · Σ_eligible e_b
    (or, in the kernel only, the event_budget_ms time budget runs out). Taken blocks:
    y_cache += d_b · W_b, x_ref_b = x̃_b, age_b = 0; others age_b += 1. Y = y_cache.
-   Every event_gap_every steps the row is computed densely too: gap = ‖y − x̃W‖ / ‖x̃W‖; the output
+   On steps 1, 2, 4, … (< event_gap_every) and then every event_gap_every steps the row is
+   computed densely too (checks are frequent at the start of a sequence): gap = ‖y − x̃W‖ / ‖x̃W‖; the output
    of that step is x̃W and the cache is resynchronised; gap > event_gap_tol disables event mode for
    the rest of the sequence (state flag).
 
@@ -214,7 +215,7 @@ def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step):
             age[i] += 1.0
     y = ycache
     ge = int(a["event_gap_every"])
-    if ge > 0 and step % ge == 0:
+    if ge > 0 and (step % ge == 0 or (step < ge and step & (step - 1) == 0)):  # 1, 2, 4, … then every ge
         yf = xt @ Wd
         nf = float(np.linalg.norm(yf))
         gap = float(np.linalg.norm(y - yf)) / nf if nf > 0 else float(np.linalg.norm(y - yf))
