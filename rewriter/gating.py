@@ -364,7 +364,7 @@ class GatingBackend:
             trials.append({"layers": len(chosen), "loss": v})
             return v
 
-        def search(group, share) -> None:
+        def search(group, share) -> int:
             lo, hi = -1, len(GAP_GRID) - 1  # largest g index whose loss ≤ share·budget
             best = None
             while lo < hi:
@@ -379,10 +379,28 @@ class GatingBackend:
                     hi = mid - 1
             if best is not None:
                 choice.update({c.name: best[c.name] for c in group})
+            return lo
 
-        search(down, cfg.kwta_budget_share if rest else 1.0)
+        def step_up(group, at) -> int:
+            """Spend what the coarse search left: raise the group's gap target one grid step
+            at a time while the whole model stays within the budget."""
+            while at + 1 < len(GAP_GRID):
+                ch = dict(choice)
+                for c in group:
+                    ch[c.name] = pick(curves[c.name], GAP_GRID[at + 1])
+                if all(ch[c.name] is choice[c.name] for c in group):
+                    at += 1
+                    continue
+                if loss_with(ch) > budget:
+                    break
+                choice.update({c.name: ch[c.name] for c in group})
+                at += 1
+            return at
+
+        at_down = search(down, cfg.kwta_budget_share if rest else 1.0)
         if rest:
             search(rest, 1.0)
+            step_up(down, at_down)
         ctx.extra["gating_global"] = choice
         ctx.extra["gating_trials"] = trials
         return choice
