@@ -53,7 +53,7 @@ def test_down_proj_half_kept_costs_little(smol, novels, tmp_path):
 
 def test_event_mode_disables_itself_on_text(smol, tmp_path, novels):
     out = tmp_path / "event.onnx"
-    rc = cli.main(["rewrite", str(smol), "-o", str(out), "--event-driven=on", "--include", "*layers.1[0-4].mlp*",
+    rc = cli.main(["rewrite", str(smol), "-o", str(out), "--event-driven=on", "--include", "*layers.1[0-4]/mlp/*",
                    "--event-gap-every", "4", "--quality-budget", "off", "-q"])
     assert rc == 0
     s = custom_ops.session(str(out), threads=2)
