@@ -28,7 +28,7 @@ from .errors import OrtleanError
 
 TARGETS = ("mlp", "attn")
 KEEP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
-GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 16))
+GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 31))
 
 
 def _onoff(v: str) -> bool:
