@@ -28,7 +28,11 @@ from .errors import OrtleanError
 
 TARGETS = ("mlp", "attn")
 KEEP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
-GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 31))
+# Per-layer gap targets the planner bisects over. A finer grid (31 steps) spent the budget more
+# fully on the calibration probe (+1.79 % at a 2 % budget) but measured +2.87 % on held-out
+# Persuasion with no decode gain (1.11x vs 1.10x): the 16-step grid leaves margin (+1.17 % probe,
+# +1.54 % held out).
+GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 16))
 
 
 def _onoff(v: str) -> bool:
