@@ -64,10 +64,9 @@ def add_shared_flags(p) -> None:
 
 
 def weight_backends():
-    from . import tt
-    from . import procsparse
+    from . import gating, procsparse, tt
 
-    return [tt.BACKEND, procsparse.BACKEND]
+    return [tt.BACKEND, procsparse.BACKEND, gating.BACKEND]
 
 
 def graph_passes():

@@ -55,7 +55,9 @@ def _with_extra_outputs(model_path: Path, names: list[str]) -> bytes:
 
 def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_path: str | os.PathLike,
                   tokenizer: str | None = None, max_tokens: int = 4096, window: int = 256,
-                  threads: int | None = None, progress: bool = True) -> dict[str, Gram]:
+                  threads: int | None = None, progress: bool = True, hook=None) -> dict[str, Gram]:
+    """Gram XᵀX of every value in `value_names` over the calibration windows. `hook(name, x2d)` (optional) also sees every calibration activation [rows, K] of every
+    captured value (backends that need more than Grams, e.g. activation quantiles, sample them)."""
     import onnxruntime as ort
     from tqdm.auto import tqdm
 
@@ -87,6 +89,8 @@ def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_pa
         for n, x in zip(names, outs):
             x = np.asarray(x, dtype=np.float32)
             x = x.reshape(-1, x.shape[-1])
+            if hook is not None:
+                hook(n, x)
             g = x.T @ x  # float32 per window (≤ a few hundred rows), accumulated in float64
             if n in grams:
                 grams[n].G += g

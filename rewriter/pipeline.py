@@ -68,7 +68,7 @@ def run(cfg: RewriteConfig) -> dict:
     t0 = time.time()
     wbs = [b for b in reg.weight_backends() if b.name in cfg.backends and cfg.backends[b.name].enabled]
     if not wbs:
-        raise OrtleanError("no backend enabled: pass --tt=on")
+        raise OrtleanError("no backend enabled: pass --tt=on, --kwta=on, --event-driven=on or --state-pack=... --state-pack-target=mlp")
     if cfg.quality_budget is not None and not (cfg.quality_budget > 0):
         raise OrtleanError(f"--quality-budget {cfg.quality_budget}: must be > 0 (or 'off')")
     inp = Path(cfg.model)
@@ -107,8 +107,12 @@ def run(cfg: RewriteConfig) -> dict:
     ctx = reg.Context(model_path=str(inp), io=io, speed_M=1 if io.kind == "causal-lm" else 128,
                       threads=cfg.threads, calib_text=cfg.calib_text, tokenizer=cfg.tokenizer)
 
+    ctx.extra["todo"] = todo
+    ctx.extra["rewrite_cfg"] = cfg
     # calibration (one run, shared by all backends and layers)
     grams = {}
+    hooks = [h for b in wbs if hasattr(b, "calibration_hook")
+             for h in [b.calibration_hook(cfg.backends[b.name], ctx)] if h is not None]
     if any(b.needs_calibration(cfg.backends[b.name]) for b in wbs):
         if not cfg.calib_text:
             raise OrtleanError("activation-aware planning needs --calib-text FILE (for TT, --tt-whiten=none skips it: "
@@ -116,7 +120,8 @@ def run(cfg: RewriteConfig) -> dict:
         from .calibrate import collect_grams
 
         grams = collect_grams(inp, [c.input.name for c in todo], cfg.calib_text, cfg.tokenizer,
-                              cfg.calib_tokens, cfg.calib_window, progress=cfg.progress)
+                              cfg.calib_tokens, cfg.calib_window, progress=cfg.progress,
+                              hook=(lambda n, x: [h(n, x) for h in hooks]) if hooks else None)
 
     # plan every layer; the first weight backend that does not say "dense" takes it
     chosen: list[tuple] = []        # (cand, backend, plan)
@@ -237,7 +242,8 @@ class QualityProbe:
         so.intra_op_num_threads = self.threads
         sess = _any_session(model_bytes_or_path, so)
         if self.io.kind == "causal-lm":
-            nll = runner.perplexity(sess, self.io, self.ids, window=self.window)["nll"]
+            io = runner.ModelIO.from_session(sess)  # a rewrite may add state inputs (event caches)
+            nll = runner.perplexity(sess, io, self.ids, window=self.window)["nll"]
             return float(np.exp(nll - self.ref) - 1.0)
         e = runner.embeddings(sess, self.io, self.tok, self.sents)
         cos = np.sum(e * self.ref, axis=1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(self.ref, axis=1) + 1e-30)

@@ -10,6 +10,7 @@
 #include "ort_common.h"
 #include "proc_sparse.h"
 #include "tt_matmul.h"
+#include "event_gated_matmul.h"
 
 #define ORTLEAN_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -47,6 +48,9 @@ TTMatMulOp& tt_matmul_op() {
 ProcSparseMatMulOp& proc_sparse_matmul_op() {
   static ProcSparseMatMulOp* op = [] {
     auto* o = new ProcSparseMatMulOp();
+EventGatedMatMulOp& event_gated_matmul_op() {
+  static EventGatedMatMulOp* op = [] {
+    auto* o = new EventGatedMatMulOp();
     o->version = kOrtApiVersion;
     return o;
   }();
@@ -77,6 +81,7 @@ ORTLEAN_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* opti
     Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &tt_matmul_op()));
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &proc_sparse_matmul_op()));
+    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &event_gated_matmul_op()));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   });
 }

@@ -3,9 +3,10 @@ through onnxruntime-extensions (see `ext`) — a way to run any rewritten model 
 library: `custom_ops.session(model, backend="reference")`."""
 from .procsparse import hash_base, proc_full, proc_sparse_matmul
 from .tt import lowrank_cores, tt_full, tt_matmul, tt_params
+from .gating import event_gated_matmul
 
 __all__ = ["tt_matmul", "tt_full", "lowrank_cores", "tt_params", "OPS",
-           "proc_sparse_matmul", "proc_full", "hash_base"]
+           "proc_sparse_matmul", "proc_full", "hash_base", "event_gated_matmul"]
 
 
 def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
@@ -13,8 +14,20 @@ def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
     return tt_matmul(x, cores, x_scale)
 
 
-# op_type → (callable(*inputs, **attributes), number of inputs incl. optional ones)
+def _gate_op(x, w, state=None, **attrs):
+    import numpy as np
+
+    y, st = event_gated_matmul(x, w, state, **attrs)
+    if st is None:
+        b = int(np.prod(x.shape[:-2])) if x.ndim >= 3 else int(np.prod(x.shape[:-1]))
+        st = np.zeros((b, 0), np.float32)
+    return y, st
+
+
+# op_type → (callable(*inputs, **attributes), number of inputs incl. optional ones
+#            [, number of outputs incl. optional ones (default 1); callables then return a tuple])
 OPS = {
     "TTMatMul": (_tt_op, 6),
     "ProcSparseMatMul": (proc_sparse_matmul, 5),
+    "EventGatedMatMul": (_gate_op, 3, 2),
 }

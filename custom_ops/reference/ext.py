@@ -31,11 +31,30 @@ _ATTR_TYPES: dict[str, dict[str, int]] = {
                          "params_dense": AttributeProto.INT, "params_stored": AttributeProto.INT,
                          "bytes_stored": AttributeProto.INT, "speedup": AttributeProto.FLOAT,
                          "layer": AttributeProto.STRING, "target": AttributeProto.STRING},
+    "EventGatedMatMul": {
+        **{k: AttributeProto.INT for k in ("block", "kwta", "kwta_k", "kwta_duty", "kwta_renorm", "event",
+                                           "event_gap_every", "event_age_max", "dense_prefill", "params_dense",
+                                           "params_stored")},
+        **{k: AttributeProto.FLOAT for k in ("pack_eps", "pack_rho", "kwta_threshold", "kwta_mass", "kwta_temp",
+                                             "event_topk", "event_quorum", "event_theta", "event_budget_ms",
+                                             "event_gap_tol", "event_beta", "event_lambda", "gap", "keep_ratio")},
+        **{k: AttributeProto.STRING for k in ("pack", "kwta_select", "kwta_score", "layer", "target")},
+    },
 }
 # input element types other than all-float32 (index → onnxruntime_extensions PyCustomOpDef dt_* name)
 _INPUT_TYPES: dict[str, dict[int, str]] = {
     "ProcSparseMatMul": {1: "dt_int32", 2: "dt_int32"},
 }
+
+
+def _attr_defaults(op_type: str) -> dict:
+    """Values for attributes a node may omit (onnxruntime-extensions Python ops need them all)."""
+    if op_type == "EventGatedMatMul":
+        from .gating import DEFAULTS
+
+        return {**DEFAULTS, "gap": 0.0, "keep_ratio": 1.0, "params_dense": 0, "params_stored": 0, "layer": "",
+                "target": "mlp"}
+    return {}
 
 
 def library_path() -> str:
@@ -57,19 +76,24 @@ def register() -> None:
         return
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
-    for op_type, (fn, n_inputs) in OPS.items():
+    for op_type, spec in OPS.items():
+        fn, n_inputs = spec[0], spec[1]
+        n_outputs = spec[2] if len(spec) > 2 else 1
         types = _ATTR_TYPES[op_type]
 
-        def body(*inputs, _fn=fn, _types=types, **attrs):
+        def body(*inputs, _fn=fn, _types=types, _n_out=n_outputs, **attrs):
             args = [None if (i is not None and np.asarray(i).size == 0 and k > 0) else np.asarray(i)
                     for k, i in enumerate(inputs)]
             kw = {k: (json.loads(v) if _types.get(k) in (AttributeProto.INTS, AttributeProto.FLOATS) else v)
                   for k, v in attrs.items()}
-            return np.ascontiguousarray(_fn(*args, **kw), dtype=np.float32)
+            out = _fn(*args, **kw)
+            if _n_out > 1:
+                return tuple(np.ascontiguousarray(o, dtype=np.float32) for o in out)
+            return np.ascontiguousarray(out, dtype=np.float32)
 
         in_types = [getattr(PyCustomOpDef, _INPUT_TYPES.get(op_type, {}).get(i, "dt_float")) for i in range(n_inputs)]
         onnx_op(op_type=f"ortlean_{op_type}", inputs=in_types,
-                outputs=[PyCustomOpDef.dt_float], attrs={k: _dt(t) for k, t in types.items()})(body)
+                outputs=[PyCustomOpDef.dt_float] * n_outputs, attrs={k: _dt(t) for k, t in types.items()})(body)
     _registered = True
 
 
@@ -83,6 +107,12 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type not in OPS:
             raise ValueError(f"node {node.name!r}: no reference for {DOMAIN}::{node.op_type}")
         n_inputs = OPS[node.op_type][1]
+        n_outputs = OPS[node.op_type][2] if len(OPS[node.op_type]) > 2 else 1
+        if len(node.output) < n_outputs or any(o == "" for o in node.output):
+            outs = [o or f"{node.name or node.op_type}.ortlean_unused{k}" for k, o in enumerate(node.output)]
+            outs += [f"{node.name or node.op_type}.ortlean_unused{k}" for k in range(len(outs), n_outputs)]
+            del node.output[:]
+            node.output.extend(outs)
         ins = list(node.input) + [""] * (n_inputs - len(node.input))
         if any(i == "" for i in ins):
             need_empty = True
@@ -96,6 +126,10 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
                 attrs.append(helper.make_attribute(a.name, json.dumps(v)))
             else:
                 attrs.append(a)
+        have = {a.name for a in attrs}
+        for k, v in _attr_defaults(node.op_type).items():
+            if k not in have and k in _ATTR_TYPES[node.op_type]:
+                attrs.append(helper.make_attribute(k, v))
         del node.attribute[:]
         node.attribute.extend(attrs)
         node.op_type = f"ortlean_{node.op_type}"

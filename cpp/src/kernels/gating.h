@@ -1,0 +1,26 @@
+// Per-ISA kernels of EventGatedMatMul (row-skipping matvec). Same rules as kernels.h: plain
+// C-like, included by -mavx* translation units.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace ortlean {
+
+struct GatingKernels {
+  const char* name;
+  // y[0:ncols] (+)= sum_j v[j] * W[idx[j] * ldw + 0:ncols]: reads only the listed rows of W
+  // (prefetching ahead, several rows per pass). acc = 0 overwrites y.
+  void (*gather_axpy)(const int32_t* idx, const float* v, int64_t n, const float* W, int64_t ldw, float* y,
+                      int64_t ncols, int acc);
+  // score[k] = |x[k]| * norm[k] (norm may be null: |x[k]|)
+  void (*abs_scale)(const float* x, const float* norm, float* score, int64_t n);
+  // Channels with |x[k]| * norm[k] > thr (norm may be null): their indices and values, in order;
+  // returns how many (the KWTA threshold mask built in one pass over x).
+  int64_t (*threshold_compress)(const float* x, const float* norm, float thr, int64_t n, int32_t* idx, float* vals);
+};
+
+const GatingKernels* gating_kernels_scalar();
+const GatingKernels* gating_kernels_avx2();
+const GatingKernels* gating_kernels_avx512();
+
+}  // namespace ortlean
