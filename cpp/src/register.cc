@@ -48,6 +48,12 @@ TTMatMulOp& tt_matmul_op() {
 ProcSparseMatMulOp& proc_sparse_matmul_op() {
   static ProcSparseMatMulOp* op = [] {
     auto* o = new ProcSparseMatMulOp();
+    o->version = kOrtApiVersion;
+    return o;
+  }();
+  return *op;
+}
+
 EventGatedMatMulOp& event_gated_matmul_op() {
   static EventGatedMatMulOp* op = [] {
     auto* o = new EventGatedMatMulOp();
