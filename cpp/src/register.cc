@@ -9,6 +9,7 @@
 #include "metrics.h"
 #include "ort_common.h"
 #include "tt_matmul.h"
+#include "packed_attention.h"
 
 #define ORTLEAN_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -43,6 +44,15 @@ TTMatMulOp& tt_matmul_op() {
   return *op;
 }
 
+PackedAttentionOp& packed_attention_op() {
+  static PackedAttentionOp* op = [] {
+    auto* o = new PackedAttentionOp();
+    o->version = kOrtApiVersion;
+    return o;
+  }();
+  return *op;
+}
+
 constexpr const char* kDomain = "ai.ortlean";
 
 }  // namespace
@@ -66,6 +76,7 @@ ORTLEAN_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* opti
     OrtCustomOpDomain* domain = nullptr;
     Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &tt_matmul_op()));
+    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &packed_attention_op()));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   });
 }
