@@ -63,6 +63,7 @@ PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo*
   try_attribute(info, "window", window_);
   try_attribute(info, "min_context", min_context_);
   try_attribute(info, "qbits", qbits_);
+  try_attribute(info, "approx_prefill", approx_prefill_);
   if (mode == "sign")
     mode_ = kSign;
   else if (mode == "ternary")
@@ -178,8 +179,13 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
   float* Y = ctx.GetOutput(0, {B, Hq, M, Dv}).GetTensorMutableData<float>();
   const bool want_bits = ctx.GetOutputCount() > 1;
 
-  const int64_t C = std::max<int64_t>(min_candidates_, static_cast<int64_t>(std::ceil(static_cast<double>(budget_) * T)));
-  bool exact = M > 1 || T <= min_context_ || !(budget_ > 0 && budget_ < 1) || C >= T;
+  auto n_cand = [&](int64_t t) {
+    return std::max<int64_t>(min_candidates_, static_cast<int64_t>(std::ceil(static_cast<double>(budget_) * t)));
+  };
+  // per-row decisions below; `exact` here: no row can use candidates
+  const bool approx_rows = M == 1 || approx_prefill_ != 0;
+  bool global_exact = !(budget_ > 0 && budget_ < 1);
+  bool exact = global_exact || !approx_rows || (M == 1 && (T <= min_context_ || n_cand(T) >= T));
   const bool need_bits = want_bits || !exact || mix_ > 0;
 
   // ---- key bits: carried rows copied, new rows packed (O(new tokens))
@@ -234,18 +240,19 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       for (int64_t j = 0; j < nw; ++j) set += popc(bits[r * W + j]);
     const double dens = (B * Hkv * T * D) != 0 ? static_cast<double>(set) / static_cast<double>(B * Hkv * T * D) : 0.0;
     metrics::set(m_density_, dens);
-    if (mode_ != kSign && dens > rho_) exact = true;  // auto-disable: packing too dense to help
+    if (mode_ != kSign && dens > rho_) exact = global_exact = true;  // auto-disable: packing too dense to help
   }
   metrics::add(m_calls_, 1.0);
   metrics::add(m_keys_, static_cast<double>(B * Hq * M * T));
   if (!exact) metrics::add(m_active_, 1.0);
+  const bool row_path = M == 1 || !exact || mix_ > 0;
 
   auto mask_row = [&](int64_t b, int64_t h, int64_t m) -> const float* {
     return mask ? mask + b * msb + h * msh + m * msm : nullptr;
   };
 
   // ---- M == 1 (decode) or candidate path: per (b, h, m) rows
-  if (M == 1 || !exact || mix_ > 0) {
+  if (row_path) {
     const int64_t rows = B * Hq * M;
     std::atomic<int64_t> n_cands{0};
     const float L = static_cast<float>((1 << (qbits_ - 1)) - 1);
@@ -257,6 +264,13 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       const float* Kh = K + (b * Hkv + hk) * T * D;
       const float* Vh = V + (b * Hkv + hk) * T * Dv;
       const float* mr = mask_row(b, h, m);
+      // this row's context: all T keys in decode; with approx_prefill, up to the last unmasked key
+      int64_t Tr = T;
+      if (M > 1 && approx_prefill_ && mr) {
+        while (Tr > 0 && !(mr[(Tr - 1) * mst] > -INFINITY)) --Tr;
+      }
+      const int64_t C = n_cand(Tr);
+      const bool exact_row = global_exact || (M > 1 && !approx_prefill_) || Tr <= min_context_ || C >= Tr;
       // scratch: logits [T], approx [T], idx [T] (int64 as 2 floats), q planes
       float* s = task_scratch().get(static_cast<size_t>(4 * T + 2 * 16 * nw + Dv + D + 64));
       float* approx = s + T;
@@ -265,7 +279,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       uint32_t* qn = qp + 16 * nw;
       float* y = reinterpret_cast<float*>(qn + 16 * nw);
       float* qk = y + Dv;  // K^T column gather for bhdt
-      const bool use_approx = !exact || mix_ > 0;
+      const bool use_approx = !exact_row || mix_ > 0;
       if (use_approx) {
         float a = 0.0f;
         for (int64_t d = 0; d < D; ++d) a = std::max(a, std::fabs(q[d]));
@@ -301,15 +315,15 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
           std::fill(approx, approx + T, 0.0f);
         }
       }
-      int64_t n = T;
-      if (exact) {
-        for (int64_t t = 0; t < T; ++t) idx[t] = t;
+      int64_t n = Tr;
+      if (exact_row) {
+        for (int64_t t = 0; t < Tr; ++t) idx[t] = t;
       } else {
         // sinks + window + top of the rest by approx + mask (ties: lower index)
-        const int64_t ns = std::min(sinks_, T), w0 = std::max(ns, T - window_);
+        const int64_t ns = std::min(sinks_, Tr), w0 = std::max(ns, Tr - window_);
         n = 0;
         for (int64_t t = 0; t < ns; ++t) idx[n++] = t;
-        const int64_t n_top = std::max<int64_t>(0, C - ns - (T - w0));
+        const int64_t n_top = std::max<int64_t>(0, C - ns - (Tr - w0));
         int64_t* rest = idx + n;
         int64_t nr = 0;
         for (int64_t t = ns; t < w0; ++t) {
@@ -321,7 +335,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
         if (k < nr) std::nth_element(rest, rest + k, rest + nr, better);
         std::sort(rest, rest + k);
         n += k;
-        for (int64_t t = w0; t < T; ++t) idx[n++] = t;
+        for (int64_t t = w0; t < Tr; ++t) idx[n++] = t;
       }
       n_cands.fetch_add(n, std::memory_order_relaxed);
       // exact logits on the candidates

@@ -20,6 +20,7 @@ class PackedAttentionKernel {
 
   std::string name_;
   float scale_ = 1.0f, eps_ = 0.0f, budget_ = 0.0f, rho_ = 0.15f, mix_ = 0.0f;
+  int64_t approx_prefill_ = 0;
   int64_t min_candidates_ = 64, sinks_ = 4, window_ = 64, min_context_ = 256, qbits_ = 8;
   int mode_ = kSign;
   bool k_bhdt_ = false;

@@ -11,7 +11,14 @@ def _tt_op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
     return tt_matmul(x, cores, x_scale)
 
 
+def _pa_op(q, k, v, mask=None, past_bits=None, **attrs):
+    from .attn import packed_attention
+
+    return packed_attention(q, k, v, mask, past_bits, **attrs)
+
+
 # op_type → (callable(*inputs, **attributes), number of inputs incl. optional ones)
 OPS = {
     "TTMatMul": (_tt_op, 6),
+    "PackedAttention": (_pa_op, 5),
 }

@@ -17,9 +17,11 @@ Approximate score of a query row q (only used to pick candidates, never as the o
   a = max|q|, L = 2^(qbits-1) - 1, qi = rint(q * (L / a)) (integers in [-L, L]);
   sign: Σ qi_d (2 bit_d - 1); ternary: Σ qi_d (pos_d - neg_d); binary: Σ qi_d bit_d
   (evaluated with popcounts over the bit planes of |qi|), times gamma_k * ((a / L) * scale), plus mask.
+With approx_prefill = 1, rows of M > 1 also use candidates, each as a decode step would: its
+context is the keys up to its last unmasked one (T_m), and every rule below uses T_m for T.
 Candidates: the first `sinks` keys, the last `window` keys and the best of the rest by that score
 (ties: lower index first), `C = max(min_candidates, ceil(budget * T))` keys in total. Exact
-attention (all keys) when M > 1, T <= min_context, budget <= 0 or >= 1, C >= T, or (ternary /
+attention (all keys) when M > 1 (unless approx_prefill), T <= min_context, budget <= 0 or >= 1, C >= T, or (ternary /
 binary) the key-bit density is above rho. On the candidate set S: logits = scale * q·k + mask
 (+ mix * (approx - exact logits) when mix > 0), softmax over S, Y = Σ p v; a row whose logits
 are all -inf gives Y = 0 (the dense graph's IsNaN → 0).
@@ -127,7 +129,7 @@ def select(T, approx_plus_mask, budget, min_candidates, sinks, window):
 
 def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sign", eps=0.0, budget=0.0,
                      min_candidates=64, sinks=4, window=64, min_context=256, rho=0.15, qbits=8, mix=0.0,
-                     k_layout="bhtd", **_ignored):
+                     k_layout="bhtd", approx_prefill=0, **_ignored):
     """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32)."""
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
@@ -151,8 +153,8 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
     Dv = V.shape[-1]
     Y = np.zeros((B, Hq, M, Dv), np.float32)
     dens = density(bits, D, mode)
-    exact = (M > 1 or T <= min_context or not (0 < budget < 1)
-             or max(min_candidates, math.ceil(budget * T)) >= T or (mode != "sign" and dens > rho))
+    budget = float(np.float32(budget))
+    global_exact = not (0 < budget < 1) or (mode != "sign" and dens > rho)
     for b in range(B):
         for h in range(Hq):
             hk = h // rep
@@ -160,11 +162,18 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
             for m in range(M):
                 q = Q[b, h, m]
                 mrow = _mask_row(mask, b, h, m, T)
+                Tr = T
+                if M > 1 and approx_prefill and mask is not None:
+                    fin = np.flatnonzero(mrow > -np.inf)
+                    Tr = int(fin[-1]) + 1 if fin.size else 0
+                exact = (global_exact or (M > 1 and not approx_prefill) or Tr <= min_context
+                         or max(min_candidates, math.ceil(budget * Tr)) >= Tr)
                 need_approx = not exact or mix > 0
                 if need_approx:
                     s, coef = approx_int(q, bits[b, hk], D, mode, qbits)
                     approx = s.astype(np.float32) * unpack_gamma(bits[b, hk]) * np.float32(coef * scale)
-                idx = np.arange(T) if exact else select(T, approx + mrow, budget, min_candidates, sinks, window)
+                idx = (np.arange(Tr) if exact else
+                       select(Tr, (approx + mrow)[:Tr], budget, min_candidates, sinks, window))
                 logits = (Kh[idx].astype(np.float32) @ q) * scale
                 if mix > 0:
                     logits = logits + np.float32(mix) * (approx[idx] - logits)

@@ -25,6 +25,22 @@ _ATTR_TYPES: dict[str, dict[str, int]] = {
                  "method": AttributeProto.STRING, "gap": AttributeProto.FLOAT, "params_dense": AttributeProto.INT,
                  "params_stored": AttributeProto.INT, "speedup": AttributeProto.FLOAT, "layer": AttributeProto.STRING,
                  "target": AttributeProto.STRING},
+    "PackedAttention": {"scale": AttributeProto.FLOAT, "mode": AttributeProto.STRING, "eps": AttributeProto.FLOAT,
+                        "budget": AttributeProto.FLOAT, "min_candidates": AttributeProto.INT,
+                        "sinks": AttributeProto.INT, "window": AttributeProto.INT, "min_context": AttributeProto.INT,
+                        "rho": AttributeProto.FLOAT, "qbits": AttributeProto.INT, "mix": AttributeProto.FLOAT,
+                        "popcnt": AttributeProto.STRING, "k_layout": AttributeProto.STRING,
+                        "layer": AttributeProto.STRING, "approx_prefill": AttributeProto.INT},
+}
+# ops whose inputs/outputs are not all float32 (index → TensorProto type); outputs: the full list
+_IN_TYPES: dict[str, dict[int, int]] = {"PackedAttention": {4: TensorProto.INT32}}
+_OUT_TYPES: dict[str, list[int]] = {"PackedAttention": [TensorProto.FLOAT, TensorProto.INT32]}
+EMPTY_I32 = "ortlean_ref_empty_i32"
+# attributes the ext op must see even when the node omits them (ext ops require every declared one)
+_ATTR_DEFAULTS: dict[str, dict] = {
+    "PackedAttention": {"scale": 1.0, "mode": "sign", "eps": 0.0, "budget": 0.0, "min_candidates": 64, "sinks": 4,
+                        "window": 64, "min_context": 256, "rho": 0.15, "qbits": 8, "mix": 0.0, "popcnt": "auto",
+                        "k_layout": "bhtd", "layer": "", "approx_prefill": 0},
 }
 
 
@@ -47,18 +63,26 @@ def register() -> None:
         return
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
+    def _pt(t):
+        return PyCustomOpDef.dt_int32 if t == TensorProto.INT32 else PyCustomOpDef.dt_float
+
     for op_type, (fn, n_inputs) in OPS.items():
         types = _ATTR_TYPES[op_type]
+        in_types = [_pt(_IN_TYPES.get(op_type, {}).get(k, TensorProto.FLOAT)) for k in range(n_inputs)]
+        out_types = [_pt(t) for t in _OUT_TYPES.get(op_type, [TensorProto.FLOAT])]
 
         def body(*inputs, _fn=fn, _types=types, **attrs):
             args = [None if (i is not None and np.asarray(i).size == 0 and k > 0) else np.asarray(i)
                     for k, i in enumerate(inputs)]
             kw = {k: (json.loads(v) if _types.get(k) in (AttributeProto.INTS, AttributeProto.FLOATS) else v)
                   for k, v in attrs.items()}
-            return np.ascontiguousarray(_fn(*args, **kw), dtype=np.float32)
+            res = _fn(*args, **kw)
+            if isinstance(res, tuple):
+                return tuple(np.ascontiguousarray(r) for r in res)
+            return np.ascontiguousarray(res, dtype=np.float32)
 
-        onnx_op(op_type=f"ortlean_{op_type}", inputs=[PyCustomOpDef.dt_float] * n_inputs,
-                outputs=[PyCustomOpDef.dt_float], attrs={k: _dt(t) for k, t in types.items()})(body)
+        onnx_op(op_type=f"ortlean_{op_type}", inputs=in_types,
+                outputs=out_types, attrs={k: _dt(t) for k, t in types.items()})(body)
     _registered = True
 
 
@@ -66,6 +90,7 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     need_empty = False
+    need_empty_i32 = False
     for node in m.graph.node:
         if node.domain != DOMAIN:
             continue
@@ -73,9 +98,15 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
             raise ValueError(f"node {node.name!r}: no reference for {DOMAIN}::{node.op_type}")
         n_inputs = OPS[node.op_type][1]
         ins = list(node.input) + [""] * (n_inputs - len(node.input))
-        if any(i == "" for i in ins):
+        int_ins = _IN_TYPES.get(node.op_type, {})
+        if any(i == "" and k not in int_ins for k, i in enumerate(ins)):
             need_empty = True
-        ins = [EMPTY if i == "" else i for i in ins]
+        if any(i == "" and k in int_ins for k, i in enumerate(ins)):
+            need_empty_i32 = True
+        ins = [(EMPTY_I32 if k in int_ins else EMPTY) if i == "" else i for k, i in enumerate(ins)]
+        n_out = len(_OUT_TYPES.get(node.op_type, [TensorProto.FLOAT]))
+        if len(node.output) < n_out:  # the ext op has a fixed output list: name the unused ones
+            node.output.extend([f"{node.name or node.op_type}_ortlean_unused{k}" for k in range(len(node.output), n_out)])
         del node.input[:]
         node.input.extend(ins)
         attrs = []
@@ -85,12 +116,18 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
                 attrs.append(helper.make_attribute(a.name, json.dumps(v)))
             else:
                 attrs.append(a)
+        have = {a.name for a in attrs}
+        for k, v in _ATTR_DEFAULTS.get(node.op_type, {}).items():
+            if k not in have:
+                attrs.append(helper.make_attribute(k, v))
         del node.attribute[:]
         node.attribute.extend(attrs)
         node.op_type = f"ortlean_{node.op_type}"
         node.domain = EXT_DOMAIN
     if need_empty:
         m.graph.initializer.append(helper.make_tensor(EMPTY, TensorProto.FLOAT, [0], []))
+    if need_empty_i32:
+        m.graph.initializer.append(helper.make_tensor(EMPTY_I32, TensorProto.INT32, [0], []))
     ops = [o for o in m.opset_import if o.domain != DOMAIN]
     del m.opset_import[:]
     m.opset_import.extend(ops + [helper.make_opsetid(EXT_DOMAIN, 1)])
