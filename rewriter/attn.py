@@ -300,11 +300,13 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None) -> list[dict]:
         node = ir.node(OP_TYPE, [m.q, m.k, m.v, m.mask, bits_in], attributes=attrs, domain=DOMAIN,
                        name=f"/ortlean/{m.layer}/PackedAttention", num_outputs=n_out)
         y_old = m.final.outputs[0]
-        node.outputs[0].name = y_old.name + "_packed"
+        name = y_old.name
+        y_old.name = name + "_dense"
+        node.outputs[0].name = name
         node.outputs[0].shape = y_old.shape
         node.outputs[0].type = y_old.type
         graph.insert_after(m.final, node)
-        ir.convenience.replace_all_uses_with(y_old, node.outputs[0])
+        y_old.replace_all_uses_with(node.outputs[0], replace_graph_outputs=True)
         if bits_in is not None:
             bo = node.outputs[1]
             ko = next(o for o in graph.outputs if o.name == f"present.{m.cache}.key")

@@ -252,3 +252,166 @@ def test_isa_and_popcount_paths(isa, pop, expect):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"ISA-OK {isa} {pop} {expect}" in p.stdout, p.stdout
+
+
+# --------------------------------------------------------------------------- graph pass
+def optimum_block(path, Hq=4, Hkv=2, D=16, nan_guard=True):
+    """One optimum-style Llama attention core: Concat with the cache, GQA repeat
+    (Unsqueeze → Expand → Reshape), Q·s, Kᵀ·s, + mask, Softmax, IsNaN → 0, ·V."""
+    import onnx
+    from onnx import numpy_helper as nh
+
+    rep = Hq // Hkv
+    f = lambda n, shape: helper.make_tensor_value_info(n, TP.FLOAT, shape)  # noqa: E731
+    ins = [f("q", ["batch_size", Hq, "sequence_length", D]), f("k", ["batch_size", Hkv, "sequence_length", D]),
+           f("v", ["batch_size", Hkv, "sequence_length", D]),
+           f("past_key_values.0.key", ["batch_size", Hkv, "past_sequence_length", D]),
+           f("past_key_values.0.value", ["batch_size", Hkv, "past_sequence_length", D]),
+           f("mask", ["batch_size", 1, "sequence_length", "total"])]
+    outs = [f("attn", None), f("present.0.key", None), f("present.0.value", None)]
+    inits = [nh.from_array(np.array([2], np.int64), "ax2"), nh.from_array(np.array([1, 1, rep, 1, 1], np.int64), "eshape"),
+             nh.from_array(np.array([0, Hq, -1, D], np.int64), "rshape"),
+             nh.from_array(np.array(D ** -0.25, np.float32), "s"), nh.from_array(np.array([0.0], np.float32), "zero")]
+    N = helper.make_node
+    nodes = [N("Concat", ["past_key_values.0.key", "k"], ["present.0.key"], axis=-2),
+             N("Concat", ["past_key_values.0.value", "v"], ["present.0.value"], axis=-2)]
+    for x in ("key", "value"):
+        nodes += [N("Unsqueeze", [f"present.0.{x}", "ax2"], [f"{x}_u"]), N("Expand", [f"{x}_u", "eshape"], [f"{x}_e"]),
+                  N("Reshape", [f"{x}_e", "rshape"], [f"{x}_r"])]
+    nodes += [N("Mul", ["q", "s"], ["qs"]), N("Transpose", ["key_r"], ["kt"], perm=[0, 1, 3, 2]), N("Mul", ["kt", "s"], ["kts"]),
+              N("MatMul", ["qs", "kts"], ["sc"]), N("Add", ["sc", "mask"], ["scm"]), N("Softmax", ["scm"], ["p"], axis=-1)]
+    if nan_guard:
+        nodes += [N("IsNaN", ["p"], ["nan"]), N("Where", ["nan", "zero", "p"], ["p0"])]
+    nodes += [N("MatMul", ["p0" if nan_guard else "p", "value_r"], ["attn"])]
+    m = helper.make_model(helper.make_graph(nodes, "blk", ins, outs, inits), opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    onnx.save(m, str(path))
+    return path
+
+
+@requires_native
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_graph_pass_on_optimum_block(tmp_path, budget):
+    import onnxruntime as ort
+
+    from rewriter import attn, graph as g, runner
+
+    src = optimum_block(tmp_path / "blk.onnx")
+    model = g.load_model(src)
+    cfg = attn.AttnConfig(enabled=True, budget=budget, min_context=8, window=4, sinks=2, min_candidates=4)
+    recs = attn.apply(model, cfg)
+    assert [r["backend"] for r in recs] == ["packed_attention"] and recs[0]["cache"]
+    assert not any(n.op_type in ("Softmax", "Expand", "IsNaN") for n in model.graph)
+    out = tmp_path / "blk.lean.onnx"
+    g.save_model_atomic(model, out)
+    io = runner.ModelIO.from_model(str(out))
+    assert io.past_to_present["past_key_values.0.key_bits"] == "present.0.key_bits"
+    dense = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    lean = custom_ops.session(str(out))
+    r = np.random.default_rng(0)
+    B, Hq, Hkv, D = 1, 4, 2, 16
+    pk = np.zeros((B, Hkv, 0, D), np.float32)
+    pv = pk.copy()
+    bits = np.zeros((B, Hkv, 0, n_words(D, "sign")), np.int32)
+    for S in (20, 1, 1, 1):  # prefill then decode steps
+        T = pk.shape[2] + S
+        feed = {"q": r.standard_normal((B, Hq, S, D), dtype=np.float32), "k": r.standard_normal((B, Hkv, S, D), dtype=np.float32),
+                "v": r.standard_normal((B, Hkv, S, D), dtype=np.float32), "past_key_values.0.key": pk,
+                "past_key_values.0.value": pv,
+                "mask": np.triu(np.full((S, T), -np.inf, np.float32), k=T - S + 1)[None, None]}
+        yd, k1, v1 = dense.run(None, feed)
+        yl, k2, v2, b2 = lean.run(None, dict(feed, **{"past_key_values.0.key_bits": bits}))
+        assert (b2 == pack_keys(k1)).all()
+        if budget == 0.0 or S > 1:
+            np.testing.assert_allclose(yl, yd, atol=1e-5)
+        else:
+            ref = packed_attention(feed["q"], k1, v1, feed["mask"], bits, scale=float(np.float32(D ** -0.25) ** 2),
+                                   budget=budget, min_context=8, window=4, sinks=2, min_candidates=4)[0]
+            np.testing.assert_allclose(yl, ref, atol=1e-5)
+        pk, pv, bits = k1, v1, b2
+
+
+def test_graph_pass_reports_unmatched(tmp_path):
+    import onnx
+
+    from rewriter import attn, graph as g
+
+    src = optimum_block(tmp_path / "blk.onnx")
+    m = onnx.load(str(src))
+    for n in m.graph.node:  # Softmax over the head axis: not attention over keys
+        if n.op_type == "Softmax":
+            n.attribute[0].i = 1
+    onnx.save(m, str(src))
+    model = g.load_model(src)
+    recs = attn.apply(model, attn.AttnConfig(enabled=True))
+    assert recs[0]["backend"] == "dense" and "axis 1" in recs[0]["decision"]
+
+
+def test_flags_and_config():
+    from rewriter import cli
+
+    p = cli.build_parser()
+    a = p.parse_args(["rewrite", "m.onnx", "--state-pack", "binary", "--attn-budget", "0.125"])
+    cfg = cli._backend_configs(a)["packed_attention"]
+    assert cfg.enabled and cfg.mode == "sign" and cfg.budget == 0.125
+    a = p.parse_args(["rewrite", "m.onnx", "--state-pack", "ternary", "--state-pack-eps", "0.3",
+                      "--state-pack-popcnt", "avx2"])
+    cfg = cli._backend_configs(a)["packed_attention"]
+    assert cfg.mode == "ternary" and cfg.eps == 0.3 and cfg.popcnt == "avx2"
+    a = p.parse_args(["rewrite", "m.onnx", "--state-pack", "binary", "--state-pack-target", "mlp"])
+    assert not cli._backend_configs(a)["packed_attention"].enabled
+    a = p.parse_args(["rewrite", "m.onnx"])
+    assert not cli._backend_configs(a)["packed_attention"].enabled
+
+
+# --------------------------------------------------------------------------- real models (slow)
+SMOL = "smollm2"
+
+
+def _prepared(name):
+    try:
+        from models import prepare as prep
+
+        return prep.prepare(name)
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"{name} unavailable: {e}")
+
+
+@pytest.mark.slow
+@requires_native
+def test_smollm2_rewrite_full_budget_same_greedy_text(tmp_path):
+    from rewriter import cli, runner
+
+    d = _prepared(SMOL)
+    out = tmp_path / "smol.lean.onnx"
+    assert cli.main(["rewrite", str(d / "model.onnx"), "-o", str(out), "--state-pack", "binary", "--attn-budget", "0", "-q"]) == 0
+    dense = custom_ops.session(str(d / "model.onnx"), threads=2)
+    lean = custom_ops.session(str(out), threads=2)
+    io_d, io_l = runner.ModelIO.from_session(dense), runner.ModelIO.from_session(lean)
+    assert len([n for n in io_l.past_to_present if n.endswith("key_bits")]) == 30
+    tok = runner.load_tokenizer(d)
+    prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    td, _ = runner.generate(dense, io_d, tok, prompt, 24)
+    tl, _ = runner.generate(lean, io_l, tok, prompt, 24)
+    assert td == tl
+
+
+@pytest.mark.slow
+@requires_native
+def test_minilm_rewrite_matches_dense(tmp_path):
+    from rewriter import attn, graph as g, runner
+
+    d = _prepared("minilm")
+    model = g.load_model(d / "model.onnx")
+    recs = attn.apply(model, attn.AttnConfig(enabled=True))
+    assert len([r for r in recs if r["backend"] == "packed_attention"]) == 6
+    assert all(r["k_layout"] == "bhdt" and not r["cache"] for r in recs)
+    out = tmp_path / "minilm.lean.onnx"
+    g.save_model_atomic(model, out)
+    dense = custom_ops.session(str(d / "model.onnx"))
+    lean = custom_ops.session(str(out))
+    io = runner.ModelIO.from_session(dense)
+    tok = runner.load_tokenizer(d)
+    sents = ["Anne Elliot was a woman of gentle manners.", "Captain Wentworth returned from the sea with a fortune."]
+    e1, e2 = runner.embeddings(dense, io, tok, sents), runner.embeddings(lean, io, tok, sents)
+    np.testing.assert_allclose(e1, e2, atol=1e-4)
