@@ -38,6 +38,7 @@ class AttnConfig:
     qbits: int = 8
     mix: float = 0.0
     popcnt: str = "auto"
+    approx_prefill: int = 0
     targets: tuple = ("kv",)
 
 
@@ -57,6 +58,9 @@ def add_flags(p) -> None:
     g.add_argument("--attn-rho", type=float, default=0.15,
                    help="eps modes: exact attention when the key-bit density is above this (default 0.15)")
     g.add_argument("--attn-qbits", type=int, default=8, help="query bits for the popcount score (default 8)")
+    g.add_argument("--attn-approx-prefill", action="store_true",
+                   help="prompt rows (M > 1) also use candidates, each as its decode step would (to measure "
+                        "decode-time quality with perplexity; default off: prefill is exact)")
     g.add_argument("--attn-mix", type=float, default=0.0,
                    help="seed behaviour: mix this fraction of the approximate score into the exact logits (default 0)")
 
@@ -76,7 +80,8 @@ def config(args) -> AttnConfig:
                      sinks=int(getattr(args, "attn_sinks", 4)), window=int(getattr(args, "attn_window", 64)),
                      min_context=int(getattr(args, "attn_min_context", 256)), rho=float(getattr(args, "attn_rho", 0.15)),
                      qbits=int(getattr(args, "attn_qbits", 8)), mix=float(getattr(args, "attn_mix", 0.0)),
-                     popcnt=getattr(args, "state_pack_popcnt", "auto"))
+                     popcnt=getattr(args, "state_pack_popcnt", "auto"),
+                     approx_prefill=int(bool(getattr(args, "attn_approx_prefill", False))))
     if not 0 <= cfg.budget <= 1:
         raise OrtleanError(f"--attn-budget {cfg.budget}: must be in [0, 1]")
     if not 2 <= cfg.qbits <= 16:
@@ -295,7 +300,7 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None) -> list[dict]:
         attrs = dict(scale=float(m.scale), mode=cfg.mode, eps=float(cfg.eps), budget=float(cfg.budget),
                      min_candidates=int(cfg.min_candidates), sinks=int(cfg.sinks), window=int(cfg.window),
                      min_context=int(cfg.min_context), rho=float(cfg.rho), qbits=int(cfg.qbits), mix=float(cfg.mix),
-                     popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer)
+                     popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer, approx_prefill=int(cfg.approx_prefill))
         n_out = 2 if bits_in is not None else 1
         node = ir.node(OP_TYPE, [m.q, m.k, m.v, m.mask, bits_in], attributes=attrs, domain=DOMAIN,
                        name=f"/ortlean/{m.layer}/PackedAttention", num_outputs=n_out)
