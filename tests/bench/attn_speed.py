@@ -1,0 +1,151 @@
+"""PackedAttention speed (not part of the test run):
+
+    python tests/bench/attn_speed.py op    [--contexts 512,2048,8192] [--budgets 0,0.125,0.25,0.5] [--threads 1]
+    python tests/bench/attn_speed.py model [--past 4096] [--budget 0.25] [--threads 2]
+
+op: one decode step (M = 1) of one SmolLM2-shaped attention core (9 query heads, 3 KV heads, head
+dim 64, RoPE'd Q/K given) — the optimum-style dense subgraph (Concat with the cache, GQA repeat,
+QKᵀ·scale + mask, Softmax, IsNaN → 0, ·V) vs the same block after the PackedAttention pass —
+in the same process, interleaved, medians; also the 512-row prefill of the same block.
+model: SmolLM2 decode tokens/s at a cache of --past tokens, dense vs rewritten
+(runner.bench_sessions: interleaved rounds, medians).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def bench_op(a) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    import custom_ops
+    from custom_ops.reference.attn import pack_keys
+    from rewriter import attn, graph as g
+    from test_packed_attention import optimum_block
+
+    Hq, Hkv, D = 9, 3, 64
+    tmp = Path(tempfile.mkdtemp(prefix="ortlean-attns-"))
+    src = optimum_block(tmp / "blk.onnx", Hq=Hq, Hkv=Hkv, D=D)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = a.threads
+    so.inter_op_num_threads = 1
+    sessions = {"dense": ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])}
+    for b in [float(x) for x in a.budgets.split(",")]:
+        m = g.load_model(src)
+        attn.apply(m, attn.AttnConfig(enabled=True, budget=b))
+        out = tmp / f"blk_{b}.onnx"
+        g.save_model_atomic(m, out)
+        sessions[f"packed_{b}"] = custom_ops.session(str(out), threads=a.threads)
+    r = np.random.default_rng(0)
+    res = {"threads": a.threads, "isa": custom_ops.isa(), "contexts": {}}
+    for T in [int(x) for x in a.contexts.split(",")]:
+        for M in (1, 512):
+            if M > 1 and T != 512 * (T // 512):
+                continue
+            P = T - M
+            feed = {"q": r.standard_normal((1, Hq, M, D), dtype=np.float32),
+                    "k": r.standard_normal((1, Hkv, M, D), dtype=np.float32),
+                    "v": r.standard_normal((1, Hkv, M, D), dtype=np.float32),
+                    "past_key_values.0.key": r.standard_normal((1, Hkv, P, D), dtype=np.float32),
+                    "past_key_values.0.value": r.standard_normal((1, Hkv, P, D), dtype=np.float32),
+                    "mask": np.triu(np.full((M, T), -np.inf, np.float32), k=T - M + 1)[None, None]}
+            bits = pack_keys(feed["past_key_values.0.key"])
+            feeds = {n: (feed if n == "dense" else dict(feed, **{"past_key_values.0.key_bits": bits})) for n in sessions}
+            times = {n: [] for n in sessions}
+            names = list(sessions)
+            reps = a.repeats if M == 1 else max(3, a.repeats // 10)
+            for i in range(reps + 3):
+                order = names[i % len(names):] + names[: i % len(names)]
+                for n in order:
+                    t0 = time.perf_counter()
+                    sessions[n].run(None, feeds[n])
+                    dt = time.perf_counter() - t0
+                    if i >= 3:
+                        times[n].append(dt)
+            med = {n: statistics.median(v) * 1e6 for n, v in times.items()}
+            key = f"T={T} M={M}"
+            res["contexts"][key] = {n: {"median_us": round(med[n], 1), "speedup_vs_dense": round(med["dense"] / med[n], 3)}
+                                    for n in names}
+            print(key, "  ".join(f"{n} {med[n]:.0f}us (x{med['dense'] / med[n]:.2f})" for n in names), flush=True)
+    return res
+
+
+def bench_model(a) -> dict:
+    import custom_ops
+    from models import prepare as prep
+    from rewriter import cli, runner
+
+    d = prep.prepare("smollm2")
+    tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnm-"))
+    out = tmp / "smol.lean.onnx"
+    assert cli.main(["rewrite", str(d / "model.onnx"), "-o", str(out), "--state-pack", "binary",
+                     "--attn-budget", str(a.budget), "-q"]) == 0
+    dense = custom_ops.session(str(d / "model.onnx"), threads=a.threads)
+    lean = custom_ops.session(str(out), threads=a.threads)
+    io_l = runner.ModelIO.from_session(lean)
+    # one ModelIO cannot feed both (the lean model has key_bits states): wrap the dense session
+    # so bench_sessions' feeds (built for the lean model) are filtered to its inputs
+    dense_inputs = {i.name for i in dense.get_inputs()}
+
+    class Filter:
+        def __init__(self, s):
+            self.s = s
+
+        def run(self, out_names, feed, *rest):
+            outs = self.s.run(None, {k: v for k, v in feed.items() if k in dense_inputs})
+            names = [o.name for o in self.s.get_outputs()]
+            got = dict(zip(names, outs))
+            # the dense model has no bits states: hand back empty ones to keep the loop uniform
+            for o in io_l.outputs:
+                if o not in got:
+                    import numpy as np
+
+                    got[o] = np.zeros((1, io_l.kv_heads or 3, 0, 3), np.int32)
+            return [got[o] for o in (out_names or io_l.outputs)]
+
+        def get_outputs(self):
+            return lean.get_outputs()
+
+    res = runner.bench_sessions({"dense": Filter(dense), "lean": lean}, io_l, prefill_len=a.prefill,
+                                decode_past=a.past, decode_steps=a.steps, repeats=a.repeats, warmup=1)
+    for n, row in res["sessions"].items():
+        print(n, {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k.endswith("tok_s")})
+    print("ratios", res["ratios"])
+    res["metrics"] = custom_ops.metrics().get("/ortlean/layers.0/PackedAttention")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["op", "model"])
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--budgets", default="0,0.125,0.25,0.5")
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--past", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    res = bench_op(a) if a.what == "op" else bench_model(a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
