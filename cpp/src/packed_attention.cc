@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "isa.h"
@@ -234,13 +235,19 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       }
     }
     metrics::add(m_packed_, static_cast<double>(B * Hkv * (T - P)));
-    // density of plane 0 over all keys (popcount of nw words per key)
+    // density of plane 0: over all keys in the eps modes (it decides the auto-disable), over the
+    // newly packed keys in sign mode (informational: ~0.5 by construction)
+    const int64_t t0 = mode_ == kSign ? P : 0;
     int64_t set = 0;
-    for (int64_t r = 0; r < B * Hkv * T; ++r)
-      for (int64_t j = 0; j < nw; ++j) set += popc(bits[r * W + j]);
-    const double dens = (B * Hkv * T * D) != 0 ? static_cast<double>(set) / static_cast<double>(B * Hkv * T * D) : 0.0;
-    metrics::set(m_density_, dens);
-    if (mode_ != kSign && dens > rho_) exact = global_exact = true;  // auto-disable: packing too dense to help
+    for (int64_t bh = 0; bh < B * Hkv; ++bh)
+      for (int64_t t = t0; t < T; ++t)
+        for (int64_t j = 0; j < nw; ++j) set += popc(bits[(bh * T + t) * W + j]);
+    const int64_t nbits = B * Hkv * (T - t0) * D;
+    if (nbits > 0) {
+      const double dens = static_cast<double>(set) / static_cast<double>(nbits);
+      metrics::set(m_density_, dens);
+      if (mode_ != kSign && dens > rho_) exact = global_exact = true;  // auto-disable: too dense to help
+    }
   }
   metrics::add(m_calls_, 1.0);
   metrics::add(m_keys_, static_cast<double>(B * Hq * M * T));
@@ -272,7 +279,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       const int64_t C = n_cand(Tr);
       const bool exact_row = global_exact || (M > 1 && !approx_prefill_) || Tr <= min_context_ || C >= Tr;
       // scratch: logits [T], approx [T], idx [T] (int64 as 2 floats), q planes
-      float* s = task_scratch().get(static_cast<size_t>(4 * T + 2 * 16 * nw + Dv + D + 64));
+      float* s = task_scratch().get(static_cast<size_t>(5 * T + 2 * 16 * nw + Dv + D + 64));
       float* approx = s + T;
       int64_t* idx = reinterpret_cast<int64_t*>(approx + T);
       uint32_t* qp = reinterpret_cast<uint32_t*>(idx + T);
@@ -324,23 +331,39 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
         n = 0;
         for (int64_t t = 0; t < ns; ++t) idx[n++] = t;
         const int64_t n_top = std::max<int64_t>(0, C - ns - (Tr - w0));
-        int64_t* rest = idx + n;
-        int64_t nr = 0;
-        for (int64_t t = ns; t < w0; ++t) {
-          rest[nr++] = t;
-          s[t] = approx[t] + (mr ? mr[t * mst] : 0.0f);
+        const int64_t nr = w0 - ns, k = std::min(n_top, nr);
+        // scores of the middle keys; the k-th largest by nth_element on a contiguous copy, then
+        // one forward pass keeps those above it and the first ties (lower index first): the
+        // result is in index order (no sort) and equals "top k by (score desc, index asc)".
+        float* sc = s + ns;  // s[t] for t in [ns, w0)
+        for (int64_t t = ns; t < w0; ++t) s[t] = approx[t] + (mr ? mr[t * mst] : 0.0f);
+        if (k >= nr) {
+          for (int64_t t = ns; t < w0; ++t) idx[n++] = t;
+        } else if (k > 0) {
+          float* tmp = reinterpret_cast<float*>(qn + 16 * nw) + Dv + D;  // nr floats
+          std::memcpy(tmp, sc, sizeof(float) * nr);
+          std::nth_element(tmp, tmp + (k - 1), tmp + nr, std::greater<float>());
+          const float thr = tmp[k - 1];
+          int64_t above = 0;
+          for (int64_t i = 0; i < nr; ++i) above += sc[i] > thr;
+          int64_t ties = k - above;
+          for (int64_t t = ns; t < w0; ++t) {
+            const float v = s[t];
+            if (v > thr || (v == thr && ties-- > 0)) idx[n++] = t;
+          }
         }
-        auto better = [&](int64_t x, int64_t z) { return s[x] > s[z] || (s[x] == s[z] && x < z); };
-        const int64_t k = std::min(n_top, nr);
-        if (k < nr) std::nth_element(rest, rest + k, rest + nr, better);
-        std::sort(rest, rest + k);
-        n += k;
         for (int64_t t = w0; t < Tr; ++t) idx[n++] = t;
       }
       n_cands.fetch_add(n, std::memory_order_relaxed);
       // exact logits on the candidates
+      constexpr int64_t kAhead = 6;  // candidate rows are scattered: prefetch a few rows ahead
+      const bool gaps = n < Tr;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = idx[i];
+        if (gaps && !k_bhdt_ && i + kAhead < n) {
+          const char* pk = reinterpret_cast<const char*>(Kh + idx[i + kAhead] * D);
+          for (int64_t o = 0; o < D * 4; o += 64) __builtin_prefetch(pk + o);
+        }
         float l;
         if (!k_bhdt_) {
           l = ak.dot(q, Kh + t * D, D) * scale_;
@@ -359,8 +382,13 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       }
       const float sum = ak.expsum(s, mx, n);
       std::fill(y, y + Dv, 0.0f);
-      for (int64_t i = 0; i < n; ++i)
+      for (int64_t i = 0; i < n; ++i) {
+        if (gaps && i + kAhead < n) {
+          const char* pv = reinterpret_cast<const char*>(Vh + idx[i + kAhead] * Dv);
+          for (int64_t o = 0; o < Dv * 4; o += 64) __builtin_prefetch(pv + o);
+        }
         if (s[i] != 0.0f) ak.axpy(s[i], Vh + idx[i] * Dv, y, Dv);
+      }
       const float inv = 1.0f / sum;
       for (int64_t d = 0; d < Dv; ++d) yo[d] = y[d] * inv;
     };
