@@ -39,6 +39,9 @@ class AttnConfig:
     mix: float = 0.0
     popcnt: str = "auto"
     approx_prefill: int = 0
+    eps_given: bool = False
+    target_density: float = 0.10       # eps modes without --state-pack-eps: per-head eps from calibration
+    calib_tokens: int = 512
     targets: tuple = ("kv",)
 
 
@@ -61,6 +64,9 @@ def add_flags(p) -> None:
     g.add_argument("--attn-approx-prefill", action="store_true",
                    help="prompt rows (M > 1) also use candidates, each as its decode step would (to measure "
                         "decode-time quality with perplexity; default off: prefill is exact)")
+    g.add_argument("--attn-target-density", type=float, default=0.10,
+                   help="ternary / eps-binary without --state-pack-eps: eps per KV head from the calibration "
+                        "text's keys so that this fraction of components is set (default 0.10)")
     g.add_argument("--attn-mix", type=float, default=0.0,
                    help="seed behaviour: mix this fraction of the approximate score into the exact logits (default 0)")
 
@@ -81,7 +87,10 @@ def config(args) -> AttnConfig:
                      min_context=int(getattr(args, "attn_min_context", 256)), rho=float(getattr(args, "attn_rho", 0.15)),
                      qbits=int(getattr(args, "attn_qbits", 8)), mix=float(getattr(args, "attn_mix", 0.0)),
                      popcnt=getattr(args, "state_pack_popcnt", "auto"),
-                     approx_prefill=int(bool(getattr(args, "attn_approx_prefill", False))))
+                     approx_prefill=int(bool(getattr(args, "attn_approx_prefill", False))),
+                     eps_given=eps is not None, target_density=float(getattr(args, "attn_target_density", 0.10)))
+    if not 0 < cfg.target_density < 1:
+        raise OrtleanError(f"--attn-target-density {cfg.target_density}: must be in (0, 1)")
     if not 0 <= cfg.budget <= 1:
         raise OrtleanError(f"--attn-budget {cfg.budget}: must be in [0, 1]")
     if not 2 <= cfg.qbits <= 16:
@@ -272,7 +281,32 @@ def _sym(dim):
     return dim if isinstance(dim, int) else str(dim)
 
 
-def apply(model: ir.Model, cfg: AttnConfig, *, include=None) -> list[dict]:
+def calibrate_eps(model_path, text_path, cfg: AttnConfig, tokenizer=None) -> dict[int, list[float]]:
+    """Per layer (cache index) and KV head: eps such that a fraction cfg.target_density of the key
+    components has |k| > eps, on the first cfg.calib_tokens tokens of the calibration text (the
+    dense model's present.N.key outputs)."""
+    import onnxruntime as ort
+
+    from . import runner
+    from .calibrate import tokenize_text
+
+    tok, text = tokenize_text(model_path, text_path, tokenizer)
+    ids = np.asarray(tok.encode(text, add_special_tokens=False).ids[: cfg.calib_tokens], np.int64)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    io = runner.ModelIO.from_session(sess)
+    out = runner.run(sess, io, runner.feeds(io, ids[None, :]))
+    eps = {}
+    for name, val in out.items():
+        m = re.match(r"^present\.(\d+)\.key$", name)
+        if m:
+            a = np.abs(val[0])                                   # [H, T, D]
+            eps[int(m.group(1))] = [float(np.quantile(a[h], 1.0 - cfg.target_density)) for h in range(a.shape[0])]
+    return eps
+
+
+def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | None = None) -> list[dict]:
     """Rewrite every matched attention core; returns one report dict per Softmax."""
     matches, skipped = find_attention(model)
     graph = model.graph
@@ -301,6 +335,10 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None) -> list[dict]:
                      min_candidates=int(cfg.min_candidates), sinks=int(cfg.sinks), window=int(cfg.window),
                      min_context=int(cfg.min_context), rho=float(cfg.rho), qbits=int(cfg.qbits), mix=float(cfg.mix),
                      popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer, approx_prefill=int(cfg.approx_prefill))
+        if eps_heads and m.cache in eps_heads and cfg.mode != "sign":
+            attrs["eps_heads"] = [float(e) for e in eps_heads[m.cache]]
+            note.append(f"eps per head {', '.join(f'{e:.3g}' for e in eps_heads[m.cache])} "
+                        f"(target density {cfg.target_density})")
         n_out = 2 if bits_in is not None else 1
         node = ir.node(OP_TYPE, [m.q, m.k, m.v, m.mask, bits_in], attributes=attrs, domain=DOMAIN,
                        name=f"/ortlean/{m.layer}/PackedAttention", num_outputs=n_out)
@@ -359,7 +397,14 @@ class _Pass:
         return False
 
     def run(self, model, ctx, cfg=None):
-        return apply(model, cfg)
+        eps = None
+        if cfg.mode != "sign" and not cfg.eps_given:
+            if not ctx.calib_text:
+                raise OrtleanError(f"--state-pack {'ternary' if cfg.mode == 'ternary' else 'binary --attn-pack-bits eps'}: "
+                                   "give --state-pack-eps E, or --calib-text FILE to choose eps per head for "
+                                   "--attn-target-density")
+            eps = calibrate_eps(ctx.model_path, ctx.calib_text, cfg, ctx.tokenizer)
+        return apply(model, cfg, eps_heads=eps)
 
 
 PASS = _Pass()

@@ -415,3 +415,25 @@ def test_minilm_rewrite_matches_dense(tmp_path):
     sents = ["Anne Elliot was a woman of gentle manners.", "Captain Wentworth returned from the sea with a fortune."]
     e1, e2 = runner.embeddings(dense, io, tok, sents), runner.embeddings(lean, io, tok, sents)
     np.testing.assert_allclose(e1, e2, atol=1e-4)
+
+
+@requires_native
+def test_eps_per_head_and_density_auto_disable():
+    Q, K, V = data(B=1, Hq=6, Hkv=3, T=400, structured=True)
+    eh = [0.2, 0.8, 1.5]
+    attrs = dict(scale=0.125, budget=0.25, min_context=0, mode="ternary", eps=0.0, eps_heads=eh, rho=1.0, window=8)
+    s = custom_ops.session(op_model(attrs, mask=False, name="pa_eps"))
+    Y, bits = s.run(None, {"Q": Q, "K": K, "V": V, "past_bits": np.zeros((1, 3, 0, n_words(64, "ternary")), np.int32)})
+    assert (bits == pack_keys(K, "ternary", 0.0, eh)).all()
+    np.testing.assert_allclose(Y, packed_attention(Q, K, V, **attrs)[0], atol=1e-5)
+    m = custom_ops.metrics()["pa_eps"]
+    assert m["pack.active"] == 1
+    # density above rho: exact attention (auto-disable), still carrying the bits
+    s = custom_ops.session(op_model(dict(attrs, rho=0.05), mask=False, name="pa_rho"))
+    Y, _ = s.run(None, {"Q": Q, "K": K, "V": V, "past_bits": np.zeros((1, 3, 0, n_words(64, "ternary")), np.int32)})
+    np.testing.assert_allclose(Y, dense_attention(Q, K, V, None, 0.125), atol=1e-5)
+    m = custom_ops.metrics()["pa_rho"]
+    assert m["pack.active"] == 0 and m["pack.density"] > 0.05
+    with pytest.raises(Exception, match="eps_heads"):
+        custom_ops.session(op_model(dict(attrs, eps_heads=[0.1, 0.2]), mask=False, name="pa_bad")).run(
+            None, {"Q": Q, "K": K, "V": V, "past_bits": np.zeros((1, 3, 0, 5), np.int32)})

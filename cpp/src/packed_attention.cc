@@ -81,6 +81,13 @@ PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo*
     fail("attribute k_layout='" + layout + "': expected bhtd | bhdt");
   if (!std::isfinite(scale_)) fail("attribute scale must be finite");
   if (!(eps_ >= 0) || !std::isfinite(eps_)) fail("attribute eps must be finite and >= 0");
+  try {
+    eps_heads_ = info.GetAttributes<float>("eps_heads");
+  } catch (const Ort::Exception& e) {
+    if (!std::strstr(e.what(), "No attribute")) throw;
+  }
+  for (float e : eps_heads_)
+    if (!(e >= 0) || !std::isfinite(e)) fail("attribute eps_heads must hold finite values >= 0");
   if (!(budget_ >= 0 && budget_ <= 1)) fail("attribute budget must be in [0, 1] (0 or 1 = exact)");
   if (!(rho_ >= 0 && rho_ <= 1)) fail("attribute rho must be in [0, 1]");
   if (!(mix_ >= 0 && mix_ <= 1)) fail("attribute mix must be in [0, 1]");
@@ -139,6 +146,9 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
     fail("query heads " + std::to_string(Hq) + " not a multiple of KV heads " + std::to_string(Hkv));
   const int64_t rep = Hq / Hkv;
   const int planes = mode_ == kTernary ? 2 : 1;
+  if (!eps_heads_.empty() && static_cast<int64_t>(eps_heads_.size()) != Hkv)
+    fail("attribute eps_heads has " + std::to_string(eps_heads_.size()) + " values, K has " + std::to_string(Hkv) +
+         " heads");
   const int64_t nw = (D + 31) / 32, W = planes * nw + 1;
 
   // mask: additive, rank 4, each dim 1 or full
@@ -204,6 +214,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       uint32_t* dst = bits + bh * T * W;
       if (P) std::memcpy(dst, past + bh * P * W, sizeof(uint32_t) * P * W);
       const float* Kh = K + bh * T * D;
+      const float eps = eps_heads_.empty() ? eps_ : eps_heads_[static_cast<size_t>(bh % Hkv)];
       for (int64_t t = P; t < T; ++t) {
         uint32_t* row = dst + t * W;
         std::memset(row, 0, sizeof(uint32_t) * W);
@@ -217,20 +228,20 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
             if (x > 0) row[d >> 5] |= bit;
             asum += ax;
           } else {
-            if (ax > eps_) {
+            if (ax > eps) {
               asum += ax;
               ++cnt;
             }
             if (mode_ == kTernary) {
-              if (x > eps_) row[d >> 5] |= bit;
-              if (x < -eps_) row[nw + (d >> 5)] |= bit;
-            } else if (ax > eps_) {
+              if (x > eps) row[d >> 5] |= bit;
+              if (x < -eps) row[nw + (d >> 5)] |= bit;
+            } else if (ax > eps) {
               row[d >> 5] |= bit;
             }
           }
         }
         const float gamma = mode_ == kSign ? static_cast<float>(asum / static_cast<double>(D))
-                                           : (cnt ? static_cast<float>(asum / static_cast<double>(cnt)) : eps_);
+                                           : (cnt ? static_cast<float>(asum / static_cast<double>(cnt)) : eps);
         std::memcpy(row + planes * nw, &gamma, 4);
       }
     }
@@ -241,7 +252,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
     int64_t set = 0;
     for (int64_t bh = 0; bh < B * Hkv; ++bh)
       for (int64_t t = t0; t < T; ++t)
-        for (int64_t j = 0; j < nw; ++j) set += popc(bits[(bh * T + t) * W + j]);
+        for (int64_t j = 0; j < planes * nw; ++j) set += popc(bits[(bh * T + t) * W + j]);
     const int64_t nbits = B * Hkv * (T - t0) * D;
     if (nbits > 0) {
       const double dens = static_cast<double>(set) / static_cast<double>(nbits);

@@ -23,6 +23,7 @@ class PackedAttentionKernel {
   int64_t approx_prefill_ = 0;
   int64_t min_candidates_ = 64, sinks_ = 4, window_ = 64, min_context_ = 256, qbits_ = 8;
   int mode_ = kSign;
+  std::vector<float> eps_heads_;  // per KV head (eps modes), empty = eps_ for all
   bool k_bhdt_ = false;
   const AttnKernels* ak_ = nullptr;
   metrics::Value *m_density_ = nullptr, *m_active_ = nullptr, *m_calls_ = nullptr, *m_cands_ = nullptr,

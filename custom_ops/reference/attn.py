@@ -10,6 +10,7 @@ Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1):
   sign    plane 0 bit d = k_d > 0                                  (planes = 1)
   ternary plane 0 bit d = k_d > eps, plane 1 bit d = k_d < -eps      (planes = 2)
   binary  plane 0 bit d = |k_d| > eps                               (planes = 1)
+  (eps: the attribute, or eps_heads[kv head] when given)
   bit d of plane p is bit d % 32 of word p * ceil(D/32) + d // 32; the last word holds gamma
   (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none).
 
@@ -39,9 +40,11 @@ def n_words(D: int, mode: str = "sign") -> int:
     return MODES[mode] * ((D + 31) // 32) + 1
 
 
-def pack_keys(K: np.ndarray, mode: str = "sign", eps: float = 0.0) -> np.ndarray:
-    """K [..., T, D] float32 → bits [..., T, W] int32."""
+def pack_keys(K: np.ndarray, mode: str = "sign", eps: float = 0.0, eps_heads=None) -> np.ndarray:
+    """K [..., T, D] float32 → bits [..., T, W] int32 (eps_heads: per head, K [B, H, T, D])."""
     K = np.asarray(K, dtype=np.float32)
+    if eps_heads is not None and len(eps_heads) and mode != "sign":
+        return np.concatenate([pack_keys(K[:, h:h + 1], mode, float(e)) for h, e in enumerate(eps_heads)], 1)
     D = K.shape[-1]
     nw = (D + 31) // 32
     if mode == "sign":
@@ -70,9 +73,9 @@ def unpack_gamma(bits: np.ndarray) -> np.ndarray:
 
 
 def density(bits: np.ndarray, D: int, mode: str) -> float:
-    """Fraction of set bits in plane 0 (sign: fraction of positive components)."""
+    """Fraction of set bits per component (ternary: both planes; sign: fraction of positive components)."""
     nw = (D + 31) // 32
-    w = bits[..., :nw].view(np.uint32)
+    w = np.ascontiguousarray(bits[..., :MODES[mode] * nw]).view(np.uint32)
     if w.size == 0:
         return 0.0
     cnt = np.unpackbits(w.view(np.uint8)).sum()
@@ -129,7 +132,7 @@ def select(T, approx_plus_mask, budget, min_candidates, sinks, window):
 
 def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sign", eps=0.0, budget=0.0,
                      min_candidates=64, sinks=4, window=64, min_context=256, rho=0.15, qbits=8, mix=0.0,
-                     k_layout="bhtd", approx_prefill=0, **_ignored):
+                     k_layout="bhtd", approx_prefill=0, eps_heads=None, **_ignored):
     """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32)."""
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
@@ -147,9 +150,9 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
     if past_bits is not None:
         past_bits = np.asarray(past_bits, np.int32)
         P = past_bits.shape[2]
-        bits = np.concatenate([past_bits, pack_keys(K[:, :, P:], mode, eps)], 2)
+        bits = np.concatenate([past_bits, pack_keys(K[:, :, P:], mode, eps, eps_heads)], 2)
     else:
-        bits = pack_keys(K, mode, eps)
+        bits = pack_keys(K, mode, eps, eps_heads)
     Dv = V.shape[-1]
     Y = np.zeros((B, Hq, M, Dv), np.float32)
     dens = density(bits, D, mode)
