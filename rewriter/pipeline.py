@@ -391,11 +391,13 @@ def _json_default(o):
 
 def format_report(summary: dict) -> str:
     rows = [("layer", "target", "shape", "backend", "params", "→ stored", "gap", "decision")]
+    if not summary["layers"]:
+        rows = []
     for r in summary["layers"]:
         gap = "" if r["gap"] is None else f"{r['gap']:.4f}"
         rows.append((r["layer"], f"{r['target']}/{r['role']}", "x".join(map(str, r["shape"])), r["backend"],
                      f"{r['params_before']:,}", f"{r['params_after']:,}", gap, r["decision"]))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)] if rows else []
     lines = []
     for row in rows:
         lines.append("  ".join(str(v).ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
@@ -407,8 +409,11 @@ def format_report(summary: dict) -> str:
     if q:
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
                      f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers (budget {q['budget']})")
-    lines.append(f"{summary['factored']} layers factored, {summary['kept_dense']} kept dense; candidate params "
-                 f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
+    if summary["layers"]:
+        lines.append(f"{summary['factored']} layers factored, {summary['kept_dense']} kept dense; candidate params "
+                     f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
+    else:  # graph passes only
+        lines.append(f"{summary['factored']} attention cores rewritten, {summary['kept_dense']} left as they were")
     if summary["output"]:
         lines.append(f"wrote {', '.join(summary['written'])}")
     else:
