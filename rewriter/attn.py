@@ -42,6 +42,7 @@ class AttnConfig:
     eps_given: bool = False
     target_density: float = 0.10       # eps modes without --state-pack-eps: per-head eps from calibration
     calib_tokens: int = 512
+    kscale: str = "auto"               # auto: per-channel key scale from --calib-text when given | off
     targets: tuple = ("kv",)
 
 
@@ -67,6 +68,9 @@ def add_flags(p) -> None:
     g.add_argument("--attn-target-density", type=float, default=0.10,
                    help="ternary / eps-binary without --state-pack-eps: eps per KV head from the calibration "
                         "text's keys so that this fraction of components is set (default 0.10)")
+    g.add_argument("--attn-kscale", default="auto", choices=["auto", "off"],
+                   help="fold the per-channel mean |k| (from --calib-text keys) into the query of the popcount "
+                        "score (default auto: when --calib-text is given)")
     g.add_argument("--attn-mix", type=float, default=0.0,
                    help="seed behaviour: mix this fraction of the approximate score into the exact logits (default 0)")
 
@@ -88,7 +92,8 @@ def config(args) -> AttnConfig:
                      qbits=int(getattr(args, "attn_qbits", 8)), mix=float(getattr(args, "attn_mix", 0.0)),
                      popcnt=getattr(args, "state_pack_popcnt", "auto"),
                      approx_prefill=int(bool(getattr(args, "attn_approx_prefill", False))),
-                     eps_given=eps is not None, target_density=float(getattr(args, "attn_target_density", 0.10)))
+                     eps_given=eps is not None, target_density=float(getattr(args, "attn_target_density", 0.10)),
+                     kscale=getattr(args, "attn_kscale", "auto"))
     if not 0 < cfg.target_density < 1:
         raise OrtleanError(f"--attn-target-density {cfg.target_density}: must be in (0, 1)")
     if not 0 <= cfg.budget <= 1:
@@ -297,16 +302,19 @@ def calibrate_eps(model_path, text_path, cfg: AttnConfig, tokenizer=None) -> dic
     sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
     io = runner.ModelIO.from_session(sess)
     out = runner.run(sess, io, runner.feeds(io, ids[None, :]))
-    eps = {}
+    eps, kscale = {}, {}
     for name, val in out.items():
         m = re.match(r"^present\.(\d+)\.key$", name)
         if m:
             a = np.abs(val[0])                                   # [H, T, D]
             eps[int(m.group(1))] = [float(np.quantile(a[h], 1.0 - cfg.target_density)) for h in range(a.shape[0])]
-    return eps
+            ks = a.mean(axis=1)                                  # [H, D]
+            kscale[int(m.group(1))] = [float(x) for x in (ks / np.maximum(ks.mean(-1, keepdims=True), 1e-30)).ravel()]
+    return {"eps": eps, "kscale": kscale}
 
 
-def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | None = None) -> list[dict]:
+def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | None = None,
+          kscale: dict | None = None) -> list[dict]:
     """Rewrite every matched attention core; returns one report dict per Softmax."""
     matches, skipped = find_attention(model)
     graph = model.graph
@@ -335,6 +343,9 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | N
                      min_candidates=int(cfg.min_candidates), sinks=int(cfg.sinks), window=int(cfg.window),
                      min_context=int(cfg.min_context), rho=float(cfg.rho), qbits=int(cfg.qbits), mix=float(cfg.mix),
                      popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer, approx_prefill=int(cfg.approx_prefill))
+        if kscale and m.cache in kscale:
+            attrs["kscale"] = kscale[m.cache]
+            note.append("per-channel key scale (calibrated)")
         if eps_heads and m.cache in eps_heads and cfg.mode != "sign":
             attrs["eps_heads"] = [float(e) for e in eps_heads[m.cache]]
             note.append(f"eps per head {', '.join(f'{e:.3g}' for e in eps_heads[m.cache])} "
@@ -397,14 +408,16 @@ class _Pass:
         return False
 
     def run(self, model, ctx, cfg=None):
-        eps = None
-        if cfg.mode != "sign" and not cfg.eps_given:
-            if not ctx.calib_text:
-                raise OrtleanError(f"--state-pack {'ternary' if cfg.mode == 'ternary' else 'binary --attn-pack-bits eps'}: "
-                                   "give --state-pack-eps E, or --calib-text FILE to choose eps per head for "
-                                   "--attn-target-density")
-            eps = calibrate_eps(ctx.model_path, ctx.calib_text, cfg, ctx.tokenizer)
-        return apply(model, cfg, eps_heads=eps)
+        cal = {}
+        need_eps = cfg.mode != "sign" and not cfg.eps_given
+        if need_eps and not ctx.calib_text:
+            raise OrtleanError(f"--state-pack {'ternary' if cfg.mode == 'ternary' else 'binary --attn-pack-bits eps'}: "
+                               "give --state-pack-eps E, or --calib-text FILE to choose eps per head for "
+                               "--attn-target-density")
+        if ctx.calib_text and (need_eps or cfg.kscale == "auto") and ctx.io is not None and ctx.io.has_past:
+            cal = calibrate_eps(ctx.model_path, ctx.calib_text, cfg, ctx.tokenizer)
+        return apply(model, cfg, eps_heads=cal.get("eps") if need_eps else None,
+                     kscale=cal.get("kscale") if cfg.kscale == "auto" else None)
 
 
 PASS = _Pass()

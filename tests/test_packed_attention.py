@@ -437,3 +437,19 @@ def test_eps_per_head_and_density_auto_disable():
     with pytest.raises(Exception, match="eps_heads"):
         custom_ops.session(op_model(dict(attrs, eps_heads=[0.1, 0.2]), mask=False, name="pa_bad")).run(
             None, {"Q": Q, "K": K, "V": V, "past_bits": np.zeros((1, 3, 0, 5), np.int32)})
+
+
+@requires_native
+def test_kscale_folded_into_query():
+    Q, K, V = data(B=1, Hq=6, Hkv=3, T=500, structured=True)
+    ks = np.random.default_rng(1).uniform(0.1, 3.0, size=3 * 64).astype(np.float32)
+    attrs = dict(scale=0.125, budget=0.125, min_context=0, kscale=ks.tolist(), window=8)
+    s = custom_ops.session(op_model(attrs, mask=False, bits=False, name="pa_ks"))
+    (Y,) = s.run(None, {"Q": Q, "K": K, "V": V})
+    np.testing.assert_allclose(Y, packed_attention(Q, K, V, **attrs)[0], atol=1e-5)
+    (Y0,) = custom_ops.session(op_model(dict(attrs, kscale=[]), mask=False, bits=False, name="pa_ks0")).run(
+        None, {"Q": Q, "K": K, "V": V})
+    assert np.abs(Y - Y0).max() > 1e-4  # it changes the candidate choice
+    with pytest.raises(Exception, match="kscale"):
+        custom_ops.session(op_model(dict(attrs, kscale=[1.0] * 5), mask=False, bits=False, name="pa_ks_bad")).run(
+            None, {"Q": Q, "K": K, "V": V})

@@ -86,6 +86,13 @@ PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo*
   } catch (const Ort::Exception& e) {
     if (!std::strstr(e.what(), "No attribute")) throw;
   }
+  try {
+    kscale_ = info.GetAttributes<float>("kscale");
+  } catch (const Ort::Exception& e) {
+    if (!std::strstr(e.what(), "No attribute")) throw;
+  }
+  for (float e : kscale_)
+    if (!(e >= 0) || !std::isfinite(e)) fail("attribute kscale must hold finite values >= 0");
   for (float e : eps_heads_)
     if (!(e >= 0) || !std::isfinite(e)) fail("attribute eps_heads must hold finite values >= 0");
   if (!(budget_ >= 0 && budget_ <= 1)) fail("attribute budget must be in [0, 1] (0 or 1 = exact)");
@@ -149,6 +156,9 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
   if (!eps_heads_.empty() && static_cast<int64_t>(eps_heads_.size()) != Hkv)
     fail("attribute eps_heads has " + std::to_string(eps_heads_.size()) + " values, K has " + std::to_string(Hkv) +
          " heads");
+  if (!kscale_.empty() && static_cast<int64_t>(kscale_.size()) != Hkv * D)
+    fail("attribute kscale has " + std::to_string(kscale_.size()) + " values, expected KV heads x head dim = " +
+         std::to_string(Hkv * D));
   const int64_t nw = (D + 31) / 32, W = planes * nw + 1;
 
   // mask: additive, rank 4, each dim 1 or full
@@ -290,7 +300,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       const int64_t C = n_cand(Tr);
       const bool exact_row = global_exact || (M > 1 && !approx_prefill_) || Tr <= min_context_ || C >= Tr;
       // scratch: logits [T], approx [T], idx [T] (int64 as 2 floats), q planes
-      float* s = task_scratch().get(static_cast<size_t>(5 * T + 2 * 16 * nw + Dv + D + 64));
+      float* s = task_scratch().get(static_cast<size_t>(5 * T + 2 * 16 * nw + Dv + 2 * D + 64));
       float* approx = s + T;
       int64_t* idx = reinterpret_cast<int64_t*>(approx + T);
       uint32_t* qp = reinterpret_cast<uint32_t*>(idx + T);
@@ -299,14 +309,21 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       float* qk = y + Dv;  // K^T column gather for bhdt
       const bool use_approx = !exact_row || mix_ > 0;
       if (use_approx) {
+        const float* qa = q;  // the query of the popcount score: q, or q * kscale of this KV head
+        if (!kscale_.empty()) {
+          float* qsc = qk + D;
+          const float* ks = kscale_.data() + hk * D;
+          for (int64_t d = 0; d < D; ++d) qsc[d] = q[d] * ks[d];
+          qa = qsc;
+        }
         float a = 0.0f;
-        for (int64_t d = 0; d < D; ++d) a = std::max(a, std::fabs(q[d]));
+        for (int64_t d = 0; d < D; ++d) a = std::max(a, std::fabs(qa[d]));
         if (a > 0) {
           const float inv = L / a;
           std::memset(qp, 0, sizeof(uint32_t) * 2 * 16 * nw);
           int64_t qsum = 0;
           for (int64_t d = 0; d < D; ++d) {
-            const int32_t qi = static_cast<int32_t>(std::nearbyint(q[d] * inv));
+            const int32_t qi = static_cast<int32_t>(std::nearbyint(qa[d] * inv));
             qsum += qi;
             const uint32_t mag = static_cast<uint32_t>(qi < 0 ? -qi : qi);
             uint32_t* pl = qi < 0 ? qn : qp;
@@ -351,7 +368,7 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
         if (k >= nr) {
           for (int64_t t = ns; t < w0; ++t) idx[n++] = t;
         } else if (k > 0) {
-          float* tmp = reinterpret_cast<float*>(qn + 16 * nw) + Dv + D;  // nr floats
+          float* tmp = reinterpret_cast<float*>(qn + 16 * nw) + Dv + 2 * D;  // nr floats
           std::memcpy(tmp, sc, sizeof(float) * nr);
           std::nth_element(tmp, tmp + (k - 1), tmp + nr, std::greater<float>());
           const float thr = tmp[k - 1];

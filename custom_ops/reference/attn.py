@@ -14,7 +14,9 @@ Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1):
   bit d of plane p is bit d % 32 of word p * ceil(D/32) + d // 32; the last word holds gamma
   (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none).
 
-Approximate score of a query row q (only used to pick candidates, never as the output):
+Approximate score of a query row q (only used to pick candidates, never as the output), after
+q ← q * kscale[kv head] when the per-channel key scale kscale [Hkv * D] is given (calibrated mean
+|k_d|: sign bits lose the channel magnitudes, RoPE'd keys have a few large channels):
   a = max|q|, L = 2^(qbits-1) - 1, qi = rint(q * (L / a)) (integers in [-L, L]);
   sign: Σ qi_d (2 bit_d - 1); ternary: Σ qi_d (pos_d - neg_d); binary: Σ qi_d bit_d
   (evaluated with popcounts over the bit planes of |qi|), times gamma_k * ((a / L) * scale), plus mask.
@@ -132,7 +134,7 @@ def select(T, approx_plus_mask, budget, min_candidates, sinks, window):
 
 def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sign", eps=0.0, budget=0.0,
                      min_candidates=64, sinks=4, window=64, min_context=256, rho=0.15, qbits=8, mix=0.0,
-                     k_layout="bhtd", approx_prefill=0, eps_heads=None, **_ignored):
+                     k_layout="bhtd", approx_prefill=0, eps_heads=None, kscale=None, **_ignored):
     """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32)."""
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
@@ -173,7 +175,9 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
                          or max(min_candidates, math.ceil(budget * Tr)) >= Tr)
                 need_approx = not exact or mix > 0
                 if need_approx:
-                    s, coef = approx_int(q, bits[b, hk], D, mode, qbits)
+                    qa = q if kscale is None or not len(kscale) else \
+                        q * np.asarray(kscale, np.float32).reshape(Hkv, D)[hk]
+                    s, coef = approx_int(qa, bits[b, hk], D, mode, qbits)
                     approx = s.astype(np.float32) * unpack_gamma(bits[b, hk]) * np.float32(coef * scale)
                 idx = (np.arange(Tr) if exact else
                        select(Tr, (approx + mrow)[:Tr], budget, min_candidates, sinks, window))
