@@ -42,6 +42,7 @@ class AttnConfig:
     eps_given: bool = False
     target_density: float = 0.10       # eps modes without --state-pack-eps: per-head eps from calibration
     calib_tokens: int = 512
+    select: str = "popcount"           # popcount | exact (oracle selection, for measurement)
     kscale: str = "auto"               # auto: per-channel key scale from --calib-text when given | off
     targets: tuple = ("kv",)
 
@@ -71,6 +72,9 @@ def add_flags(p) -> None:
     g.add_argument("--attn-kscale", default="auto", choices=["auto", "off"],
                    help="fold the per-channel mean |k| (from --calib-text keys) into the query of the popcount "
                         "score (default auto: when --calib-text is given)")
+    g.add_argument("--attn-select", default="popcount", choices=["popcount", "exact"],
+                   help="how candidates are chosen: popcount score (default) or exact scores (oracle: measures what "
+                        "the budget alone costs, no speed benefit)")
     g.add_argument("--attn-mix", type=float, default=0.0,
                    help="seed behaviour: mix this fraction of the approximate score into the exact logits (default 0)")
 
@@ -93,7 +97,7 @@ def config(args) -> AttnConfig:
                      popcnt=getattr(args, "state_pack_popcnt", "auto"),
                      approx_prefill=int(bool(getattr(args, "attn_approx_prefill", False))),
                      eps_given=eps is not None, target_density=float(getattr(args, "attn_target_density", 0.10)),
-                     kscale=getattr(args, "attn_kscale", "auto"))
+                     kscale=getattr(args, "attn_kscale", "auto"), select=getattr(args, "attn_select", "popcount"))
     if not 0 < cfg.target_density < 1:
         raise OrtleanError(f"--attn-target-density {cfg.target_density}: must be in (0, 1)")
     if not 0 <= cfg.budget <= 1:
@@ -343,6 +347,8 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | N
                      min_candidates=int(cfg.min_candidates), sinks=int(cfg.sinks), window=int(cfg.window),
                      min_context=int(cfg.min_context), rho=float(cfg.rho), qbits=int(cfg.qbits), mix=float(cfg.mix),
                      popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer, approx_prefill=int(cfg.approx_prefill))
+        if cfg.select != "popcount":
+            attrs["select"] = cfg.select
         if kscale and m.cache in kscale:
             attrs["kscale"] = kscale[m.cache]
             note.append("per-channel key scale (calibrated)")

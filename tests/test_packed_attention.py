@@ -454,3 +454,11 @@ def test_kscale_folded_into_query():
     with pytest.raises(Exception, match="kscale"):
         custom_ops.session(op_model(dict(attrs, kscale=[1.0] * 5), mask=False, bits=False, name="pa_ks_bad")).run(
             None, {"Q": Q, "K": K, "V": V})
+
+
+@requires_native
+def test_oracle_selection():
+    Q, K, V = data(B=1, Hq=6, Hkv=3, T=500, structured=True)
+    attrs = dict(scale=0.125, budget=0.125, min_context=0, select="exact", window=8)
+    (Y,) = custom_ops.session(op_model(attrs, mask=False, bits=False, name="pa_or")).run(None, {"Q": Q, "K": K, "V": V})
+    np.testing.assert_allclose(Y, packed_attention(Q, K, V, **attrs)[0], atol=1e-5)

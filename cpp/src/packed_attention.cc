@@ -54,6 +54,12 @@ PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo*
   try_attribute(info, "mode", mode);
   try_attribute(info, "k_layout", layout);
   try_attribute(info, "popcnt", popcnt);
+  std::string select = "popcount";
+  try_attribute(info, "select", select);
+  if (select == "exact")
+    oracle_ = true;
+  else if (select != "popcount")
+    fail("attribute select='" + select + "': expected popcount | exact");
   try_attribute(info, "scale", scale_);
   try_attribute(info, "eps", eps_);
   try_attribute(info, "budget", budget_);
@@ -308,7 +314,9 @@ void PackedAttentionKernel::Compute(OrtKernelContext* context) const {
       float* y = reinterpret_cast<float*>(qn + 16 * nw);
       float* qk = y + Dv;  // K^T column gather for bhdt
       const bool use_approx = !exact_row || mix_ > 0;
-      if (use_approx) {
+      if (use_approx && oracle_ && !k_bhdt_) {
+        for (int64_t t = 0; t < T; ++t) approx[t] = ak.dot(q, Kh + t * D, D) * scale_;
+      } else if (use_approx) {
         const float* qa = q;  // the query of the popcount score: q, or q * kscale of this KV head
         if (!kscale_.empty()) {
           float* qsc = qk + D;

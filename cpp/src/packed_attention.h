@@ -23,6 +23,7 @@ class PackedAttentionKernel {
   int64_t approx_prefill_ = 0;
   int64_t min_candidates_ = 64, sinks_ = 4, window_ = 64, min_context_ = 256, qbits_ = 8;
   int mode_ = kSign;
+  bool oracle_ = false;  // select = "exact": candidates by exact scores (measurement only)
   std::vector<float> kscale_;     // [Hkv * D] per-channel key scale folded into q for the popcount score
   std::vector<float> eps_heads_;  // per KV head (eps modes), empty = eps_ for all
   bool k_bhdt_ = false;

@@ -22,7 +22,8 @@ q ← q * kscale[kv head] when the per-channel key scale kscale [Hkv * D] is giv
   (evaluated with popcounts over the bit planes of |qi|), times gamma_k * ((a / L) * scale), plus mask.
 With approx_prefill = 1, rows of M > 1 also use candidates, each as a decode step would: its
 context is the keys up to its last unmasked one (T_m), and every rule below uses T_m for T.
-Candidates: the first `sinks` keys, the last `window` keys and the best of the rest by that score
+select = "exact" replaces the approximate score by the exact one (oracle: measures what the budget
+alone costs; no speed benefit). Candidates: the first `sinks` keys, the last `window` keys and the best of the rest by that score
 (ties: lower index first), `C = max(min_candidates, ceil(budget * T))` keys in total. Exact
 attention (all keys) when M > 1 (unless approx_prefill), T <= min_context, budget <= 0 or >= 1, C >= T, or (ternary /
 binary) the key-bit density is above rho. On the candidate set S: logits = scale * q·k + mask
@@ -134,7 +135,8 @@ def select(T, approx_plus_mask, budget, min_candidates, sinks, window):
 
 def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sign", eps=0.0, budget=0.0,
                      min_candidates=64, sinks=4, window=64, min_context=256, rho=0.15, qbits=8, mix=0.0,
-                     k_layout="bhtd", approx_prefill=0, eps_heads=None, kscale=None, **_ignored):
+                     k_layout="bhtd", approx_prefill=0, eps_heads=None, kscale=None, select="popcount",
+                     **_ignored):
     """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32)."""
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
@@ -174,7 +176,9 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
                 exact = (global_exact or (M > 1 and not approx_prefill) or Tr <= min_context
                          or max(min_candidates, math.ceil(budget * Tr)) >= Tr)
                 need_approx = not exact or mix > 0
-                if need_approx:
+                if need_approx and select == "exact":  # oracle selection (measurement only)
+                    approx = (Kh @ q) * scale
+                elif need_approx:
                     qa = q if kscale is None or not len(kscale) else \
                         q * np.asarray(kscale, np.float32).reshape(Hkv, D)[hk]
                     s, coef = approx_int(qa, bits[b, hk], D, mode, qbits)

@@ -31,7 +31,8 @@ _ATTR_TYPES: dict[str, dict[str, int]] = {
                         "rho": AttributeProto.FLOAT, "qbits": AttributeProto.INT, "mix": AttributeProto.FLOAT,
                         "popcnt": AttributeProto.STRING, "k_layout": AttributeProto.STRING,
                         "layer": AttributeProto.STRING, "approx_prefill": AttributeProto.INT,
-                        "eps_heads": AttributeProto.FLOATS, "kscale": AttributeProto.FLOATS},
+                        "eps_heads": AttributeProto.FLOATS, "kscale": AttributeProto.FLOATS,
+                        "select": AttributeProto.STRING},
 }
 # ops whose inputs/outputs are not all float32 (index → TensorProto type); outputs: the full list
 _IN_TYPES: dict[str, dict[int, int]] = {"PackedAttention": {4: TensorProto.INT32}}
@@ -42,7 +43,7 @@ _ATTR_DEFAULTS: dict[str, dict] = {
     "PackedAttention": {"scale": 1.0, "mode": "sign", "eps": 0.0, "budget": 0.0, "min_candidates": 64, "sinks": 4,
                         "window": 64, "min_context": 256, "rho": 0.15, "qbits": 8, "mix": 0.0, "popcnt": "auto",
                         "k_layout": "bhtd", "layer": "", "approx_prefill": 0, "eps_heads": "[]",
-                        "kscale": "[]"},
+                        "kscale": "[]", "select": "popcount"},
 }
 
 
