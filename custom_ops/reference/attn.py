@@ -119,7 +119,7 @@ def _mask_row(mask, b, h, m, T):
     return np.broadcast_to(mb, (T,)).astype(np.float32)
 
 
-def select(T, approx_plus_mask, budget, min_candidates, sinks, window):
+def select_candidates(T, approx_plus_mask, budget, min_candidates, sinks, window):
     C = max(int(min_candidates), int(math.ceil(budget * T)))
     if C >= T:
         return np.arange(T)
@@ -184,7 +184,7 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
                     s, coef = approx_int(qa, bits[b, hk], D, mode, qbits)
                     approx = s.astype(np.float32) * unpack_gamma(bits[b, hk]) * np.float32(coef * scale)
                 idx = (np.arange(Tr) if exact else
-                       select(Tr, (approx + mrow)[:Tr], budget, min_candidates, sinks, window))
+                       select_candidates(Tr, (approx + mrow)[:Tr], budget, min_candidates, sinks, window))
                 logits = (Kh[idx].astype(np.float32) @ q) * scale
                 if mix > 0:
                     logits = logits + np.float32(mix) * (approx[idx] - logits)
