@@ -45,7 +45,7 @@ def bench_op(a) -> dict:
     sessions = {"dense": ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])}
     for b in [float(x) for x in a.budgets.split(",")]:
         m = g.load_model(src)
-        attn.apply(m, attn.AttnConfig(enabled=True, budget=b))
+        attn.apply(m, attn.AttnConfig(enabled=True, budget=b, window=64))  # as measured for issue 5
         out = tmp / f"blk_{b}.onnx"
         g.save_model_atomic(m, out)
         sessions[f"packed_{b}"] = custom_ops.session(str(out), threads=a.threads)
@@ -100,7 +100,7 @@ def bench_model(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnm-"))
     out = tmp / "smol.lean.onnx"
     assert cli.main(["rewrite", str(d / "model.onnx"), "-o", str(out), "--state-pack", "binary",
-                     "--attn-budget", str(a.budget), "-q"]) == 0
+                     "--attn-budget", str(a.budget), "--attn-window", str(a.window), "-q"]) == 0
     sessions = {"dense": custom_ops.session(str(d / "model.onnx"), threads=a.threads),
                 "lean": custom_ops.session(str(out), threads=a.threads)}
     ios = {n: runner.ModelIO.from_session(s) for n, s in sessions.items()}
@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=["op", "model"])
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--budgets", default="0,0.125,0.25,0.5")
-    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--past", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
