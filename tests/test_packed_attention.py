@@ -394,6 +394,15 @@ def test_smollm2_rewrite_full_budget_same_greedy_text(tmp_path):
     td, _ = runner.generate(dense, io_d, tok, prompt, 24)
     tl, _ = runner.generate(lean, io_l, tok, prompt, 24)
     assert td == tl
+    # the bits carried through prefill + decode steps equal the bits packed from scratch
+    ids = runner.tokenize(tok, prompt)
+    out = runner.run(lean, io_l, runner.feeds(io_l, ids[None, :]))
+    past, plen = io_l.next_state(out), ids.size
+    for t in (11, 12):
+        out = runner.run(lean, io_l, runner.feeds(io_l, np.array([[t]]), past, plen))
+        past, plen = io_l.next_state(out), plen + 1
+    for n in (0, 17, 29):
+        assert (out[f"present.{n}.key_bits"] == pack_keys(out[f"present.{n}.key"])).all()
 
 
 @pytest.mark.slow
