@@ -70,7 +70,9 @@ def weight_backends():
 
 
 def graph_passes():
-    return []
+    from . import attn
+
+    return [attn.PASS]
 
 
 def all_backends():

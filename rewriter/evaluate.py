@@ -91,7 +91,8 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past:
     for t in threads:
         sessions = {k: _session(v, t) for k, v in variants.items() if v}
         io = runner.ModelIO.from_session(sessions["dense"])
-        r = runner.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats)
+        ios = {k: runner.ModelIO.from_session(s) for k, s in sessions.items()}
+        r = runner.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats, ios=ios)
         res["runs"].append({"threads": t, "kind": io.kind, "results": r})
     if profile:
         t = max(threads)

@@ -67,6 +67,9 @@ def run(cfg: RewriteConfig) -> dict:
 
     t0 = time.time()
     wbs = [b for b in reg.weight_backends() if b.name in cfg.backends and cfg.backends[b.name].enabled]
+    gps = [b for b in reg.graph_passes() if b.name in cfg.backends and cfg.backends[b.name].enabled]
+    if not wbs and gps:
+        return _run_graph_passes_only(cfg, gps, t0)
     if not wbs:
         raise OrtleanError("no backend enabled: pass --tt=on, --kwta=on, --event-driven=on or --state-pack=... --state-pack-target=mlp")
     if cfg.quality_budget is not None and not (cfg.quality_budget > 0):
@@ -157,6 +160,11 @@ def run(cfg: RewriteConfig) -> dict:
     for c, b, plan in chosen:
         b.emit(model.graph, c, plan, ctx)
     emitted = len(chosen)
+    graph_records = []
+    for gp in gps:  # graph passes (PackedAttention …) after the weight backends
+        recs = gp.run(model, ctx, cfg.backends[gp.name])
+        graph_records += recs
+        emitted += sum(1 for r in recs if r.get("backend") != "dense")
     if emitted:
         model.opset_imports.setdefault(DOMAIN, 1)
         model.graph.sort()
@@ -176,11 +184,46 @@ def run(cfg: RewriteConfig) -> dict:
         "params_before": int(sum(r.params_before for r in recs)),
         "params_after": int(sum(r.params_after for r in recs)),
         "quality": quality,
+        "graph_passes": graph_records,
         "config": {"backends": {k: _cfg_dict(v) for k, v in cfg.backends.items()}, "calib_text": cfg.calib_text,
                    "calib_tokens": cfg.calib_tokens, "include": cfg.include, "exclude": cfg.exclude,
                    "quality_budget": cfg.quality_budget, "quality_tokens": cfg.quality_tokens},
         "seconds": round(time.time() - t0, 1),
     }
+    if cfg.report:
+        _write_json_atomic(Path(cfg.report), summary)
+    return summary
+
+
+def _run_graph_passes_only(cfg: RewriteConfig, gps, t0: float) -> dict:
+    """`ortlean rewrite` with only graph passes enabled (e.g. --state-pack=binary for
+    PackedAttention): no weight candidates, calibration or quality guard."""
+    from . import backends as reg
+    from . import runner
+
+    inp = Path(cfg.model)
+    out = Path(cfg.output)
+    if out.resolve() == inp.resolve():
+        raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
+    model = g.load_model(inp)
+    io = runner.ModelIO.from_model(str(inp))
+    ctx = reg.Context(model_path=str(inp), io=io, speed_M=1 if io.kind == "causal-lm" else 128,
+                      threads=cfg.threads, calib_text=cfg.calib_text, tokenizer=cfg.tokenizer)
+    recs = []
+    for gp in gps:
+        recs += gp.run(model, ctx, cfg.backends[gp.name])
+    emitted = sum(1 for r in recs if r.get("backend") != "dense")
+    written = []
+    if emitted:
+        model.opset_imports.setdefault(DOMAIN, 1)
+        model.graph.sort()
+        written = g.save_model_atomic(model, out, input_path=inp, check=lambda p: check(p, out))
+        written += copy_sidecars(inp, out)
+    summary = {"model": str(inp), "output": str(out) if emitted else None, "written": [str(p) for p in written],
+               "kind": io.kind, "layers": [], "graph_passes": recs, "factored": emitted,
+               "kept_dense": len(recs) - emitted, "params_before": 0, "params_after": 0, "quality": None,
+               "config": {"backends": {k: _cfg_dict(v) for k, v in cfg.backends.items()}},
+               "seconds": round(time.time() - t0, 1)}
     if cfg.report:
         _write_json_atomic(Path(cfg.report), summary)
     return summary
@@ -360,22 +403,29 @@ def _json_default(o):
 
 def format_report(summary: dict) -> str:
     rows = [("layer", "target", "shape", "backend", "params", "→ stored", "gap", "decision")]
+    if not summary["layers"]:
+        rows = []
     for r in summary["layers"]:
         gap = "" if r["gap"] is None else f"{r['gap']:.4f}"
         rows.append((r["layer"], f"{r['target']}/{r['role']}", "x".join(map(str, r["shape"])), r["backend"],
                      f"{r['params_before']:,}", f"{r['params_after']:,}", gap, r["decision"]))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)] if rows else []
     lines = []
     for row in rows:
         lines.append("  ".join(str(v).ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
+    for r in summary.get("graph_passes") or []:
+        lines.append(f"{r['layer']}  {r['backend']}  {r['decision']}")
     pb, pa = summary["params_before"], summary["params_after"]
     lines.append("")
     q = summary.get("quality")
     if q:
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
                      f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers (budget {q['budget']})")
-    lines.append(f"{summary['factored']} layers factored, {summary['kept_dense']} kept dense; candidate params "
-                 f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
+    if summary["layers"]:
+        lines.append(f"{summary['factored']} layers factored, {summary['kept_dense']} kept dense; candidate params "
+                     f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
+    else:  # graph passes only
+        lines.append(f"{summary['factored']} attention cores rewritten, {summary['kept_dense']} left as they were")
     if summary["output"]:
         lines.append(f"wrote {', '.join(summary['written'])}")
     else:

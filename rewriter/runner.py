@@ -498,7 +498,7 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
                    decode_past: int = 128, decode_steps: int = 16, repeats: int = 7,
                    warmup: int = 2, short_len: int = 16, batch: int = 1, seed: int = 0,
                    baseline: str | None = None, vocab_size: int | None = None,
-                   progress: bool = False) -> dict:
+                   progress: bool = False, ios: Mapping[str, ModelIO] | None = None) -> dict:
     """Time the sessions (same model interface, e.g. dense vs rewritten) on the same inputs.
 
     Causal LM: prefill latency of ``prefill_len`` tokens from an empty cache, and decode step
@@ -515,6 +515,8 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
     names = list(sessions)
     if not names:
         raise ValueError("no sessions")
+    # per-session interface (a rewritten model may carry extra cache states, e.g. key_bits)
+    ios = {n: (ios or {}).get(n, io) for n in names}
     baseline = baseline or ("dense" if "dense" in sessions else names[0])
     rng = np.random.default_rng(seed)
     hi = max(int(vocab_size or io.vocab_size or 100), 2)
@@ -529,11 +531,11 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
     init_state: dict[str, tuple[dict, int]] = {}
     if causal and io.has_past and decode_steps > 0:
         for n in names:
-            out = _outputs_dict(sessions[n], io, feeds(io, past_ids))
-            init_state[n] = (io.next_state(out), decode_past)
+            out = _outputs_dict(sessions[n], ios[n], feeds(ios[n], past_ids))
+            init_state[n] = (ios[n].next_state(out), decode_past)
 
     def t_prefill(n, ids):
-        f = feeds(io, ids)
+        f = feeds(ios[n], ids)
         t0 = time.perf_counter()
         sessions[n].run(None, f)
         return time.perf_counter() - t0
@@ -542,11 +544,11 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
         past, plen = init_state[n]
         times = []
         for s in range(decode_steps):
-            f = feeds(io, step_ids[:, s: s + 1], past, plen)
+            f = feeds(ios[n], step_ids[:, s: s + 1], past, plen)
             t0 = time.perf_counter()
-            out = _outputs_dict(sessions[n], io, f)
+            out = _outputs_dict(sessions[n], ios[n], f)
             times.append(time.perf_counter() - t0)
-            past, plen = io.next_state(out), plen + 1
+            past, plen = ios[n].next_state(out), plen + 1
         return times
 
     rounds = range(warmup + repeats)

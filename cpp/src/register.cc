@@ -11,6 +11,7 @@
 #include "proc_sparse.h"
 #include "tt_matmul.h"
 #include "event_gated_matmul.h"
+#include "packed_attention.h"
 
 #define ORTLEAN_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -63,6 +64,15 @@ EventGatedMatMulOp& event_gated_matmul_op() {
   return *op;
 }
 
+PackedAttentionOp& packed_attention_op() {
+  static PackedAttentionOp* op = [] {
+    auto* o = new PackedAttentionOp();
+    o->version = kOrtApiVersion;
+    return o;
+  }();
+  return *op;
+}
+
 constexpr const char* kDomain = "ai.ortlean";
 
 }  // namespace
@@ -88,6 +98,7 @@ ORTLEAN_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* opti
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &tt_matmul_op()));
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &proc_sparse_matmul_op()));
     Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &event_gated_matmul_op()));
+    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &packed_attention_op()));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   });
 }

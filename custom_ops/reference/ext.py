@@ -40,15 +40,35 @@ _ATTR_TYPES: dict[str, dict[str, int]] = {
                                              "event_gap_tol", "event_beta", "event_lambda", "gap", "keep_ratio")},
         **{k: AttributeProto.STRING for k in ("pack", "kwta_select", "kwta_score", "layer", "target")},
     },
+    "PackedAttention": {"scale": AttributeProto.FLOAT, "mode": AttributeProto.STRING, "eps": AttributeProto.FLOAT,
+                        "budget": AttributeProto.FLOAT, "min_candidates": AttributeProto.INT,
+                        "sinks": AttributeProto.INT, "window": AttributeProto.INT, "min_context": AttributeProto.INT,
+                        "rho": AttributeProto.FLOAT, "qbits": AttributeProto.INT, "mix": AttributeProto.FLOAT,
+                        "popcnt": AttributeProto.STRING, "k_layout": AttributeProto.STRING,
+                        "layer": AttributeProto.STRING, "approx_prefill": AttributeProto.INT,
+                        "eps_heads": AttributeProto.FLOATS, "kscale": AttributeProto.FLOATS,
+                        "select": AttributeProto.STRING},
 }
-# input element types other than all-float32 (index → onnxruntime_extensions PyCustomOpDef dt_* name)
-_INPUT_TYPES: dict[str, dict[int, str]] = {
-    "ProcSparseMatMul": {1: "dt_int32", 2: "dt_int32"},
+# ops whose inputs/outputs are not all float32 (index → TensorProto type); outputs: the full list
+_IN_TYPES: dict[str, dict[int, int]] = {
+    "ProcSparseMatMul": {1: TensorProto.INT32, 2: TensorProto.INT32},
+    "PackedAttention": {4: TensorProto.INT32},
+}
+_OUT_TYPES: dict[str, list[int]] = {"PackedAttention": [TensorProto.FLOAT, TensorProto.INT32]}
+EMPTY_I32 = "ortlean_ref_empty_i32"
+# attributes the ext op must see even when the node omits them (ext ops require every declared one)
+_ATTR_DEFAULTS: dict[str, dict] = {
+    "PackedAttention": {"scale": 1.0, "mode": "sign", "eps": 0.0, "budget": 0.0, "min_candidates": 64, "sinks": 4,
+                        "window": 64, "min_context": 256, "rho": 0.15, "qbits": 8, "mix": 0.0, "popcnt": "auto",
+                        "k_layout": "bhtd", "layer": "", "approx_prefill": 0, "eps_heads": "[]",
+                        "kscale": "[]", "select": "popcount"},
 }
 
 
 def _attr_defaults(op_type: str) -> dict:
     """Values for attributes a node may omit (onnxruntime-extensions Python ops need them all)."""
+    if op_type in _ATTR_DEFAULTS:
+        return _ATTR_DEFAULTS[op_type]
     if op_type == "EventGatedMatMul":
         from .gating import DEFAULTS
 
@@ -76,24 +96,32 @@ def register() -> None:
         return
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
+    def _pt(t):
+        return PyCustomOpDef.dt_int32 if t == TensorProto.INT32 else PyCustomOpDef.dt_float
+
     for op_type, spec in OPS.items():
         fn, n_inputs = spec[0], spec[1]
         n_outputs = spec[2] if len(spec) > 2 else 1
         types = _ATTR_TYPES[op_type]
+        in_types = [_pt(_IN_TYPES.get(op_type, {}).get(k, TensorProto.FLOAT)) for k in range(n_inputs)]
+        out_types = [_pt(t) for t in _OUT_TYPES.get(op_type, [TensorProto.FLOAT])]
 
-        def body(*inputs, _fn=fn, _types=types, _n_out=n_outputs, **attrs):
+        in_types = [_pt(_IN_TYPES.get(op_type, {}).get(k, TensorProto.FLOAT)) for k in range(n_inputs)]
+        out_proto = _OUT_TYPES.get(op_type, [TensorProto.FLOAT] * n_outputs)
+        out_np = [np.int32 if t == TensorProto.INT32 else np.float32 for t in out_proto]
+
+        def body(*inputs, _fn=fn, _types=types, _out_np=out_np, **attrs):
             args = [None if (i is not None and np.asarray(i).size == 0 and k > 0) else np.asarray(i)
                     for k, i in enumerate(inputs)]
             kw = {k: (json.loads(v) if _types.get(k) in (AttributeProto.INTS, AttributeProto.FLOATS) else v)
                   for k, v in attrs.items()}
-            out = _fn(*args, **kw)
-            if _n_out > 1:
-                return tuple(np.ascontiguousarray(o, dtype=np.float32) for o in out)
-            return np.ascontiguousarray(out, dtype=np.float32)
+            res = _fn(*args, **kw)
+            if len(_out_np) > 1:
+                return tuple(np.ascontiguousarray(r, dtype=t) for r, t in zip(res, _out_np))
+            return np.ascontiguousarray(res, dtype=_out_np[0])
 
-        in_types = [getattr(PyCustomOpDef, _INPUT_TYPES.get(op_type, {}).get(i, "dt_float")) for i in range(n_inputs)]
         onnx_op(op_type=f"ortlean_{op_type}", inputs=in_types,
-                outputs=[PyCustomOpDef.dt_float] * n_outputs, attrs={k: _dt(t) for k, t in types.items()})(body)
+                outputs=[_pt(t) for t in out_proto], attrs={k: _dt(t) for k, t in types.items()})(body)
     _registered = True
 
 
@@ -101,6 +129,7 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     need_empty = False
+    need_empty_i32 = False
     for node in m.graph.node:
         if node.domain != DOMAIN:
             continue
@@ -114,9 +143,15 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
             del node.output[:]
             node.output.extend(outs)
         ins = list(node.input) + [""] * (n_inputs - len(node.input))
-        if any(i == "" for i in ins):
+        int_ins = _IN_TYPES.get(node.op_type, {})
+        if any(i == "" and k not in int_ins for k, i in enumerate(ins)):
             need_empty = True
-        ins = [EMPTY if i == "" else i for i in ins]
+        if any(i == "" and k in int_ins for k, i in enumerate(ins)):
+            need_empty_i32 = True
+        ins = [(EMPTY_I32 if k in int_ins else EMPTY) if i == "" else i for k, i in enumerate(ins)]
+        n_out = len(_OUT_TYPES.get(node.op_type, [TensorProto.FLOAT]))
+        if len(node.output) < n_out:  # the ext op has a fixed output list: name the unused ones
+            node.output.extend([f"{node.name or node.op_type}_ortlean_unused{k}" for k in range(len(node.output), n_out)])
         del node.input[:]
         node.input.extend(ins)
         attrs = []
@@ -136,6 +171,8 @@ def map_model(model: onnx.ModelProto) -> onnx.ModelProto:
         node.domain = EXT_DOMAIN
     if need_empty:
         m.graph.initializer.append(helper.make_tensor(EMPTY, TensorProto.FLOAT, [0], []))
+    if need_empty_i32:
+        m.graph.initializer.append(helper.make_tensor(EMPTY_I32, TensorProto.INT32, [0], []))
     ops = [o for o in m.opset_import if o.domain != DOMAIN]
     del m.opset_import[:]
     m.opset_import.extend(ops + [helper.make_opsetid(EXT_DOMAIN, 1)])

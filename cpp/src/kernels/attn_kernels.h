@@ -1,0 +1,31 @@
+// Per-ISA kernels of PackedAttention (plain C-like, see kernels.h for why). Compiled from
+// attn_impl.inc by attn_{scalar,avx2,avx512}.cc; the avx512 table also needs AVX512_VPOPCNTDQ.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace ortlean {
+
+struct AttnKernels {
+  const char* name;     // popcount path: "scalar" (SWAR), "avx2" (POPCNT), "vpopcntdq"
+  // sum_i a[i] * b[i]
+  float (*dot)(const float* a, const float* b, int64_t n);
+  // y[i] += a * x[i]
+  void (*axpy)(float a, const float* x, float* y, int64_t n);
+  // y[i] *= a
+  void (*scal)(float a, float* y, int64_t n);
+  // out[t] = sum_b 2^b (popcount(P[b] & k_t) - popcount(N[b] & k_t)) over nw words, for T keys
+  // whose plane words start at kb + t * ldk; P, N: [nb][nw] uint32.
+  void (*popcore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nw, const uint32_t* P,
+                  const uint32_t* N, int nb, int32_t* out);
+  // x[i] = exp(x[i] - mx) (x[i] = -inf gives 0); returns the sum
+  float (*expsum)(float* x, float mx, int64_t n);
+  // max_i x[i] (-inf when n == 0)
+  float (*maxv)(const float* x, int64_t n);
+};
+
+const AttnKernels* attn_kernels_scalar();
+const AttnKernels* attn_kernels_avx2();
+const AttnKernels* attn_kernels_avx512();
+
+}  // namespace ortlean

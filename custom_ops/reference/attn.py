@@ -1,0 +1,197 @@
+"""Numpy reference of PackedAttention: the normative definition of the op (see DEVELOPERS.md).
+
+    Y, present_bits = PackedAttention(Q, K, V, [mask], [past_bits])
+
+Q [B, Hq, M, D]; K [B, Hkv, T, D] (k_layout "bhtd") or [B, Hkv, D, T] ("bhdt"); V [B, Hkv, T, Dv];
+query head h reads KV head h // (Hq / Hkv) (GQA repeat); mask additive float, broadcastable to
+[B, Hq, M, T] (rank 4, each dim 1 or full); past_bits int32 [B, Hkv, P, W] (P = T - new tokens).
+
+Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1):
+  sign    plane 0 bit d = k_d > 0                                  (planes = 1)
+  ternary plane 0 bit d = k_d > eps, plane 1 bit d = k_d < -eps      (planes = 2)
+  binary  plane 0 bit d = |k_d| > eps                               (planes = 1)
+  (eps: the attribute, or eps_heads[kv head] when given)
+  bit d of plane p is bit d % 32 of word p * ceil(D/32) + d // 32; the last word holds gamma
+  (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none).
+
+Approximate score of a query row q (only used to pick candidates, never as the output), after
+q ← q * kscale[kv head] when the per-channel key scale kscale [Hkv * D] is given (calibrated mean
+|k_d|: sign bits lose the channel magnitudes, RoPE'd keys have a few large channels):
+  a = max|q|, L = 2^(qbits-1) - 1, qi = rint(q * (L / a)) (integers in [-L, L]);
+  sign: Σ qi_d (2 bit_d - 1); ternary: Σ qi_d (pos_d - neg_d); binary: Σ qi_d bit_d
+  (evaluated with popcounts over the bit planes of |qi|), times gamma_k * ((a / L) * scale), plus mask.
+With approx_prefill = 1, rows of M > 1 also use candidates, each as a decode step would: its
+context is the keys up to its last unmasked one (T_m), and every rule below uses T_m for T.
+select = "exact" replaces the approximate score by the exact one (oracle: measures what the budget
+alone costs; no speed benefit). Candidates: the first `sinks` keys, the last `window` keys and the best of the rest by that score
+(ties: lower index first), `C = max(min_candidates, ceil(budget * T))` keys in total. Exact
+attention (all keys) when M > 1 (unless approx_prefill), T <= min_context, budget <= 0 or >= 1, C >= T, or (ternary /
+binary) the key-bit density is above rho. On the candidate set S: logits = scale * q·k + mask
+(+ mix * (approx - exact logits) when mix > 0), softmax over S, Y = Σ p v; a row whose logits
+are all -inf gives Y = 0 (the dense graph's IsNaN → 0).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MODES = {"sign": 1, "ternary": 2, "binary": 1}
+
+
+def n_words(D: int, mode: str = "sign") -> int:
+    return MODES[mode] * ((D + 31) // 32) + 1
+
+
+def pack_keys(K: np.ndarray, mode: str = "sign", eps: float = 0.0, eps_heads=None) -> np.ndarray:
+    """K [..., T, D] float32 → bits [..., T, W] int32 (eps_heads: per head, K [B, H, T, D])."""
+    K = np.asarray(K, dtype=np.float32)
+    if eps_heads is not None and len(eps_heads) and mode != "sign":
+        return np.concatenate([pack_keys(K[:, h:h + 1], mode, float(e)) for h, e in enumerate(eps_heads)], 1)
+    D = K.shape[-1]
+    nw = (D + 31) // 32
+    if mode == "sign":
+        planes = [K > 0]
+        gamma = np.abs(K).astype(np.float64).sum(-1) / D
+    else:
+        eps = np.float32(eps)
+        planes = [K > eps, K < -eps] if mode == "ternary" else [np.abs(K) > eps]
+        act = np.abs(K) > eps
+        cnt = act.sum(-1)
+        s = np.where(act, np.abs(K), 0).astype(np.float64).sum(-1)
+        gamma = np.where(cnt > 0, s / np.maximum(cnt, 1), np.float64(eps))
+    words = []
+    pad = nw * 32 - D
+    for pl in planes:
+        b = np.concatenate([pl, np.zeros(pl.shape[:-1] + (pad,), bool)], -1) if pad else pl
+        b = b.reshape(b.shape[:-1] + (nw, 32)).astype(np.uint64)
+        w = (b << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+        words.append(w)
+    g = gamma.astype(np.float32).view(np.uint32)[..., None]
+    return np.concatenate(words + [g], -1).view(np.int32)
+
+
+def unpack_gamma(bits: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(bits[..., -1]).view(np.float32)
+
+
+def density(bits: np.ndarray, D: int, mode: str) -> float:
+    """Fraction of set bits per component (ternary: both planes; sign: fraction of positive components)."""
+    nw = (D + 31) // 32
+    w = np.ascontiguousarray(bits[..., :MODES[mode] * nw]).view(np.uint32)
+    if w.size == 0:
+        return 0.0
+    cnt = np.unpackbits(w.view(np.uint8)).sum()
+    return float(cnt) / float(w.shape[:-1] and np.prod(w.shape[:-1]) * D or 1)
+
+
+def _bitvec(bits_row_words: np.ndarray, D: int) -> np.ndarray:
+    """words [..., nw] uint32 → [..., D] bool."""
+    w = bits_row_words.view(np.uint32).astype(np.uint64)
+    b = ((w[..., :, None] >> np.arange(32, dtype=np.uint64)) & 1).astype(bool)
+    return b.reshape(b.shape[:-2] + (-1,))[..., :D]
+
+
+def approx_int(q: np.ndarray, bits: np.ndarray, D: int, mode: str, qbits: int) -> tuple[np.ndarray, np.float32]:
+    """Integer popcount score of q [D] against keys bits [T, W] and the float coefficient a/L."""
+    q = q.astype(np.float32)
+    a = np.float32(np.max(np.abs(q))) if q.size else np.float32(0)
+    L = np.float32(2 ** (qbits - 1) - 1)
+    if not a > 0:
+        return np.zeros(bits.shape[0], np.int64), np.float32(0)
+    qi = np.rint(q * (L / a)).astype(np.int64)
+    nw = (D + 31) // 32
+    p0 = _bitvec(bits[:, :nw], D).astype(np.int64)
+    if mode == "sign":
+        s = (qi[None, :] * (2 * p0 - 1)).sum(-1)
+    elif mode == "ternary":
+        p1 = _bitvec(bits[:, nw:2 * nw], D).astype(np.int64)
+        s = (qi[None, :] * (p0 - p1)).sum(-1)
+    else:
+        s = (qi[None, :] * p0).sum(-1)
+    return s, np.float32(a / L)
+
+
+def _mask_row(mask, b, h, m, T):
+    if mask is None:
+        return np.zeros(T, np.float32)
+    mb = mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, m if mask.shape[2] > 1 else 0]
+    return np.broadcast_to(mb, (T,)).astype(np.float32)
+
+
+def select_candidates(T, approx_plus_mask, budget, min_candidates, sinks, window):
+    C = max(int(min_candidates), int(math.ceil(budget * T)))
+    if C >= T:
+        return np.arange(T)
+    fixed = np.zeros(T, bool)
+    fixed[:min(sinks, T)] = True
+    if window > 0:
+        fixed[max(0, T - window):] = True
+    n_top = max(0, C - int(fixed.sum()))
+    rest = np.flatnonzero(~fixed)
+    order = rest[np.argsort(-approx_plus_mask[rest], kind="stable")][:n_top]
+    return np.sort(np.concatenate([np.flatnonzero(fixed), order]))
+
+
+def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sign", eps=0.0, budget=0.0,
+                     min_candidates=64, sinks=4, window=64, min_context=256, rho=0.15, qbits=8, mix=0.0,
+                     k_layout="bhtd", approx_prefill=0, eps_heads=None, kscale=None, select="popcount",
+                     **_ignored):
+    """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32)."""
+    Q = np.asarray(Q, np.float32)
+    K = np.asarray(K, np.float32)
+    V = np.asarray(V, np.float32)
+    if k_layout == "bhdt":
+        K = np.swapaxes(K, -1, -2)
+    B, Hq, M, D = Q.shape
+    _, Hkv, T, _ = K.shape
+    assert Hq % Hkv == 0 and K.shape[-1] == D and V.shape[2] == T
+    rep = Hq // Hkv
+    scale = np.float32(scale)
+    mask = None if mask is None or np.asarray(mask).size == 0 else np.asarray(mask, np.float32)
+    if past_bits is not None and np.asarray(past_bits).size == 0 and np.asarray(past_bits).ndim != 4:
+        past_bits = None
+    if past_bits is not None:
+        past_bits = np.asarray(past_bits, np.int32)
+        P = past_bits.shape[2]
+        bits = np.concatenate([past_bits, pack_keys(K[:, :, P:], mode, eps, eps_heads)], 2)
+    else:
+        bits = pack_keys(K, mode, eps, eps_heads)
+    Dv = V.shape[-1]
+    Y = np.zeros((B, Hq, M, Dv), np.float32)
+    dens = density(bits, D, mode)
+    budget = float(np.float32(budget))
+    global_exact = not (0 < budget < 1) or (mode != "sign" and dens > rho)
+    for b in range(B):
+        for h in range(Hq):
+            hk = h // rep
+            Kh, Vh = K[b, hk], V[b, hk]
+            for m in range(M):
+                q = Q[b, h, m]
+                mrow = _mask_row(mask, b, h, m, T)
+                Tr = T
+                if M > 1 and approx_prefill and mask is not None:
+                    fin = np.flatnonzero(mrow > -np.inf)
+                    Tr = int(fin[-1]) + 1 if fin.size else 0
+                exact = (global_exact or (M > 1 and not approx_prefill) or Tr <= min_context
+                         or max(min_candidates, math.ceil(budget * Tr)) >= Tr)
+                need_approx = not exact or mix > 0
+                if need_approx and select == "exact":  # oracle selection (measurement only)
+                    approx = (Kh @ q) * scale
+                elif need_approx:
+                    qa = q if kscale is None or not len(kscale) else \
+                        q * np.asarray(kscale, np.float32).reshape(Hkv, D)[hk]
+                    s, coef = approx_int(qa, bits[b, hk], D, mode, qbits)
+                    approx = s.astype(np.float32) * unpack_gamma(bits[b, hk]) * np.float32(coef * scale)
+                idx = (np.arange(Tr) if exact else
+                       select_candidates(Tr, (approx + mrow)[:Tr], budget, min_candidates, sinks, window))
+                logits = (Kh[idx].astype(np.float32) @ q) * scale
+                if mix > 0:
+                    logits = logits + np.float32(mix) * (approx[idx] - logits)
+                logits = logits + mrow[idx]
+                mx = logits.max() if idx.size else -np.inf
+                if not np.isfinite(mx):
+                    continue
+                e = np.exp(logits - mx)
+                Y[b, h, m] = (e / e.sum()) @ Vh[idx]
+    return Y, bits
