@@ -52,9 +52,10 @@ def test_minilm_tt_both_end_to_end(tmp_path, corpus):
     assert e["cosine_mean"] >= 0.97
 
 
-def test_smollm2_tt_mlp_subset_end_to_end(tmp_path, corpus):
-    """Three MLP layers of SmolLM2 (time-bounded): the decode path with the KV cache, ppl vs dense,
-    the per-layer report, runtime metrics."""
+def test_smollm2_tt_subset_end_to_end(tmp_path, corpus):
+    """The first two blocks of SmolLM2 (time-bounded; block 0's attention projections are the ones
+    that factor at a 5 % gap): the decode path with the KV cache, ppl vs dense, the per-layer
+    report, runtime metrics."""
     import custom_ops
     from models import prepare
     from rewriter import runner
@@ -63,12 +64,12 @@ def test_smollm2_tt_mlp_subset_end_to_end(tmp_path, corpus):
     dense = d / "model.onnx"
     out = tmp_path / "smol" / "model.onnx"
     rep = tmp_path / "report.json"
-    code, so, se = cli("rewrite", dense, "-o", out, "--tt=on", "--tt-target=mlp", "--tt-gap=0.05",
-                       "--include", "/model/layers.2[0-9]/mlp/*", "--calib-text", corpus[0], "--calib-tokens", "2048",
+    code, so, se = cli("rewrite", dense, "-o", out, "--tt=on", "--tt-target=both", "--tt-gap=0.05",
+                       "--include", "/model/layers.[01]/*", "--calib-text", corpus[0], "--calib-tokens", "2048",
                        "--report", rep, "-q")
     assert code in (0, 3), se
     r = json.loads(rep.read_text())
-    assert len([L for L in r["layers"] if "/mlp/" in L["layer"] and "layers.2" in L["layer"]]) >= 27
+    assert len([L for L in r["layers"] if "layers.0/" in L["layer"] or "layers.1/" in L["layer"]]) == 14
     for L in r["layers"]:
         assert L["decision"].startswith(("factored", "kept dense"))
         if L["backend"] == "tt":
