@@ -36,7 +36,7 @@ def _candidates() -> list[Path]:
     # scikit-build-core editable installs put compiled files in site-packages/custom_ops
     # while the Python sources stay in the checkout: ask the installed distribution.
     try:
-        from importlib.metadata import PackageNotFoundError, distribution
+        from importlib.metadata import distribution
 
         dist = distribution("ortlean")
         for f in dist.files or []:

@@ -50,6 +50,39 @@ class Context:
     extra: dict = field(default_factory=dict)
 
 
+TARGETS = ("mlp", "attn", "head")
+
+
+def onoff(v: str) -> bool:
+    """argparse type for the seeds' on|off flags."""
+    import argparse
+
+    v = v.lower()
+    if v in ("on", "1", "true", "yes"):
+        return True
+    if v in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
+
+
+def parse_targets(spec: str, flag: str) -> tuple[str, ...]:
+    """mlp | attn | both | head | all, or a comma list, for the flag `flag` (named in errors)."""
+    from .errors import OrtleanError
+
+    out: list[str] = []
+    for part in spec.split(","):
+        p = part.strip()
+        if p == "both":
+            out += ["mlp", "attn"]
+        elif p == "all":
+            out += list(TARGETS)
+        elif p in TARGETS:
+            out.append(p)
+        else:
+            raise OrtleanError(f"{flag} {spec!r}: unknown target {p!r} (use mlp, attn, both, head, all or a comma list)")
+    return tuple(dict.fromkeys(out))
+
+
 def add_shared_flags(p) -> None:
     """Flags several backends read (seed 001's state packing: PackedAttention packs the KV cache,
     EventGatedMatMul's zero-skip packs MLP activations). Defined once here."""

@@ -13,15 +13,6 @@ EXIT_USER_ERROR = 2
 EXIT_NOTHING_WRITTEN = 3
 
 
-def _onoff(v: str) -> bool:
-    v = v.lower()
-    if v in ("on", "1", "true", "yes"):
-        return True
-    if v in ("off", "0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
-
-
 def _budget(v: str):
     if v.strip().lower() in ("off", "none"):
         return None
@@ -190,9 +181,7 @@ def cmd_rewrite(args) -> int:
 def cmd_inspect(args) -> int:
     from collections import Counter
 
-    import onnx_ir as ir
-
-    from . import DOMAIN, graph as g
+    from . import graph as g
 
     model = g.load_model(args.model)
     ops = Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph)
@@ -235,20 +224,6 @@ def cmd_inspect(args) -> int:
 
 
 # --------------------------------------------------------------------------- eval / bench / generate
-def _session(path: str, threads: int):
-    import custom_ops
-
-    from . import graph as g
-
-    g.load_model(path)  # clear errors for missing / corrupt files before ORT's
-    try:
-        return custom_ops.session(path, threads=threads)
-    except custom_ops.LibraryNotFoundError as e:
-        raise OrtleanError(str(e)) from None
-    except Exception as e:
-        raise OrtleanError(f"{path}: onnxruntime could not load the model: {e}") from None
-
-
 def cmd_eval(args) -> int:
     from . import evaluate
 
@@ -274,6 +249,8 @@ def cmd_bench(args) -> int:
 
 def cmd_generate(args) -> int:
     from . import runner
+
+    from .evaluate import _session
 
     sess = _session(args.model, args.threads)
     io = runner.ModelIO.from_session(sess)

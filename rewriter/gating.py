@@ -15,15 +15,14 @@ keep ratio and threshold are recorded per layer in the node's attributes.
 """
 from __future__ import annotations
 
-import argparse
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
 from . import DOMAIN
 from .backends import Plan
+from .backends import onoff as _onoff
 from .errors import OrtleanError
 
 TARGETS = ("mlp", "attn")
@@ -33,15 +32,6 @@ KEEP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0
 # Persuasion with no decode gain (1.11x vs 1.10x): the 16-step grid leaves margin (+1.17 % probe,
 # +1.54 % held out).
 GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 16))
-
-
-def _onoff(v: str) -> bool:
-    v = v.lower()
-    if v in ("on", "1", "true", "yes"):
-        return True
-    if v in ("off", "0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
 
 
 def _targets(spec: str, flag: str) -> tuple[str, ...]:

@@ -301,7 +301,6 @@ def _any_session(model, so):
 
 def _trial_model(inp: Path, chosen, ctx) -> bytes:
     m = g.load_model(inp)
-    by_name = {n.name: n for n in m.graph}
     cands = {c.name: c for c in g.find_candidates(m)}
     for c, b, plan in chosen:
         b.emit(m.graph, cands[c.name], plan, ctx)

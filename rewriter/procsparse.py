@@ -39,9 +39,9 @@ import onnx_ir as ir
 from . import DOMAIN
 from .ttmath import channel_gap  # one implementation for every backend
 from .backends import Plan
+from .backends import parse_targets as _parse_targets
 from .errors import OrtleanError
 
-TARGETS = ("mlp", "attn", "head")
 
 
 @dataclass
@@ -116,21 +116,6 @@ class ProcConfig:
         if not math.isfinite(v):
             raise OrtleanError(f"--proc-base-scale {self.base_scale!r}: must be finite")
         return v
-
-
-def parse_targets(spec: str) -> tuple[str, ...]:
-    out: list[str] = []
-    for part in spec.split(","):
-        p = part.strip()
-        if p == "both":
-            out += ["mlp", "attn"]
-        elif p == "all":
-            out += list(TARGETS)
-        elif p in TARGETS:
-            out.append(p)
-        else:
-            raise OrtleanError(f"--proc-target {spec!r}: unknown target {p!r} (use mlp, attn, both, head, all or a comma list)")
-    return tuple(dict.fromkeys(out))
 
 
 # --------------------------------------------------------------------------- the stored layer
@@ -402,8 +387,6 @@ def plan_layer(W: np.ndarray, G: np.ndarray | None, cfg: ProcConfig, speed_M: in
             lo = mid
     plan = ProcPlan(best, "procsparse", "", best.gap, best.params, tried=tried)
     if cfg.speed_check:
-        from . import speed as _speed  # noqa: F401  (the cache and timing helpers)
-
         try:
             res = measure_proc(best, Ms=(1, 128), threads=cfg.threads)
         except Exception as e:
@@ -549,7 +532,7 @@ class ProcBackend:
     op_type = "ProcSparseMatMul"
 
     def add_flags(self, p) -> None:
-        from .tt import _onoff
+        from .backends import onoff as _onoff
 
         t = p.add_argument_group("ProcSparseMatMul (seed 002)")
         t.add_argument("--proc-sparse", type=_onoff, default=False, metavar="on|off",
@@ -582,7 +565,7 @@ class ProcBackend:
         thr = getattr(args, "threads", 1)
         cfg = ProcConfig(enabled=args.proc_sparse, fanout=str(args.proc_fanout), base_scale=str(args.proc_base_scale),
                          watermark=args.proc_watermark, shed_eps=args.proc_shed_eps, block=args.proc_block,
-                         targets=parse_targets(args.proc_target), gap=args.proc_gap, max_bytes=args.proc_max_bytes,
+                         targets=_parse_targets(args.proc_target, "--proc-target"), gap=args.proc_gap, max_bytes=args.proc_max_bytes,
                          refit=args.proc_refit, seed=args.proc_seed, channel_gap=args.proc_channel_gap, speed_check=args.proc_speed_check,
                          min_speedup=args.proc_min_speedup, threads=int(thr) if isinstance(thr, int) else 1)
         cfg.validate()

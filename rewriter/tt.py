@@ -8,10 +8,10 @@ import numpy as np
 import onnx_ir as ir
 
 from . import DOMAIN, ttmath
-from .backends import Plan
+from .backends import Plan, onoff as _onoff
+from .backends import parse_targets as _parse_targets
 from .errors import OrtleanError
 
-TARGETS = ("mlp", "attn", "head")
 
 
 @dataclass
@@ -44,21 +44,6 @@ class TTConfig:
             raise OrtleanError(f"--tt-whiten {self.whiten!r}: use full, diag or none")
         if self.min_speedup <= 0:
             raise OrtleanError(f"--tt-min-speedup {self.min_speedup}: must be > 0")
-
-
-def parse_targets(spec: str) -> tuple[str, ...]:
-    out: list[str] = []
-    for part in spec.split(","):
-        p = part.strip()
-        if p == "both":
-            out += ["mlp", "attn"]
-        elif p == "all":
-            out += list(TARGETS)
-        elif p in TARGETS:
-            out.append(p)
-        else:
-            raise OrtleanError(f"--tt-target {spec!r}: unknown target {p!r} (use mlp, attn, both, head, all or a comma list)")
-    return tuple(dict.fromkeys(out))
 
 
 @dataclass
@@ -252,17 +237,6 @@ def _safe(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- registry face
-def _onoff(v: str) -> bool:
-    import argparse
-
-    v = v.lower()
-    if v in ("on", "1", "true", "yes"):
-        return True
-    if v in ("off", "0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on|off, got {v!r}")
-
-
 class TTBackend:
     name = "tt"
     op_type = "TTMatMul"
@@ -284,7 +258,7 @@ class TTBackend:
 
     def config(self, args) -> TTConfig:
         cfg = TTConfig(enabled=args.tt, rank=args.tt_rank, maxvol_k=args.tt_maxvol_k, gap=args.tt_gap,
-                       targets=parse_targets(args.tt_target), method=args.tt_method, d=str(args.tt_d),
+                       targets=_parse_targets(args.tt_target, "--tt-target"), method=args.tt_method, d=str(args.tt_d),
                        whiten=args.tt_whiten, speed_check=args.tt_speed_check, min_speedup=args.tt_min_speedup,
                        threads=int(getattr(args, "threads", 1) or 1) if isinstance(getattr(args, "threads", 1), int) else 1)
         cfg.validate()

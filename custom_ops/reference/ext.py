@@ -104,9 +104,6 @@ def register() -> None:
         n_outputs = spec[2] if len(spec) > 2 else 1
         types = _ATTR_TYPES[op_type]
         in_types = [_pt(_IN_TYPES.get(op_type, {}).get(k, TensorProto.FLOAT)) for k in range(n_inputs)]
-        out_types = [_pt(t) for t in _OUT_TYPES.get(op_type, [TensorProto.FLOAT])]
-
-        in_types = [_pt(_IN_TYPES.get(op_type, {}).get(k, TensorProto.FLOAT)) for k in range(n_inputs)]
         out_proto = _OUT_TYPES.get(op_type, [TensorProto.FLOAT] * n_outputs)
         out_np = [np.int32 if t == TensorProto.INT32 else np.float32 for t in out_proto]
 
