@@ -529,15 +529,7 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const OrtApi&, const OrtKernelInf
 }
 
 OrtStatusPtr EventGatedMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
-  *op_kernel = nullptr;
-  std::string prefix = "ortlean EventGatedMatMul: ";
-  {
-    OrtStatus* st = status_guard(prefix, [&] {
-      prefix = "ortlean EventGatedMatMul node '" + Ort::ConstKernelInfo{info}.GetNodeName() + "': ";
-    });
-    if (st) return st;
-  }
-  return status_guard(prefix, [&] { *op_kernel = new EventGatedMatMulKernel(api, info); });
+  return create_kernel_guarded<EventGatedMatMulKernel>("EventGatedMatMul", api, info, op_kernel);
 }
 
 OrtStatusPtr EventGatedMatMulKernel::ComputeV2(OrtKernelContext* context) noexcept {

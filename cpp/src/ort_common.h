@@ -48,6 +48,20 @@ OrtStatus* status_guard(const std::string& prefix, F&& f) noexcept {
   }
 }
 
+// CreateKernelV2 body shared by every op: builds Kernel(api, info) and turns any failure into a
+// status whose message names the op and the node ("ortlean TTMatMul node '/x/MatMul': ...").
+template <class Kernel>
+OrtStatus* create_kernel_guarded(const char* op_type, const OrtApi& api, const OrtKernelInfo* info,
+                                 void** op_kernel) noexcept {
+  *op_kernel = nullptr;
+  std::string prefix = std::string("ortlean ") + op_type + ": ";
+  if (OrtStatus* st = status_guard(prefix, [&] {
+        prefix = std::string("ortlean ") + op_type + " node '" + Ort::ConstKernelInfo{info}.GetNodeName() + "': ";
+      }))
+    return st;
+  return status_guard(prefix, [&] { *op_kernel = new Kernel(api, info); });
+}
+
 // 64-byte aligned float buffer (packed weights).
 class AlignedBuf {
  public:

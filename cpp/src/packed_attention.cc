@@ -124,15 +124,7 @@ PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo*
 }
 
 OrtStatusPtr PackedAttentionOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
-  *op_kernel = nullptr;
-  std::string prefix = "ortlean PackedAttention: ";
-  {
-    OrtStatus* st = status_guard(prefix, [&] {
-      prefix = "ortlean PackedAttention node '" + Ort::ConstKernelInfo{info}.GetNodeName() + "': ";
-    });
-    if (st) return st;
-  }
-  return status_guard(prefix, [&] { *op_kernel = new PackedAttentionKernel(api, info); });
+  return create_kernel_guarded<PackedAttentionKernel>("PackedAttention", api, info, op_kernel);
 }
 
 OrtStatusPtr PackedAttentionKernel::ComputeV2(OrtKernelContext* context) noexcept {

@@ -182,15 +182,7 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInf
 }
 
 OrtStatusPtr ProcSparseMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
-  *op_kernel = nullptr;
-  std::string prefix = "ortlean ProcSparseMatMul: ";
-  {
-    OrtStatus* st = status_guard(prefix, [&] {
-      prefix = "ortlean ProcSparseMatMul node '" + Ort::ConstKernelInfo{info}.GetNodeName() + "': ";
-    });
-    if (st) return st;
-  }
-  return status_guard(prefix, [&] { *op_kernel = new ProcSparseMatMulKernel(api, info); });
+  return create_kernel_guarded<ProcSparseMatMulKernel>("ProcSparseMatMul", api, info, op_kernel);
 }
 
 // ------------------------------------------------------------------ compute

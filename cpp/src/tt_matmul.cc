@@ -359,15 +359,7 @@ TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
 }
 
 OrtStatusPtr TTMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
-  *op_kernel = nullptr;
-  std::string prefix = "ortlean TTMatMul: ";
-  {
-    OrtStatus* st = status_guard(prefix, [&] {
-      prefix = "ortlean TTMatMul node '" + Ort::ConstKernelInfo{info}.GetNodeName() + "': ";
-    });
-    if (st) return st;
-  }
-  return status_guard(prefix, [&] { *op_kernel = new TTMatMulKernel(api, info); });
+  return create_kernel_guarded<TTMatMulKernel>("TTMatMul", api, info, op_kernel);
 }
 
 // ------------------------------------------------------------------ compute
