@@ -28,14 +28,6 @@ constexpr int64_t kMaxTasks = 16;
 constexpr int64_t kMinCols = 384;
 constexpr int64_t kBlasMinRows = 16;
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
 // per-thread scratch of this op (grows only)
 struct RowScratch {
   std::vector<float> f;

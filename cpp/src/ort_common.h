@@ -6,11 +6,14 @@
 #endif
 #include <onnxruntime_cxx_api.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <new>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -46,6 +49,27 @@ OrtStatus* status_guard(const std::string& prefix, F&& f) noexcept {
   } catch (...) {
     return api.CreateStatus(ORT_FAIL, (prefix + "unknown error").c_str());
   }
+}
+
+// "[2, 3, 4]": shapes in error messages.
+inline std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+// The float attribute as the shortest decimal that rounds back to it (0.01f -> 0.01, not
+// 0.009999999776), so metrics show what the rewriter wrote.
+inline double float_attr_value(float f) {
+  if (!std::isfinite(f)) return static_cast<double>(f);
+  char buf[32];
+  for (int prec = 6; prec <= 9; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
+  }
+  return static_cast<double>(f);
 }
 
 // CreateKernelV2 body shared by every op: builds Kernel(api, info) and turns any failure into a

@@ -15,14 +15,6 @@ namespace {
 
 constexpr int64_t kRowBlock = 32;  // query rows per task in the exact (prefill) path
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
 // Popcount path: requested (auto | vpopcntdq | avx2 | scalar), clamped to what the CPU has and to
 // ORTLEAN_ISA (avx512 → vpopcntdq also needs AVX512_VPOPCNTDQ; avx2 → POPCNT).
 const AttnKernels* choose_attn(const std::string& want) {

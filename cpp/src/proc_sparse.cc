@@ -24,24 +24,6 @@ const ProcKernels& proc_kernels() {
   return *k;
 }
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
-double float_attr_value(float f) {
-  if (!std::isfinite(f)) return static_cast<double>(f);
-  char buf[32];
-  for (int prec = 6; prec <= 9; ++prec) {
-    std::snprintf(buf, sizeof buf, "%.*g", prec, static_cast<double>(f));
-    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
-  }
-  return static_cast<double>(f);
-}
-
 // A constant initializer input of the expected element type, or a clear error.
 Ort::ConstValue const_input(const Ort::ConstKernelInfo& info, size_t i, const char* what,
                             ONNXTensorElementDataType type, const char* type_name) {

@@ -29,26 +29,6 @@ constexpr int64_t kMatvecMinCols = 128;  // narrowest column block of a matvec t
 constexpr int64_t kBlasMinWork = 64 * 1024;
 constexpr int64_t kBlasMinRows = 8;
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
-
-// The float attribute as the shortest decimal that rounds back to it (0.01f -> 0.01, not
-// 0.009999999776), so metrics show what the rewriter wrote.
-double float_attr_value(float f) {
-  if (!std::isfinite(f)) return static_cast<double>(f);
-  char buf[32];
-  for (int prec = 6; prec <= 9; ++prec) {
-    std::snprintf(buf, sizeof buf, "%.*g", prec, static_cast<double>(f));
-    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
-  }
-  return static_cast<double>(f);
-}
-
 int64_t checked_mul(int64_t a, int64_t b, const char* what) {
   if (a > 0 && b > kMaxDim / a) fail(std::string("TTMatMul: ") + what + " too large");
   return a * b;
