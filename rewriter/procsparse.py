@@ -28,9 +28,7 @@ asks for it and a quantized delta layout (fp16/int8, later) would store Δ relat
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -426,49 +424,14 @@ def proc_model(layer: ProcLayer, name: str = "proc") -> bytes:
 
 def measure_proc(layer: ProcLayer, Ms=(1, 128), threads: int = 1, use_cache: bool = True) -> dict[int, dict[str, float]]:
     """{M: {"dense": s, "proc": s, "speedup": dense/proc}}, interleaved in one process; cached per
-    CPU, library build and sparsity structure."""
-    import custom_ops
-    import onnxruntime as ort
-
-    from .speed import _cpu_id, _lib_sig, cache_file, dense_model, time_sessions
-
-    if threads == 1:
-        time_sessions = _time_cpu   # noqa: F811  (robust to preemption on a shared machine)
+    CPU, library build and sparsity structure. Single-threaded runs are timed on process CPU
+    time (robust to preemption on a shared machine)."""
+    from .speed import measure_vs_dense
 
     h = hashlib.sha1(layer.row_ptr.tobytes() + layer.block_idx.tobytes()).hexdigest()
-    key = hashlib.sha1(json.dumps(["proc-cpu1" if threads == 1 else "proc", _cpu_id(), _lib_sig(), layer.K, layer.N, layer.block, h,
-                                   layer.base_scale != 0.0, threads, ort.__version__]).encode()).hexdigest()
-    cf = cache_file()
-    cache = {}
-    if use_cache and cf.exists():
-        try:
-            cache = json.loads(cf.read_text())
-        except Exception:
-            cache = {}
-    res, todo = {}, []
-    for M in Ms:
-        if use_cache and f"{key}-{M}" in cache:
-            res[M] = cache[f"{key}-{M}"]
-        else:
-            todo.append(M)
-    if todo:
-        so = custom_ops.session_options(threads)
-        so_d = ort.SessionOptions()
-        so_d.intra_op_num_threads = threads
-        so_d.inter_op_num_threads = 1
-        s_p = ort.InferenceSession(proc_model(layer), so, providers=["CPUExecutionProvider"])
-        s_d = ort.InferenceSession(dense_model(layer.K, layer.N), so_d, providers=["CPUExecutionProvider"])
-        rng = np.random.default_rng(1)
-        for M in todo:
-            x = rng.standard_normal((M, layer.K)).astype(np.float32)
-            t = time_sessions({"dense": s_d, "proc": s_p}, {"x": x})
-            res[M] = {"dense": t["dense"], "proc": t["proc"], "speedup": t["dense"] / max(t["proc"], 1e-12)}
-            cache[f"{key}-{M}"] = res[M]
-        if use_cache:
-            tmp = cf.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, cf)
-    return res
+    key = ["proc-cpu1" if threads == 1 else "proc", layer.K, layer.N, layer.block, h, layer.base_scale != 0.0]
+    return measure_vs_dense("proc", key, lambda: proc_model(layer), layer.K, layer.N, Ms, threads,
+                            timer=_time_cpu if threads == 1 else None, use_cache=use_cache)
 
 
 def _time_cpu(sessions: dict, feeds: dict, reps: int = 25, warmup: int = 3) -> dict[str, float]:

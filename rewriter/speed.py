@@ -95,14 +95,16 @@ def time_sessions(sessions: dict, feeds: dict, min_time: float = 0.15, max_reps:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def measure_tt(K: int, N: int, modes_k, modes_n, ranks, Ms=(1, 128), threads: int = 1, x_scale: bool = False,
-               use_cache: bool = True) -> dict[int, dict[str, float]]:
-    """{M: {"dense": s, "tt": s, "speedup": dense/tt}} measured in one process, interleaved."""
+def measure_vs_dense(tag: str, key_parts: list, op_model, K: int, N: int, Ms=(1, 128), threads: int = 1,
+                     timer=None, use_cache: bool = True) -> dict[int, dict[str, float]]:
+    """{M: {"dense": s, tag: s, "speedup": dense/op}}: a one-node custom-op model (`op_model()`
+    returns its bytes; built only on a cache miss) against a dense
+    MatMul of the same shape, timed in one process, interleaved (`timer`, default
+    time_sessions); cached in speed.json under key_parts + CPU + library build + ORT version."""
     import custom_ops
     import onnxruntime as ort
 
-    key_base = json.dumps([_cpu_id(), _lib_sig(), K, N, list(modes_k), list(modes_n), list(ranks), bool(x_scale), threads, ort.__version__])
-    key = hashlib.sha1(key_base.encode()).hexdigest()
+    key = hashlib.sha1(json.dumps([*key_parts, _cpu_id(), _lib_sig(), threads, ort.__version__]).encode()).hexdigest()
     cf = cache_file()
     cache = {}
     if use_cache and cf.exists():
@@ -110,29 +112,35 @@ def measure_tt(K: int, N: int, modes_k, modes_n, ranks, Ms=(1, 128), threads: in
             cache = json.loads(cf.read_text())
         except Exception:
             cache = {}
-    res = {}
-    todo = []
+    res, todo = {}, []
     for M in Ms:
-        k = f"{key}-{M}"
-        if use_cache and k in cache:
-            res[M] = cache[k]
+        if use_cache and f"{key}-{M}" in cache:
+            res[M] = cache[f"{key}-{M}"]
         else:
             todo.append(M)
     if todo:
+        timer = timer or time_sessions
         so = custom_ops.session_options(threads)
         so_d = ort.SessionOptions()
         so_d.intra_op_num_threads = threads
         so_d.inter_op_num_threads = 1
-        s_tt = ort.InferenceSession(tt_model(K, N, modes_k, modes_n, ranks, x_scale), so, providers=["CPUExecutionProvider"])
+        s_op = ort.InferenceSession(op_model(), so, providers=["CPUExecutionProvider"])
         s_d = ort.InferenceSession(dense_model(K, N), so_d, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(1)
         for M in todo:
             x = rng.standard_normal((M, K)).astype(np.float32)
-            t = time_sessions({"dense": s_d, "tt": s_tt}, {"x": x})
-            res[M] = {"dense": t["dense"], "tt": t["tt"], "speedup": t["dense"] / max(t["tt"], 1e-12)}
+            t = timer({"dense": s_d, tag: s_op}, {"x": x})
+            res[M] = {"dense": t["dense"], tag: t[tag], "speedup": t["dense"] / max(t[tag], 1e-12)}
             cache[f"{key}-{M}"] = res[M]
         if use_cache:
             tmp = cf.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(cache))
             os.replace(tmp, cf)
     return res
+
+
+def measure_tt(K: int, N: int, modes_k, modes_n, ranks, Ms=(1, 128), threads: int = 1, x_scale: bool = False,
+               use_cache: bool = True) -> dict[int, dict[str, float]]:
+    """{M: {"dense": s, "tt": s, "speedup": dense/tt}} measured in one process, interleaved."""
+    return measure_vs_dense("tt", ["tt", K, N, list(modes_k), list(modes_n), list(ranks), bool(x_scale)],
+                            lambda: tt_model(K, N, modes_k, modes_n, ranks, x_scale), K, N, Ms, threads, use_cache=use_cache)

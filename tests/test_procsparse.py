@@ -425,6 +425,27 @@ def test_plan_layer_converts_block_sparse_and_refuses_dense():
     assert p.decision == "dense" and "gap too high" in p.reason and "of dense bytes" in p.reason
 
 
+def test_plan_layer_speed_check_measures_against_dense(tmp_path, monkeypatch):
+    """With the speed check on, the plan carries a same-run timing of the op vs dense MatMul
+    (M = 1 and 128), cached in speed.json."""
+    monkeypatch.setenv("ORTLEAN_CACHE", str(tmp_path))
+    rng = np.random.default_rng(5)
+    K, N, B = 256, 80, 32
+    nb = K // B
+    W = np.zeros((K, N), np.float32)
+    for n in range(N):
+        for b in rng.choice(nb, 2, replace=False):
+            W[b * B:(b + 1) * B, n] = rng.standard_normal(B) * 0.05
+    cfg = ps.ProcConfig(enabled=True, fanout="all", gap=0.02, speed_check=True, min_speedup=1e-6, shed_eps=0.0)
+    p = ps.plan_layer(W, _gram(rng, K), cfg, 1)
+    assert p.decision == "procsparse"
+    for M in ("M1", "M128"):
+        r = p.speed[M]
+        assert set(r) == {"dense", "proc", "speedup"} and r["dense"] > 0 and r["proc"] > 0
+        assert r["speedup"] == pytest.approx(r["dense"] / r["proc"])
+    assert (tmp_path / "speed.json").is_file()
+
+
 def test_channel_gap_rejects_massive_channel_layers():
     """One output channel with a huge activation energy: the plain output gap is met by keeping
     that channel's blocks only; the per-channel gap (default on) refuses it."""
