@@ -115,6 +115,26 @@ def test_big_shape_threshold(M):
     _check_case(W, x, dict(kwta=1, kwta_select="topk", kwta_k=100), threads=2)
 
 
+@pytest.mark.parametrize("attrs", [dict(kwta=1), dict(kwta=1, block=16), dict(kwta=1, pack="binary")],
+                         ids=["thr", "thr_block16", "thr_zero_skip"])
+def test_batched_rows_take_both_paths(attrs):
+    """Several rows: per-row gated matvecs when little is kept, one dense product over x~ when
+    much is kept (cost rule per_row_wins); both match the reference."""
+    rng = np.random.default_rng(11)
+    K, N = 577, 300
+    W = rng.standard_normal((K, N)).astype(np.float32) * 0.05
+    for M in (2, 3, 8):
+        x = relu_x(rng, (M, K), 0.2)
+        score = np.abs(x) * np.linalg.norm(W, axis=1)[None, :]
+        for keep, dense in ((0.05, False), (0.9, True)):
+            a = dict(attrs, kwta_threshold=float(np.quantile(score, 1 - keep)))
+            custom_ops.reset_metrics()
+            _check_case(W, x, a, threads=2)
+            m = custom_ops.metrics()["gate"]
+            assert m["gate.rows"] == M
+            assert (m["gate.dense_product_rows"] == M) == dense, (M, keep, m)
+
+
 def test_keep_all_equals_dense_exactly():
     rng = np.random.default_rng(5)
     K, N = 577, 311

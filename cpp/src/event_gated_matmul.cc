@@ -23,7 +23,7 @@ const GatingKernels& gating_kernels() {
 namespace {
 
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
-constexpr int64_t kGrain = 320 * 1024;  // weights per matvec task (memory-bound; ORT dispatch costs ~us)
+constexpr int64_t kGrain = 160 * 1024;  // weights per matvec task: from DRAM two tasks beat one from ~0.6 MB (2 threads: 36 -> 25 us at 1536x576 keep 0.25)
 constexpr int64_t kMaxTasks = 16;
 constexpr int64_t kMinCols = 384;
 constexpr int64_t kBlasMinRows = 16;
@@ -38,6 +38,16 @@ struct RowScratch {
 RowScratch& row_scratch() {
   thread_local RowScratch s;
   return s;
+}
+
+// Per-row gated matvecs or one dense product for m rows keeping `kept_frac_sum` (sum over the rows
+// of each row's kept fraction)? Memory-bound matvecs cost ~kept bytes of W at ~0.87 of the dense
+// streaming rate (scattered rows, measured from DRAM); the dense product reads W once and does
+// m*K*N multiply-adds at ~11x the streaming rate (AVX-512: ~100 G FMA/s vs ~9 G floats/s from
+// DRAM on this machine, tests/bench/bench_gating_op.py). So per-row wins while
+// 1.15 * sum(kept) < 1 + 0.09 * m: e.g. m = 2 at keep <= 0.5, m = 8 at keep <= 0.19; never at m = 128.
+inline bool per_row_wins(double kept_frac_sum, int64_t m) {
+  return 1.15 * kept_frac_sum < 1.0 + 0.09 * static_cast<double>(m);
 }
 
 }  // namespace
@@ -390,6 +400,34 @@ struct GatingCall {
   }
 };
 
+// C[m, N] = A[m, K] . W on the pool: tasks are row blocks (<= 96 rows, whole register strips)
+// x column chunks (multiples of 256 = the GEMM's panel width), about one task per 8 M
+// multiply-adds, at most kMaxTasks; each task reads its W chunk once per row block.
+void EventGatedMatMulKernel::dense_product(const Ort::KernelContext& ctx, const float* A, int64_t m, float* C) const {
+  const Kernels& kr = kernels();
+  // OpenBLAS only with the scalar table (measured 2x slower than our AVX kernels here)
+  const bool blas = isa() == Isa::Scalar && m >= kBlasMinRows;
+  const double work = static_cast<double>(m) * static_cast<double>(K_) * static_cast<double>(N_);
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, static_cast<int64_t>(work / 8.0e6)));
+  const int64_t nrb = std::min<int64_t>((m + 95) / 96, want);
+  const int64_t mb = ((m + nrb - 1) / nrb + 5) / 6 * 6;
+  const int64_t nrb2 = (m + mb - 1) / mb;
+  const int64_t ncb_max = std::max<int64_t>(1, (N_ + 255) / 256);
+  const int64_t ncb = std::min<int64_t>(ncb_max, std::max<int64_t>(1, want / nrb2));
+  const int64_t chunk = ((N_ + ncb - 1) / ncb + 255) / 256 * 256;
+  const int64_t ncb2 = (N_ + chunk - 1) / chunk;
+  auto task = [&](size_t ti) noexcept {
+    const int64_t rb = static_cast<int64_t>(ti) / ncb2, cb = static_cast<int64_t>(ti) % ncb2;
+    const int64_t m0 = rb * mb, rows = std::min(mb, m - m0);
+    const int64_t c0 = cb * chunk, cols = std::min(chunk, N_ - c0);
+    if (blas)
+      blas::sgemm(false, false, rows, cols, K_, 1.0f, A + m0 * K_, K_, W_ + c0, N_, 0.0f, C + m0 * N_ + c0, N_);
+    else
+      kr.sgemm_nn(rows, cols, K_, A + m0 * K_, K_, W_ + c0, N_, C + m0 * N_ + c0, N_);
+  };
+  parallel_for(ctx, static_cast<size_t>(nrb2 * ncb2), task);
+}
+
 // ------------------------------------------------------------------ construction
 namespace {
 
@@ -518,6 +556,7 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const OrtApi&, const OrtKernelInf
   m_ev_rows_ = m->metric("event.rows", true);
   m_calls_ = m->metric("gate.calls", true);
   m_rows_ = m->metric("gate.rows", true);
+  m_dense_rows_ = m->metric("gate.dense_product_rows", true);  // rows computed by one dense product over x~
 }
 
 OrtStatusPtr EventGatedMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
@@ -611,22 +650,41 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
   int64_t npending = 0;
   double kept_frac_pending = 0;
 
-  // fast path (the planner's decode case): one stateless row, per-channel KWTA threshold:
-  // mask, indices and values in one pass over x, then the row-skipping matvec
-  if (M == 1 && !stateful_ && a.kwta && a.kwta_select == 0 && a.block == 1 && !a.pack && !a.kwta_renorm) {
-    const int64_t n = c.gk.threshold_compress(X, a.score_xw ? norms_.data() : nullptr, a.kwta_threshold, K_, c.idx,
-                                              c.vals);
-    if (n == K_)
-      c.matvec(X, nullptr, nullptr, 0, Y, false);
-    else if (n == 0)
-      std::fill(Y, Y + N_, 0.0f);
-    else
-      c.matvec(nullptr, c.idx, c.vals, n, Y, false);
+  // fast path (the planner's online mode): stateless rows, per-channel KWTA threshold. One row:
+  // mask, indices and values in one pass over x, then the row-skipping matvec. Several rows: the
+  // masked rows x~ in one vectorised pass each, then per-row matvecs or one dense product.
+  if (!stateful_ && a.kwta && a.kwta_select == 0 && a.block == 1 && !a.pack && !a.kwta_renorm) {
+    const float* nrm = a.score_xw ? norms_.data() : nullptr;
+    int64_t kept = 0;
+    if (M == 1) {
+      const int64_t n = c.gk.threshold_compress(X, nrm, a.kwta_threshold, K_, c.idx, c.vals);
+      if (n == K_)
+        c.matvec(X, nullptr, nullptr, 0, Y, false);
+      else if (n == 0)
+        std::fill(Y, Y + N_, 0.0f);
+      else
+        c.matvec(nullptr, c.idx, c.vals, n, Y, false);
+      kept = n;
+    } else {
+      for (int64_t r = 0; r < M; ++r) kept += c.gk.threshold_mask(X + r * K_, nrm, a.kwta_threshold, K_, XT + r * K_);
+      if (per_row_wins(static_cast<double>(kept) / static_cast<double>(K_), M)) {
+        for (int64_t r = 0; r < M; ++r) {
+          const int64_t n = c.gk.threshold_compress(X + r * K_, nrm, a.kwta_threshold, K_, c.idx, c.vals);
+          if (n == 0)
+            std::fill(Y + r * N_, Y + (r + 1) * N_, 0.0f);
+          else
+            c.matvec(nullptr, c.idx, c.vals, n, Y + r * N_, false);
+        }
+      } else {
+        dense_product(ctx, XT, M, Y);
+        metrics::add(m_dense_rows_, static_cast<double>(M));
+      }
+    }
     metrics::add(m_calls_, 1.0);
-    metrics::add(m_rows_, 1.0);
-    metrics::add(m_kept_, static_cast<double>(n));
-    metrics::add(m_chan_, static_cast<double>(K_));
-    metrics::set(m_keep_, static_cast<double>(n) / static_cast<double>(K_));
+    metrics::add(m_rows_, static_cast<double>(M));
+    metrics::add(m_kept_, static_cast<double>(kept));
+    metrics::add(m_chan_, static_cast<double>(M * K_));
+    metrics::set(m_keep_, static_cast<double>(kept) / static_cast<double>(M * K_));
     return;
   }
 
@@ -670,9 +728,9 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
   }
 
   if (npending) {
-    // Batched rows. One row, or few rows with little kept: row-skipping matvecs (read only the
-    // kept rows of W); otherwise one dense product over x~ (same result: dropped channels are 0).
-    if (npending == 1 || kept_frac_pending < 0.8) {
+    // Batched rows: row-skipping matvecs (read only each row's kept rows of W) when they cost
+    // less than one dense product over x~ (same result: dropped channels are 0), see per_row_wins.
+    if (npending == 1 || per_row_wins(kept_frac_pending, npending)) {
       for (int64_t r = 0; r < M; ++r)
         if (pending[r]) c.gated_row(XT + r * K_, masks + 2 * r * nb_, nkeep[r], Y + r * N_);
     } else {
@@ -688,33 +746,8 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
         const int64_t m = r1 - r;
         const float* A = XT + r * K_;
         float* C = Y + r * N_;
-        // OpenBLAS only with the scalar table (measured 2x slower than our AVX kernels here)
-        const bool blas = isa() == Isa::Scalar && m >= kBlasMinRows;
-        if (m < 12) {
-          int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, m * K_ * N_ / (4 * kGrain)));
-          const int64_t chunk = std::max<int64_t>(kMinCols, ((N_ + nt - 1) / nt + 15) / 16 * 16);
-          nt = (N_ + chunk - 1) / chunk;
-          auto task = [&](size_t ti) noexcept {
-            const int64_t c0 = static_cast<int64_t>(ti) * chunk;
-            c.kr.sgemm_nn(m, std::min(chunk, N_ - c0), K_, A, K_, W_ + c0, N_, C + c0, N_);
-          };
-          parallel_for(ctx, static_cast<size_t>(nt), task);
-        } else {
-          const int64_t nt0 = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, m * K_ * N_ / (4 * kGrain)));
-          int64_t mb = std::min<int64_t>(((m + nt0 - 1) / nt0 + 5) / 6 * 6, 48);
-          if (blas) mb = std::max<int64_t>(mb, 48);
-          mb = std::min(m, mb);
-          const int64_t nt = (m + mb - 1) / mb;
-          auto task = [&](size_t ti) noexcept {
-            const int64_t m0 = static_cast<int64_t>(ti) * mb;
-            const int64_t rows = std::min(mb, m - m0);
-            if (blas)
-              blas::sgemm(false, false, rows, N_, K_, 1.0f, A + m0 * K_, K_, W_, N_, 0.0f, C + m0 * N_, N_);
-            else
-              c.kr.sgemm_nn(rows, N_, K_, A + m0 * K_, K_, W_, N_, C + m0 * N_, N_);
-          };
-          parallel_for(ctx, static_cast<size_t>(nt), task);
-        }
+        dense_product(ctx, A, m, C);
+        metrics::add(m_dense_rows_, static_cast<double>(m));
         r = r1;
       }
     }

@@ -36,6 +36,7 @@ class EventGatedMatMulKernel {
 
  private:
   void Compute(OrtKernelContext* context) const;
+  void dense_product(const Ort::KernelContext& ctx, const float* A, int64_t m, float* C) const;
 
   std::string name_;
   GatingAttrs a_;
@@ -48,7 +49,7 @@ class EventGatedMatMulKernel {
                  *m_density_ = nullptr, *m_active_ = nullptr, *m_pack_dense_ = nullptr, *m_ev_enabled_ = nullptr,
                  *m_ev_ms_ = nullptr, *m_ev_quorum_ = nullptr, *m_ev_topk_ = nullptr, *m_ev_gap_ = nullptr,
                  *m_ev_stale_ = nullptr, *m_ev_disables_ = nullptr, *m_ev_checks_ = nullptr, *m_ev_rows_ = nullptr,
-                 *m_kept_ = nullptr, *m_chan_ = nullptr;
+                 *m_kept_ = nullptr, *m_chan_ = nullptr, *m_dense_rows_ = nullptr;
 
   friend struct GatingCall;
 };

@@ -17,6 +17,9 @@ struct GatingKernels {
   // Channels with |x[k]| * norm[k] > thr (norm may be null): their indices and values, in order;
   // returns how many (the KWTA threshold mask built in one pass over x).
   int64_t (*threshold_compress)(const float* x, const float* norm, float thr, int64_t n, int32_t* idx, float* vals);
+  // xt[k] = x[k] when |x[k]| * norm[k] > thr (norm may be null), else 0; returns how many kept
+  // (the same mask as threshold_compress, written densely for the batched product).
+  int64_t (*threshold_mask)(const float* x, const float* norm, float thr, int64_t n, float* xt);
 };
 
 const GatingKernels* gating_kernels_scalar();
