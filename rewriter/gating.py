@@ -23,9 +23,9 @@ import onnx_ir as ir
 from . import DOMAIN
 from .backends import Plan
 from .backends import onoff as _onoff
+from .backends import parse_targets
 from .errors import OrtleanError
 
-TARGETS = ("mlp", "attn")
 KEEP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
 # Per-layer gap targets the planner bisects over. A finer grid (31 steps) spent the budget more
 # fully on the calibration probe (+1.79 % at a 2 % budget) but measured +2.87 % on held-out
@@ -35,11 +35,9 @@ GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 16))
 
 
 def _targets(spec: str, flag: str) -> tuple[str, ...]:
-    if spec == "both":
-        return ("mlp", "attn")
-    if spec in TARGETS:
-        return (spec,)
-    raise OrtleanError(f"{flag} {spec!r}: use mlp, attn or both")
+    """The shared target rule (mlp | attn | both | head | all | a comma list) — gating also takes
+    the LM head: it is a MatMul whose input rows are the final hidden states."""
+    return parse_targets(spec, flag)
 
 
 @dataclass
@@ -177,7 +175,7 @@ class GatingBackend:
         k.add_argument("--kwta-temp", type=float, default=0.0,
                        help="> 0: keep the top channels holding --kwta-k of the softmax(score/temp) mass")
         k.add_argument("--kwta-duty", type=int, default=1, help="refresh the mask every N decode steps (default 1)")
-        k.add_argument("--kwta-target", default="mlp", help="mlp | attn | both (default mlp)")
+        k.add_argument("--kwta-target", default="mlp", help="mlp | attn | both | head | all | comma list (default mlp)")
         k.add_argument("--kwta-block", type=int, default=1, help="channels per gating block (default 1: single channels)")
         k.add_argument("--kwta-score", default="xw", help="xw: |x_k|·‖W_k‖ (default) | x: |x_k|")
         k.add_argument("--kwta-renorm", type=_onoff, default=False, metavar="on|off", help="scale by 1/p_keep")
@@ -194,7 +192,7 @@ class GatingBackend:
         e.add_argument("--event-beta", type=float, default=1.0, help="staleness weight β·exp(−λ·age)")
         e.add_argument("--event-lambda", type=float, default=0.0, help="staleness decay λ")
         e.add_argument("--event-age-max", type=int, default=32, help="a block stale this long is refreshed (0 = never)")
-        e.add_argument("--event-target", default="mlp", help="mlp | attn | both (default mlp)")
+        e.add_argument("--event-target", default="mlp", help="mlp | attn | both | head | all | comma list (default mlp)")
         e.add_argument("--event-block", type=int, default=None, help="channels per event block (default: --kwta-block)")
         z = p.add_argument_group("EventGatedMatMul: zero-skip (seed 001, MLP half; --state-pack*)")
         z.add_argument("--state-pack-rho", type=float, default=0.15,

@@ -400,32 +400,43 @@ struct GatingCall {
   }
 };
 
-// C[m, N] = A[m, K] . W on the pool: tasks are row blocks (<= 96 rows, whole register strips)
-// x column chunks (multiples of 256 = the GEMM's panel width), about one task per 8 M
-// multiply-adds, at most kMaxTasks; each task reads its W chunk once per row block.
+// C[m, N] = A[m, K] . W on the pool: about one task per 4 M multiply-adds (at most kMaxTasks),
+// column chunks first (whole tiles), then row blocks (>= 48 rows, on the kernel's 6-row strips)
+// until there are about `want` tasks of equal size (9 chunks on 2 threads would leave one idle
+// for a ninth of the time: 2 row blocks make it 18).
 void EventGatedMatMulKernel::dense_product(const Ort::KernelContext& ctx, const float* A, int64_t m, float* C) const {
   const Kernels& kr = kernels();
   // OpenBLAS only with the scalar table (measured 2x slower than our AVX kernels here)
   const bool blas = isa() == Isa::Scalar && m >= kBlasMinRows;
   const double work = static_cast<double>(m) * static_cast<double>(K_) * static_cast<double>(N_);
-  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, static_cast<int64_t>(work / 8.0e6)));
-  const int64_t nrb = std::min<int64_t>((m + 95) / 96, want);
-  const int64_t mb = ((m + nrb - 1) / nrb + 5) / 6 * 6;
-  const int64_t nrb2 = (m + mb - 1) / mb;
-  const int64_t ncb_max = std::max<int64_t>(1, (N_ + 255) / 256);
-  const int64_t ncb = std::min<int64_t>(ncb_max, std::max<int64_t>(1, want / nrb2));
-  const int64_t chunk = ((N_ + ncb - 1) / ncb + 255) / 256 * 256;
-  const int64_t ncb2 = (N_ + chunk - 1) / chunk;
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, static_cast<int64_t>(work / 4.0e6)));
+  // column chunks: whole 64-column tiles of the register kernel, the same number per chunk when
+  // N allows (a 16-column remainder strip runs at a third of the speed)
+  int64_t ncb = std::max<int64_t>(1, std::min<int64_t>(N_ / 128, want));
+  if (N_ % 64 == 0) {
+    const int64_t tiles = N_ / 64;
+    int64_t best = 1;
+    for (int64_t d = 1; d <= std::min(tiles, want); ++d)
+      if (tiles % d == 0) best = d;
+    ncb = best;
+  }
+  const int64_t nrb = std::max<int64_t>(1, std::min<int64_t>((want + ncb - 1) / ncb, m / 48));
+  auto row_at = [&](int64_t i) { return i >= nrb ? m : std::min(m, (i * m / nrb + 3) / 6 * 6); };
+  auto col_at = [&](int64_t i) {
+    if (i >= ncb) return N_;
+    return N_ % 64 == 0 ? i * (N_ / ncb) : std::min(N_, (i * N_ / ncb + 8) / 16 * 16);
+  };
   auto task = [&](size_t ti) noexcept {
-    const int64_t rb = static_cast<int64_t>(ti) / ncb2, cb = static_cast<int64_t>(ti) % ncb2;
-    const int64_t m0 = rb * mb, rows = std::min(mb, m - m0);
-    const int64_t c0 = cb * chunk, cols = std::min(chunk, N_ - c0);
+    const int64_t rb = static_cast<int64_t>(ti) / ncb, cb = static_cast<int64_t>(ti) % ncb;
+    const int64_t m0 = row_at(rb), rows = row_at(rb + 1) - m0;
+    const int64_t c0 = col_at(cb), cols = col_at(cb + 1) - c0;
+    if (rows <= 0 || cols <= 0) return;
     if (blas)
       blas::sgemm(false, false, rows, cols, K_, 1.0f, A + m0 * K_, K_, W_ + c0, N_, 0.0f, C + m0 * N_ + c0, N_);
     else
       kr.sgemm_nn(rows, cols, K_, A + m0 * K_, K_, W_ + c0, N_, C + m0 * N_ + c0, N_);
   };
-  parallel_for(ctx, static_cast<size_t>(nrb2 * ncb2), task);
+  parallel_for(ctx, static_cast<size_t>(nrb * ncb), task);
 }
 
 // ------------------------------------------------------------------ construction
@@ -443,6 +454,7 @@ T attr_or(const Ort::ConstKernelInfo& info, const char* name, T def) {
 EventGatedMatMulKernel::EventGatedMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
+  err_prefix_ = "ortlean EventGatedMatMul node '" + name_ + "': ";
   GatingAttrs& a = a_;
   a.block = attr_or<int64_t>(info, "block", 1);
   const std::string pack = attr_or<std::string>(info, "pack", "none");
@@ -564,7 +576,7 @@ OrtStatusPtr EventGatedMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKern
 }
 
 OrtStatusPtr EventGatedMatMulKernel::ComputeV2(OrtKernelContext* context) noexcept {
-  return status_guard("ortlean EventGatedMatMul node '" + name_ + "': ", [&] { Compute(context); });
+  return status_guard(err_prefix_, [&] { Compute(context); });
 }
 
 // ------------------------------------------------------------------ compute
@@ -572,20 +584,31 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
   Ort::KernelContext ctx(context);
   const GatingAttrs& a = a_;
   Ort::ConstValue xv = ctx.GetInput(0);
-  std::vector<int64_t> xs = xv.GetTensorTypeAndShapeInfo().GetShape();
-  if (xs.empty() || xs.back() != K_)
-    fail("input X has shape " + shape_str(xs) + ": last dim must be K = " + std::to_string(K_));
+  // shapes in fixed arrays: no heap allocation of ours per call
+  constexpr size_t kMaxRank = 8;
+  int64_t xs[kMaxRank];
+  size_t rank = 0;
+  {
+    auto xi = xv.GetTensorTypeAndShapeInfo();
+    rank = xi.GetDimensionsCount();
+    if (rank == 0 || rank > kMaxRank) fail("input X must have rank 1.." + std::to_string(kMaxRank) + ", got " + std::to_string(rank));
+    Ort::ThrowOnError(Ort::GetApi().GetDimensions(xi, xs, rank));  // C API: the wrapper's array overload is deprecated
+  }
+  if (xs[rank - 1] != K_)
+    fail("input X has shape " + shape_str(std::vector<int64_t>(xs, xs + rank)) + ": last dim must be K = " +
+         std::to_string(K_));
   int64_t B = 1, T = 1;
-  if (xs.size() >= 3) {
-    T = xs[xs.size() - 2];
-    for (size_t i = 0; i + 2 < xs.size(); ++i) B *= xs[i];
+  if (rank >= 3) {
+    T = xs[rank - 2];
+    for (size_t i = 0; i + 2 < rank; ++i) B *= xs[i];
   } else {
-    for (size_t i = 0; i + 1 < xs.size(); ++i) B *= xs[i];
+    for (size_t i = 0; i + 1 < rank; ++i) B *= xs[i];
   }
   const int64_t M = B * T;
-  std::vector<int64_t> ys = xs;
-  ys.back() = N_;
-  Ort::UnownedValue yv = ctx.GetOutput(0, ys);
+  int64_t ys[kMaxRank];
+  std::copy(xs, xs + rank, ys);
+  ys[rank - 1] = N_;
+  Ort::UnownedValue yv = ctx.GetOutput(0, ys, rank);
   const float* X = xv.GetTensorData<float>();
   float* Y = yv.GetTensorMutableData<float>();
 
@@ -609,7 +632,8 @@ void EventGatedMatMulKernel::Compute(OrtKernelContext* context) const {
   }
   float* st_out = nullptr;
   if (ctx.GetOutputCount() > 1) {
-    Ort::UnownedValue so = ctx.GetOutput(1, {B, stateful_ ? S_ : 0});
+    const int64_t sdims[2] = {B, stateful_ ? S_ : 0};
+    Ort::UnownedValue so = ctx.GetOutput(1, sdims, 2);
     if (stateful_) st_out = so.GetTensorMutableData<float>();
   }
   std::vector<float> st_local;

@@ -39,6 +39,8 @@ class EventGatedMatMulKernel {
   void dense_product(const Ort::KernelContext& ctx, const float* A, int64_t m, float* C) const;
 
   std::string name_;
+
+  std::string err_prefix_;  // "ortlean EventGatedMatMul node '<name>': " (built once: Compute allocates nothing for it)
   GatingAttrs a_;
   int64_t K_ = 0, N_ = 0, nb_ = 0, S_ = 0;
   bool stateful_ = false;

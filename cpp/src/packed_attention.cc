@@ -42,6 +42,7 @@ inline int popc(uint32_t x) { return __builtin_popcount(x); }
 PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
+  err_prefix_ = "ortlean PackedAttention node '" + name_ + "': ";
   std::string mode = "sign", layout = "bhtd", popcnt = "auto";
   try_attribute(info, "mode", mode);
   try_attribute(info, "k_layout", layout);
@@ -120,7 +121,7 @@ OrtStatusPtr PackedAttentionOp::CreateKernelV2(const OrtApi& api, const OrtKerne
 }
 
 OrtStatusPtr PackedAttentionKernel::ComputeV2(OrtKernelContext* context) noexcept {
-  return status_guard("ortlean PackedAttention node '" + name_ + "': ", [&] { Compute(context); });
+  return status_guard(err_prefix_, [&] { Compute(context); });
 }
 
 void PackedAttentionKernel::Compute(OrtKernelContext* context) const {

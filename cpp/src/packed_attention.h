@@ -19,6 +19,8 @@ class PackedAttentionKernel {
   void Compute(OrtKernelContext* context) const;
 
   std::string name_;
+
+  std::string err_prefix_;  // "ortlean PackedAttention node '<name>': " (built once: Compute allocates nothing for it)
   float scale_ = 1.0f, eps_ = 0.0f, budget_ = 0.0f, rho_ = 0.15f, mix_ = 0.0f;
   int64_t approx_prefill_ = 0;
   int64_t min_candidates_ = 64, sinks_ = 4, window_ = 64, min_context_ = 256, qbits_ = 8;

@@ -42,6 +42,7 @@ Ort::ConstValue const_input(const Ort::ConstKernelInfo& info, size_t i, const ch
 ProcSparseMatMulKernel::ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
+  err_prefix_ = "ortlean ProcSparseMatMul node '" + name_ + "': ";
 
   std::vector<int64_t> shape;
   int64_t block = 0, seed = 0;
@@ -169,7 +170,7 @@ OrtStatusPtr ProcSparseMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKern
 
 // ------------------------------------------------------------------ compute
 OrtStatusPtr ProcSparseMatMulKernel::ComputeV2(OrtKernelContext* context) noexcept {
-  return status_guard("ortlean ProcSparseMatMul node '" + name_ + "': ", [&] { Compute(context); });
+  return status_guard(err_prefix_, [&] { Compute(context); });
 }
 
 void ProcSparseMatMulKernel::Compute(OrtKernelContext* context) const {

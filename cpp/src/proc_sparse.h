@@ -16,6 +16,8 @@ class ProcSparseMatMulKernel {
   void Compute(OrtKernelContext* context) const;
 
   std::string name_;
+
+  std::string err_prefix_;  // "ortlean ProcSparseMatMul node '<name>': " (built once: Compute allocates nothing for it)
   int64_t K_ = 0, N_ = 0, B_ = 0, nb_ = 0, nnzb_ = 0, max_row_ = 0;
   uint64_t seed_ = 0;
   float scale_ = 0.0f;

@@ -233,6 +233,7 @@ int64_t guard_rows(const Call& c, const float* X, float* Y, int64_t m0, int64_t 
 TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
+  err_prefix_ = "ortlean TTMatMul node '" + name_ + "': ";
 
   std::vector<int64_t> mk, mn, ranks;
   if (!try_attributes(info, "modes_k", mk)) fail("missing attribute 'modes_k'");
@@ -344,7 +345,7 @@ OrtStatusPtr TTMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* 
 
 // ------------------------------------------------------------------ compute
 OrtStatusPtr TTMatMulKernel::ComputeV2(OrtKernelContext* context) noexcept {
-  return status_guard("ortlean TTMatMul node '" + name_ + "': ", [&] { Compute(context); });
+  return status_guard(err_prefix_, [&] { Compute(context); });
 }
 
 void TTMatMulKernel::Compute(OrtKernelContext* context) const {

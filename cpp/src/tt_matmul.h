@@ -36,6 +36,8 @@ class TTMatMulKernel {
   void Compute(OrtKernelContext* context) const;
 
   std::string name_;
+
+  std::string err_prefix_;  // "ortlean TTMatMul node '<name>': " (built once: Compute allocates nothing for it)
   TTPlan plan_;
   bool has_scale_ = false;
   // constant initializers, packed at construction (empty when the input is not constant)
