@@ -421,7 +421,12 @@ def format_report(summary: dict) -> str:
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
                      f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers (budget {q['budget']})")
     if summary["layers"]:
-        lines.append(f"{summary['factored']} layers factored, {summary['kept_dense']} kept dense; candidate params "
+        by: dict[str, int] = {}
+        for r in summary["layers"]:
+            if r["backend"] != "dense":
+                by[r["backend"]] = by.get(r["backend"], 0) + 1
+        how = f" ({', '.join(f'{k}: {v}' for k, v in by.items())})" if by else ""
+        lines.append(f"{summary['factored']} layers rewritten{how}, {summary['kept_dense']} kept dense; candidate params "
                      f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
     else:  # graph passes only
         lines.append(f"{summary['factored']} attention cores rewritten, {summary['kept_dense']} left as they were")
