@@ -15,7 +15,7 @@ keep ratio and threshold are recorded per layer in the node's attributes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -25,6 +25,7 @@ from .backends import Plan
 from .backends import onoff as _onoff
 from .backends import parse_targets
 from .errors import OrtleanError
+from .graph import Candidate
 
 KEEP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2)
 # Per-layer gap targets the planner bisects over. A finer grid (31 steps) spent the budget more
@@ -75,6 +76,7 @@ class GatingConfig:
     pack_targets: tuple[str, ...] = ()
     calib_rows: int = 512
     dense_prefill: bool = False
+    fuse: bool = True                   # one op (one mask) per group of projections sharing an input
 
     def validate(self) -> None:
         if self.kwta_k is not None and not (0 < self.kwta_k <= 1):
@@ -160,6 +162,50 @@ def pick(curve: list[dict], g: float) -> dict:
     return best
 
 
+# --------------------------------------------------------------------------- fused groups
+@dataclass
+class GroupCandidate(Candidate):
+    """Projections that read the same input value (q/k/v of an attention block, gate/up of a
+    gated MLP), gated as one layer: W = [W_1 | W_2 | …] ([K, ΣN]), one KWTA mask per token scored
+    with the rows of the concatenated weight, one row-skipping matvec, then a Split back into the
+    members' outputs. Planned, guarded and reported as one unit."""
+    members: list = field(default_factory=list)
+
+    def weight_array(self) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([m.weight_array() for m in self.members], axis=1))
+
+    def rebind(self, cands: dict) -> "GroupCandidate":
+        """The same group on another load of the model (candidates by name)."""
+        return make_group([cands[m.name] for m in self.members])
+
+
+def make_group(members: list) -> GroupCandidate:
+    m0 = members[0]
+    roles = "+".join(m.role for m in members)
+    return GroupCandidate(node=m0.node, name="+".join(m.name for m in members), weight=m0.weight,
+                          transposed=False, K=m0.K, N=int(sum(m.N for m in members)), target=m0.target, role=roles,
+                          layer=m0.layer, how=m0.how, input=m0.input, members=list(members))
+
+
+def group_shared_inputs(todo: list, targets) -> list:
+    """Candidates of `targets` that read the same value become one GroupCandidate (in graph
+    order); everything else passes through."""
+    by_input: dict[int, list] = {}
+    for c in todo:
+        if c.target in targets and c.input is not None and c.target != "head":
+            by_input.setdefault(id(c.input), []).append(c)
+    out, seen = [], set()
+    for c in todo:
+        grp = by_input.get(id(c.input)) if c.target in targets and c.target != "head" else None
+        if grp and len(grp) > 1:
+            if id(c.input) not in seen:
+                seen.add(id(c.input))
+                out.append(make_group(grp))
+            continue
+        out.append(c)
+    return out
+
+
 # --------------------------------------------------------------------------- the backend
 class GatingBackend:
     name = "gating"
@@ -179,6 +225,10 @@ class GatingBackend:
         k.add_argument("--kwta-block", type=int, default=1, help="channels per gating block (default 1: single channels)")
         k.add_argument("--kwta-score", default="xw", help="xw: |x_k|·‖W_k‖ (default) | x: |x_k|")
         k.add_argument("--kwta-renorm", type=_onoff, default=False, metavar="on|off", help="scale by 1/p_keep")
+        k.add_argument("--gate-fuse", type=_onoff, default=True, metavar="on|off",
+                       help="gate projections that read the same input (q/k/v, gate/up) as one op: one mask per "
+                            "token reused for all of them (seed 003: the same mask for K/V), one pass over x, "
+                            "longer weight rows (default on; only when gating is the only weight backend)")
         k.add_argument("--kwta-budget-share", type=float, default=0.6,
                        help="share of --quality-budget the planner spends on down-projections first (default 0.6)")
         e = p.add_argument_group("EventGatedMatMul: event-driven (seed 004)")
@@ -219,6 +269,7 @@ class GatingBackend:
             pack=pack if pack_on else "none",
             pack_eps=(getattr(args, "state_pack_eps", None) or 0.0) if pack_on else 0.0,
             pack_rho=getattr(args, "state_pack_rho", 0.15), pack_targets=("mlp",) if pack_on else (),
+            fuse=bool(getattr(args, "gate_fuse", True)),
         )
         tg = []
         if cfg.kwta:
@@ -230,6 +281,13 @@ class GatingBackend:
         cfg.enabled = bool(cfg.targets)
         cfg.validate()
         return cfg
+
+    def group_candidates(self, todo: list, cfg: GatingConfig, enabled_backends: list) -> list:
+        """Fuse shared-input projections (--gate-fuse) when gating is the only weight backend
+        (another backend may want a member on its own)."""
+        if not (cfg.enabled and cfg.fuse) or any(b.name != self.name for b in enabled_backends):
+            return todo
+        return group_shared_inputs(todo, cfg.targets)
 
     # -- calibration -------------------------------------------------------------------------
     def _planner(self, cfg: GatingConfig) -> bool:
@@ -401,6 +459,8 @@ class GatingBackend:
     def emit(self, graph: ir.Graph, cand, plan: Plan, ctx) -> None:
         from .tt import _safe, replace_node
 
+        if isinstance(cand, GroupCandidate):
+            return self._emit_group(graph, cand, plan)
         old = cand.node
         base = _safe(cand.name)
         if cand.transposed:
@@ -408,9 +468,18 @@ class GatingBackend:
             graph.register_initializer(w)
         else:
             w = old.inputs[1]
+        new, stateful = self._gate_node(graph, cand, plan, old.inputs[0], w, base, old.name)
+        replace_node(graph, old, new)
+        if stateful:
+            self._state_output(graph, new, base)
+
+    @staticmethod
+    def _gate_node(graph, cand, plan, x, w, base, name):
         attrs_d = dict(plan.payload)
         attrs_d.update(layer=str(cand.layer if cand.layer is not None else cand.name), target=cand.target,
                        gap=float(plan.gap or 0.0), params_dense=int(cand.K * cand.N), params_stored=int(cand.K * cand.N))
+        if isinstance(cand, GroupCandidate):
+            attrs_d["fused"] = ",".join(m.name for m in cand.members)
         attrs = []
         for k, v in attrs_d.items():
             if isinstance(v, str):
@@ -420,20 +489,59 @@ class GatingBackend:
             else:
                 attrs.append(ir.AttrFloat32(k, float(v)))
         stateful = bool(attrs_d.get("event")) or int(attrs_d.get("kwta_duty", 1)) > 1
-        inputs = [old.inputs[0], w]
+        inputs = [x, w]
         if stateful:
             sin = ir.Value(name=f"past_event.{base}", type=ir.TensorType(ir.DataType.FLOAT),
                            shape=ir.Shape(["batch_size", "past_event_len"]))
             graph.inputs.append(sin)
             inputs.append(sin)
-        new = ir.Node(DOMAIN, "EventGatedMatMul", inputs, attrs, name=old.name, num_outputs=2 if stateful else 1)
-        replace_node(graph, old, new)
+        return ir.Node(DOMAIN, "EventGatedMatMul", inputs, attrs, name=name, num_outputs=2 if stateful else 1), stateful
+
+    @staticmethod
+    def _state_output(graph, node, base) -> None:
+        sout = node.outputs[1]
+        sout.name = f"present_event.{base}"
+        sout.type = ir.TensorType(ir.DataType.FLOAT)
+        sout.shape = ir.Shape(["batch_size", "event_state"])
+        graph.outputs.append(sout)
+
+    def _emit_group(self, graph: ir.Graph, grp: GroupCandidate, plan: Plan) -> None:
+        """One EventGatedMatMul over [W_1 | W_2 | …], then Split(axis -1) into the members' outputs."""
+        from .tt import _drop_if_unused, _safe
+
+        order = {id(n): i for i, n in enumerate(graph)}
+        members = sorted(grp.members, key=lambda m: order[id(m.node)])
+        base = _safe(members[0].name) + ".fused"
+        wname = f"{base}.w"
+        w = ir.Value(name=wname, const_value=ir.tensor(grp.weight_array(), name=wname))
+        graph.register_initializer(w)
+        node, stateful = self._gate_node(graph, grp, plan, grp.input, w, base, grp.name)
+        sizes = [int(m.N) for m in grp.members]
+        opset = graph.opset_imports.get("", 13)
+        if opset >= 13:
+            sname = f"{base}.split_sizes"
+            sv = ir.Value(name=sname, const_value=ir.tensor(np.asarray(sizes, np.int64), name=sname))
+            graph.register_initializer(sv)
+            split = ir.Node("", "Split", [node.outputs[0], sv], [ir.AttrInt64("axis", -1)], name=f"{grp.name}/Split",
+                            num_outputs=len(sizes))
+        else:
+            split = ir.Node("", "Split", [node.outputs[0]], [ir.AttrInt64("axis", -1), ir.AttrInt64s("split", sizes)],
+                            name=f"{grp.name}/Split", num_outputs=len(sizes))
+        graph.insert_before(members[0].node, [node, split])
+        for m, out_new in zip(grp.members, split.outputs):
+            old = m.node
+            out_old = old.outputs[0]
+            name = out_old.name
+            out_new.type, out_new.shape = out_old.type, out_old.shape
+            out_old.replace_all_uses_with(out_new, replace_graph_outputs=True)
+            weight_in = old.inputs[1]
+            graph.remove(old, safe=True)
+            out_new.name = name
+            _drop_if_unused(graph, weight_in)
+        node.outputs[0].name = f"{base}.y"
+        node.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
         if stateful:
-            sout = new.outputs[1]
-            sout.name = f"present_event.{base}"
-            sout.type = ir.TensorType(ir.DataType.FLOAT)
-            sout.shape = ir.Shape(["batch_size", "event_state"])
-            graph.outputs.append(sout)
+            self._state_output(graph, node, base)
 
 
 BACKEND = GatingBackend()

@@ -105,6 +105,9 @@ def run(cfg: RewriteConfig) -> dict:
             todo.append(c)
     if not todo:
         raise OrtleanError(f"{inp}: no MatMul left to rewrite after the --*-target flags and --include/--exclude")
+    for b in wbs:  # a backend may plan several MatMuls as one unit (gating: shared-input projections)
+        if hasattr(b, "group_candidates"):
+            todo = b.group_candidates(todo, cfg.backends[b.name], wbs)
 
     io = runner.ModelIO.from_model(str(inp))
     ctx = reg.Context(model_path=str(inp), io=io, speed_M=1 if io.kind == "causal-lm" else 128,
@@ -172,7 +175,7 @@ def run(cfg: RewriteConfig) -> dict:
     if emitted:
         written += copy_sidecars(inp, out)
     order = {c.name: i for i, c in enumerate(cands)}
-    recs = sorted(records.values(), key=lambda r: order.get(r.layer, 1 << 30))
+    recs = sorted(records.values(), key=lambda r: order.get(r.layer, order.get(r.layer.split("+")[0], 1 << 30)))
     summary = {
         "model": str(inp),
         "output": str(out) if emitted else None,
@@ -303,7 +306,7 @@ def _trial_model(inp: Path, chosen, ctx) -> bytes:
     m = g.load_model(inp)
     cands = {c.name: c for c in g.find_candidates(m)}
     for c, b, plan in chosen:
-        b.emit(m.graph, cands[c.name], plan, ctx)
+        b.emit(m.graph, c.rebind(cands) if hasattr(c, "rebind") else cands[c.name], plan, ctx)
     m.opset_imports.setdefault(DOMAIN, 1)
     ir.external_data.load_to_model(m)
     return ir.serde.serialize_model(m).SerializeToString()
