@@ -85,6 +85,7 @@ struct GatingCall {
     }
     const int64_t work = n * N;
     int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrain));
+    if (k.pool_.width() == 1) nt = 1;  // one thread: one pass over the kept rows, no partial sums
     if (nt == 1) {
       gk.gather_axpy(rows, v, n, k.W_, N, y, N, acc ? 1 : 0);
       return;
@@ -96,7 +97,7 @@ struct GatingCall {
         const int64_t c0 = static_cast<int64_t>(t) * chunk;
         gk.gather_axpy(rows, v, n, k.W_ + c0, N, y + c0, std::min(chunk, N - c0), acc ? 1 : 0);
       };
-      parallel_for(ctx, static_cast<size_t>(nt), task);
+      k.pool_.run(ctx, static_cast<size_t>(nt), task);
       return;
     }
     // split the rows; partial sums in ptmp [nt, N]
@@ -106,7 +107,7 @@ struct GatingCall {
       const int64_t r0 = static_cast<int64_t>(t) * rchunk;
       gk.gather_axpy(rows + r0, v + r0, std::min(rchunk, n - r0), k.W_, N, ptmp + t * N, N, 0);
     };
-    parallel_for(ctx, static_cast<size_t>(nt), task);
+    k.pool_.run(ctx, static_cast<size_t>(nt), task);
     for (int64_t o = 0; o < N; ++o) {
       float s = acc ? y[o] : 0.0f;
       for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];

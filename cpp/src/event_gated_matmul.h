@@ -47,6 +47,7 @@ class EventGatedMatMulKernel {
   const float* W_ = nullptr;   // the constant initializer (owned by the session)
   AlignedBuf norms_;           // ||W_k|| per row
   std::vector<int32_t> iota_;  // 0..K-1 (the dense path is the row kernel over every row)
+  mutable PoolProbe pool_;     // is the intra-op pool wider than one thread? (matvec task split)
   metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr, *m_keep_ = nullptr, *m_duty_ = nullptr,
                  *m_density_ = nullptr, *m_active_ = nullptr, *m_pack_dense_ = nullptr, *m_ev_enabled_ = nullptr,
                  *m_ev_ms_ = nullptr, *m_ev_quorum_ = nullptr, *m_ev_topk_ = nullptr, *m_ev_gap_ = nullptr,
