@@ -35,12 +35,6 @@ KEEP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0
 GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 16))
 
 
-def _targets(spec: str, flag: str) -> tuple[str, ...]:
-    """The shared target rule (mlp | attn | both | head | all | a comma list) — gating also takes
-    the LM head: it is a MatMul whose input rows are the final hidden states."""
-    return parse_targets(spec, flag)
-
-
 @dataclass
 class GatingConfig:
     enabled: bool = False
@@ -190,13 +184,16 @@ def make_group(members: list) -> GroupCandidate:
 def group_shared_inputs(todo: list, targets) -> list:
     """Candidates of `targets` that read the same value become one GroupCandidate (in graph
     order); everything else passes through."""
+    def eligible(c) -> bool:
+        return c.target in targets and c.target != "head" and c.input is not None
+
     by_input: dict[int, list] = {}
     for c in todo:
-        if c.target in targets and c.input is not None and c.target != "head":
+        if eligible(c):
             by_input.setdefault(id(c.input), []).append(c)
     out, seen = [], set()
     for c in todo:
-        grp = by_input.get(id(c.input)) if c.target in targets and c.target != "head" else None
+        grp = by_input.get(id(c.input)) if eligible(c) else None
         if grp and len(grp) > 1:
             if id(c.input) not in seen:
                 seen.add(id(c.input))
@@ -255,7 +252,7 @@ class GatingBackend:
         cfg = GatingConfig(
             kwta=bool(getattr(args, "kwta", False)), kwta_k=getattr(args, "kwta_k", None),
             kwta_k_abs=getattr(args, "kwta_k_abs", None), kwta_temp=getattr(args, "kwta_temp", 0.0),
-            kwta_duty=getattr(args, "kwta_duty", 1), kwta_targets=_targets(getattr(args, "kwta_target", "mlp"), "--kwta-target"),
+            kwta_duty=getattr(args, "kwta_duty", 1), kwta_targets=parse_targets(getattr(args, "kwta_target", "mlp"), "--kwta-target"),
             kwta_block=getattr(args, "kwta_block", 1), kwta_score=getattr(args, "kwta_score", "xw"),
             kwta_renorm=bool(getattr(args, "kwta_renorm", False)),
             kwta_budget_share=getattr(args, "kwta_budget_share", 0.6),
@@ -264,7 +261,7 @@ class GatingBackend:
             event_theta=getattr(args, "event_delta_theta", 0.01), event_gap_tol=getattr(args, "event_gap_tol", 0.03),
             event_gap_every=getattr(args, "event_gap_every", 16), event_beta=getattr(args, "event_beta", 1.0),
             event_lambda=getattr(args, "event_lambda", 0.0), event_age_max=getattr(args, "event_age_max", 32),
-            event_targets=_targets(getattr(args, "event_target", "mlp"), "--event-target"),
+            event_targets=parse_targets(getattr(args, "event_target", "mlp"), "--event-target"),
             event_block=getattr(args, "event_block", None),
             pack=pack if pack_on else "none",
             pack_eps=(getattr(args, "state_pack_eps", None) or 0.0) if pack_on else 0.0,
