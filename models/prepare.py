@@ -312,25 +312,25 @@ def _smoke_check(out: Path, spec: ModelSpec) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    from rewriter import runner
+    from custom_ops import runtime
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     sess = ort.InferenceSession(str(out / "model.onnx"), sess_options=so, providers=["CPUExecutionProvider"])
-    io = runner.ModelIO.from_session(sess)
+    io = runtime.ModelIO.from_session(sess)
     if io.kind != spec.kind:
         raise PrepareError(f"{spec.name}: export looks like a {io.kind}, expected {spec.kind}")
-    tok = runner.load_tokenizer(out)
+    tok = runtime.load_tokenizer(out)
     if spec.kind == "causal-lm":
-        text, ids = runner.generate(sess, io, tok, "The capital of France is", max_new_tokens=8)
-        f = runner.feeds(io, np.array([[1, 2, 3, 4]], dtype=np.int64))
-        logits = runner.run(sess, io, f)["logits"]
+        text, ids = runtime.generate(sess, io, tok, "The capital of France is", max_new_tokens=8)
+        f = runtime.feeds(io, np.array([[1, 2, 3, 4]], dtype=np.int64))
+        logits = runtime.run(sess, io, f)["logits"]
         if not np.isfinite(logits).all():
             raise PrepareError(f"{spec.name}: non-finite logits from the export")
         return {"io": {"inputs": len(io.inputs), "layers": io.num_layers, "kv_heads": io.kv_heads,
                        "head_dim": io.head_dim, "vocab": io.vocab_size},
                 "generate": {"prompt": "The capital of France is", "greedy_8": text}}
-    e = runner.embeddings(sess, io, tok, ["A man is eating food.", "A man is eating a meal.",
+    e = runtime.embeddings(sess, io, tok, ["A man is eating food.", "A man is eating a meal.",
                                           "The stock market fell sharply today."])
     cos = e @ e.T
     if not (np.isfinite(e).all() and cos[0, 1] > cos[0, 2]):

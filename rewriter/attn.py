@@ -6,7 +6,7 @@ and replace it with one ``ai.ortlean::PackedAttention`` node.
 For decoders whose key is the cache (``present.N.key = Concat(past_key_values.N.key, k)``) the
 packed key bits become cache state: a graph input ``past_key_values.N.key_bits`` (int32
 [batch, kv_heads, past_sequence_length, W]) and output ``present.N.key_bits``, paired by
-``runner.ModelIO`` like the other ``past*``→``present*`` states, so packing costs O(new tokens)
+``runtime.ModelIO`` like the other ``past*``→``present*`` states, so packing costs O(new tokens)
 per step. Attention that does not match is left as is and reported with the reason.
 """
 from __future__ import annotations
@@ -296,7 +296,7 @@ def calibrate_eps(model_path, text_path, cfg: AttnConfig, tokenizer=None) -> dic
     dense model's present.N.key outputs)."""
     import onnxruntime as ort
 
-    from . import runner
+    from custom_ops import runtime
     from .calibrate import tokenize_text
 
     tok, text = tokenize_text(model_path, text_path, tokenizer)
@@ -304,8 +304,8 @@ def calibrate_eps(model_path, text_path, cfg: AttnConfig, tokenizer=None) -> dic
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
-    io = runner.ModelIO.from_session(sess)
-    out = runner.run(sess, io, runner.feeds(io, ids[None, :]))
+    io = runtime.ModelIO.from_session(sess)
+    out = runtime.run(sess, io, runtime.feeds(io, ids[None, :]))
     eps, kscale = {}, {}
     for name, val in out.items():
         m = re.match(r"^present\.(\d+)\.key$", name)

@@ -42,7 +42,7 @@ class Plan:
 class Context:
     """What the pipeline knows that backends may use."""
     model_path: str
-    io: Any                         # runner.ModelIO
+    io: Any                         # runtime.ModelIO
     speed_M: int                    # M whose timing decides (1 for causal LMs, 128 for encoders)
     threads: int = 1
     calib_text: str | None = None

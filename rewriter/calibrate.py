@@ -26,7 +26,7 @@ class Gram:
 
 
 def tokenize_text(model_path: str | os.PathLike, text_path: str | os.PathLike, tokenizer: str | None = None):
-    from . import runner
+    from custom_ops import runtime
 
     tp = Path(text_path)
     if not tp.is_file():
@@ -35,7 +35,7 @@ def tokenize_text(model_path: str | os.PathLike, text_path: str | os.PathLike, t
     if len(text.strip()) == 0:
         raise OrtleanError(f"--calib-text {tp}: file is empty")
     try:
-        tok = runner.load_tokenizer(model_path, tokenizer)
+        tok = runtime.load_tokenizer(model_path, tokenizer)
     except OrtleanError:
         raise
     except Exception as e:
@@ -61,11 +61,11 @@ def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_pa
     import onnxruntime as ort
     from tqdm.auto import tqdm
 
-    from . import runner
+    from custom_ops import runtime
 
     model_path = Path(model_path)
     tok, text = tokenize_text(model_path, text_path, tokenizer)
-    io = runner.ModelIO.from_model(str(model_path))
+    io = runtime.ModelIO.from_model(str(model_path))
     windows = calibration_windows(io, tok, text, max_tokens, window)
     if not windows:
         raise OrtleanError(f"--calib-text {text_path}: produced no tokens")
@@ -84,7 +84,7 @@ def collect_grams(model_path: str | os.PathLike, value_names: list[str], text_pa
     sess = custom_ops.session(cm, so=so, backend="auto")
     bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
     for ids in windows:
-        feeds = runner.feeds(io, np.asarray(ids, dtype=np.int64)[None, :])
+        feeds = runtime.feeds(io, np.asarray(ids, dtype=np.int64)[None, :])
         outs = sess.run(names, feeds)
         for n, x in zip(names, outs):
             x = np.asarray(x, dtype=np.float32)
@@ -112,10 +112,10 @@ def calibration_windows(io, tok, text: str, max_tokens: int, window: int) -> lis
     # encoders embed sentences/passages: calibrate on sentences of the text, encoded with their
     # special tokens, as they will be used (long chunks give [CLS]/[SEP] too little weight and
     # the gap measured on them under-estimates the error on real inputs ~2x on MiniLM)
-    from . import runner
+    from custom_ops import runtime
 
     out, used = [], 0
-    for sent in runner.sentences_from_text(text, max(1, max_tokens // 8)):
+    for sent in runtime.sentences_from_text(text, max(1, max_tokens // 8)):
         ids = tok.encode(sent).ids[:window]
         out.append(ids)
         used += len(ids)

@@ -248,16 +248,16 @@ def cmd_bench(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from . import runner
+    from custom_ops import runtime
 
     from .evaluate import _session
 
     sess = _session(args.model, args.threads)
-    io = runner.ModelIO.from_session(sess)
+    io = runtime.ModelIO.from_session(sess)
     if io.kind != "causal-lm":
         raise OrtleanError(f"{args.model}: not a causal LM with a KV cache (no past_key_values inputs)")
-    tok = runner.load_tokenizer(args.model, args.tokenizer)
-    text, ids = runner.generate(sess, io, tok, args.prompt, args.max_new_tokens)
+    tok = runtime.load_tokenizer(args.model, args.tokenizer)
+    text, ids = runtime.generate(sess, io, tok, args.prompt, args.max_new_tokens)
     print(text)
     return 0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import runner
+from custom_ops import runtime
 from .errors import OrtleanError
 
 
@@ -34,22 +34,22 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
     text = tp.read_text(encoding="utf-8", errors="replace")
     s_ref = _session(ref, threads)
     s_lean = _session(model, threads)
-    io = runner.ModelIO.from_session(s_ref)
-    io_l = runner.ModelIO.from_session(s_lean)
+    io = runtime.ModelIO.from_session(s_ref)
+    io_l = runtime.ModelIO.from_session(s_lean)
     if io.kind != io_l.kind:
         raise OrtleanError(f"{model} ({io_l.kind}) and --ref {ref} ({io.kind}) are not the same kind of model")
-    tok = runner.load_tokenizer(ref, tokenizer) if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else runner.load_tokenizer(model, tokenizer)
+    tok = runtime.load_tokenizer(ref, tokenizer) if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else runtime.load_tokenizer(model, tokenizer)
     res = {"model": model, "ref": ref, "text": str(tp), "kind": io.kind}
     if io.kind == "causal-lm":
         ids = np.asarray(tok.encode(text, add_special_tokens=False).ids[: window * windows], dtype=np.int64)
-        d = runner.perplexity(s_ref, io, ids, window=window)
-        l = runner.perplexity(s_lean, io_l, ids, window=window)
+        d = runtime.perplexity(s_ref, io, ids, window=window)
+        l = runtime.perplexity(s_lean, io_l, ids, window=window)
         res.update({"tokens": int(d["tokens"]), "window": window, "ppl_ref": float(d["ppl"]), "ppl": float(l["ppl"]),
                     "delta_ppl": float(l["ppl"] / d["ppl"] - 1.0)})
     else:
-        sents = runner.sentences_from_text(text, sentences)
-        e_d = runner.embeddings(s_ref, io, tok, sents)
-        e_l = runner.embeddings(s_lean, io_l, tok, sents)
+        sents = runtime.sentences_from_text(text, sentences)
+        e_d = runtime.embeddings(s_ref, io, tok, sents)
+        e_l = runtime.embeddings(s_lean, io_l, tok, sents)
         cos = np.sum(e_d * e_l, axis=1) / (np.linalg.norm(e_d, axis=1) * np.linalg.norm(e_l, axis=1) + 1e-30)
         res.update({"sentences": len(sents), "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
                     "cosine_p5": float(np.percentile(cos, 5))})
@@ -73,7 +73,7 @@ def nbits_model(dense: str, bits: int) -> str:
     out = root / f"{p.stem}.q{bits}.{key}.onnx"
     if not out.exists():
         root.mkdir(parents=True, exist_ok=True)
-        runner.quantize_matmul_nbits(str(p), bits, str(out))
+        runtime.quantize_matmul_nbits(str(p), bits, str(out))
     return str(out)
 
 
@@ -87,18 +87,18 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past:
             variants[f"MatMulNBits int{b}"] = None
             print(f"note: MatMulNBits int{b} row skipped: {e}")
     res = {"model": model, "ref": ref, "prefill": prefill, "decode_past": decode_past, "runs": []}
-    res["weight_bytes"] = {k: (runner.weight_bytes(v) if v else None) for k, v in variants.items()}
+    res["weight_bytes"] = {k: (runtime.weight_bytes(v) if v else None) for k, v in variants.items()}
     for t in threads:
         sessions = {k: _session(v, t) for k, v in variants.items() if v}
-        io = runner.ModelIO.from_session(sessions["dense"])
-        ios = {k: runner.ModelIO.from_session(s) for k, s in sessions.items()}
-        r = runner.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats, ios=ios)
+        io = runtime.ModelIO.from_session(sessions["dense"])
+        ios = {k: runtime.ModelIO.from_session(s) for k, s in sessions.items()}
+        r = runtime.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats, ios=ios)
         res["runs"].append({"threads": t, "kind": io.kind, "results": r})
     if profile:
         t = max(threads)
         res["profile"] = {}
         for k in ("dense", "lean"):
-            prof = runner.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, t), feeds=None, runs=5)
+            prof = runtime.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, t), feeds=None, runs=5)
             res["profile"][k] = {"rows": list(prof), "top_nodes": getattr(prof, "top_nodes", [])}
     return res
 

@@ -63,7 +63,7 @@ def run(cfg: RewriteConfig) -> dict:
     from tqdm.auto import tqdm
 
     from . import backends as reg
-    from . import runner
+    from custom_ops import runtime
 
     t0 = time.time()
     wbs = [b for b in reg.weight_backends() if b.name in cfg.backends and cfg.backends[b.name].enabled]
@@ -109,7 +109,7 @@ def run(cfg: RewriteConfig) -> dict:
         if hasattr(b, "group_candidates"):
             todo = b.group_candidates(todo, cfg.backends[b.name], wbs)
 
-    io = runner.ModelIO.from_model(str(inp))
+    io = runtime.ModelIO.from_model(str(inp))
     ctx = reg.Context(model_path=str(inp), io=io, speed_M=1 if io.kind == "causal-lm" else 128,
                       threads=cfg.threads, calib_text=cfg.calib_text, tokenizer=cfg.tokenizer)
 
@@ -202,14 +202,14 @@ def _run_graph_passes_only(cfg: RewriteConfig, gps, t0: float) -> dict:
     """`ortlean rewrite` with only graph passes enabled (e.g. --state-pack=binary for
     PackedAttention): no weight candidates, calibration or quality guard."""
     from . import backends as reg
-    from . import runner
+    from custom_ops import runtime
 
     inp = Path(cfg.model)
     out = Path(cfg.output)
     if out.resolve() == inp.resolve():
         raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
     model = g.load_model(inp)
-    io = runner.ModelIO.from_model(str(inp))
+    io = runtime.ModelIO.from_model(str(inp))
     ctx = reg.Context(model_path=str(inp), io=io, speed_M=1 if io.kind == "causal-lm" else 128,
                       threads=cfg.threads, calib_text=cfg.calib_text, tokenizer=cfg.tokenizer)
     recs = []
@@ -256,7 +256,7 @@ class QualityProbe:
     def __init__(self, inp: Path, io, cfg: RewriteConfig):
         import onnxruntime as ort
 
-        from . import runner
+        from custom_ops import runtime
         from .calibrate import tokenize_text
 
         self.io = io
@@ -273,25 +273,25 @@ class QualityProbe:
                 held = ids[-cfg.quality_tokens:]
             self.ids = np.asarray(held, dtype=np.int64)
             self.window = min(256, len(self.ids))
-            self.ref = runner.perplexity(dense, io, self.ids, window=self.window)["nll"]
+            self.ref = runtime.perplexity(dense, io, self.ids, window=self.window)["nll"]
         else:
-            sents = runner.sentences_from_text(text, 4 * max(8, cfg.quality_tokens // 16))
+            sents = runtime.sentences_from_text(text, 4 * max(8, cfg.quality_tokens // 16))
             self.sents = sents[1::4][: max(8, cfg.quality_tokens // 16)]  # not the calibration sentences' order
-            self.ref = runner.embeddings(dense, io, tok, self.sents)
+            self.ref = runtime.embeddings(dense, io, tok, self.sents)
 
     def loss(self, model_bytes_or_path) -> float:
         import onnxruntime as ort
 
-        from . import runner
+        from custom_ops import runtime
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads
         sess = _any_session(model_bytes_or_path, so)
         if self.io.kind == "causal-lm":
-            io = runner.ModelIO.from_session(sess)  # a rewrite may add state inputs (event caches)
-            nll = runner.perplexity(sess, io, self.ids, window=self.window)["nll"]
+            io = runtime.ModelIO.from_session(sess)  # a rewrite may add state inputs (event caches)
+            nll = runtime.perplexity(sess, io, self.ids, window=self.window)["nll"]
             return float(np.exp(nll - self.ref) - 1.0)
-        e = runner.embeddings(sess, self.io, self.tok, self.sents)
+        e = runtime.embeddings(sess, self.io, self.tok, self.sents)
         cos = np.sum(e * self.ref, axis=1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(self.ref, axis=1) + 1e-30)
         return float(1.0 - cos.mean())
 

@@ -426,29 +426,14 @@ def measure_proc(layer: ProcLayer, Ms=(1, 128), threads: int = 1, use_cache: boo
     """{M: {"dense": s, "proc": s, "speedup": dense/proc}}, interleaved in one process; cached per
     CPU, library build and sparsity structure. Single-threaded runs are timed on process CPU
     time (robust to preemption on a shared machine)."""
+    from custom_ops import runtime
+
     from .speed import measure_vs_dense
 
     h = hashlib.sha1(layer.row_ptr.tobytes() + layer.block_idx.tobytes()).hexdigest()
     key = ["proc-cpu1" if threads == 1 else "proc", layer.K, layer.N, layer.block, h, layer.base_scale != 0.0]
     return measure_vs_dense("proc", key, lambda: proc_model(layer), layer.K, layer.N, Ms, threads,
-                            timer=_time_cpu if threads == 1 else None, use_cache=use_cache)
-
-
-def _time_cpu(sessions: dict, feeds: dict, reps: int = 25, warmup: int = 3) -> dict[str, float]:
-    """Median process CPU seconds per run, sessions interleaved (single-threaded sessions: the CPU
-    time of this process is the kernel's; a run preempted on a busy machine does not inflate it)."""
-    import time
-
-    for s in sessions.values():
-        for _ in range(warmup):
-            s.run(None, feeds)
-    times = {k: [] for k in sessions}
-    for _ in range(reps):
-        for k, s in sessions.items():
-            c0 = time.process_time()
-            s.run(None, feeds)
-            times[k].append(time.process_time() - c0)
-    return {k: float(np.median(v)) for k, v in times.items()}
+                            timer=runtime.time_cpu if threads == 1 else None, use_cache=use_cache)
 
 
 # --------------------------------------------------------------------------- emission

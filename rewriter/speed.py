@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import numpy as np
@@ -78,23 +77,6 @@ def dense_model(K: int, N: int, seed: int = 0) -> bytes:
     return m.SerializeToString()
 
 
-def time_sessions(sessions: dict, feeds: dict, min_time: float = 0.15, max_reps: int = 400, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per run for each session, runs interleaved so drift hits all alike."""
-    for s in sessions.values():
-        for _ in range(warmup):
-            s.run(None, feeds)
-    times = {k: [] for k in sessions}
-    t_start = time.perf_counter()
-    reps = 0
-    while reps < max_reps and (reps < 5 or time.perf_counter() - t_start < min_time * len(sessions)):
-        for k, s in sessions.items():
-            t0 = time.perf_counter()
-            s.run(None, feeds)
-            times[k].append(time.perf_counter() - t0)
-        reps += 1
-    return {k: float(np.median(v)) for k, v in times.items()}
-
-
 def measure_vs_dense(tag: str, key_parts: list, op_model, K: int, N: int, Ms=(1, 128), threads: int = 1,
                      timer=None, use_cache: bool = True) -> dict[int, dict[str, float]]:
     """{M: {"dense": s, tag: s, "speedup": dense/op}}: a one-node custom-op model (`op_model()`
@@ -103,6 +85,7 @@ def measure_vs_dense(tag: str, key_parts: list, op_model, K: int, N: int, Ms=(1,
     time_sessions); cached in speed.json under key_parts + CPU + library build + ORT version."""
     import custom_ops
     import onnxruntime as ort
+    from custom_ops import runtime
 
     key = hashlib.sha1(json.dumps([*key_parts, _cpu_id(), _lib_sig(), threads, ort.__version__]).encode()).hexdigest()
     cf = cache_file()
@@ -119,7 +102,7 @@ def measure_vs_dense(tag: str, key_parts: list, op_model, K: int, N: int, Ms=(1,
         else:
             todo.append(M)
     if todo:
-        timer = timer or time_sessions
+        timer = timer or runtime.time_sessions
         so = custom_ops.session_options(threads)
         so_d = ort.SessionOptions()
         so_d.intra_op_num_threads = threads

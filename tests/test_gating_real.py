@@ -7,7 +7,8 @@ import pytest
 
 import custom_ops
 from conftest import requires_native
-from rewriter import cli, runner
+from custom_ops import runtime
+from rewriter import cli
 
 pytestmark = [pytest.mark.slow, requires_native]
 
@@ -29,10 +30,10 @@ def novels():
 
 def _ppl(model, text, tokens=1024, threads=2):
     s = custom_ops.session(str(model), threads=threads)
-    io = runner.ModelIO.from_session(s)
-    tok = runner.load_tokenizer(model)
+    io = runtime.ModelIO.from_session(s)
+    tok = runtime.load_tokenizer(model)
     ids = np.asarray(tok.encode(Path(text).read_text()[20000:80000], add_special_tokens=False).ids[:tokens])
-    return runner.perplexity(s, io, ids, window=256)["ppl"]
+    return runtime.perplexity(s, io, ids, window=256)["ppl"]
 
 
 def test_down_proj_half_kept_costs_little(smol, novels, tmp_path):
@@ -65,10 +66,10 @@ def test_event_mode_disables_itself_on_text(smol, tmp_path, novels):
                    "--event-gap-every", "4", "--quality-budget", "off", "-q"])
     assert rc == 0
     s = custom_ops.session(str(out), threads=2)
-    io = runner.ModelIO.from_session(s)
-    tok = runner.load_tokenizer(smol)
+    io = runtime.ModelIO.from_session(s)
+    tok = runtime.load_tokenizer(smol)
     custom_ops.reset_metrics()
-    runner.generate(s, io, tok, Path(novels[1]).read_text()[5000:5400], 10, eos=None)
+    runtime.generate(s, io, tok, Path(novels[1]).read_text()[5000:5400], 10, eos=None)
     mine = _gated_nodes(out)
     ev = {k: v for k, v in custom_ops.metrics().items() if k in mine and "event.enabled" in v}
     assert len(ev) == 10  # 5 blocks: gate+up fused (one event state), down

@@ -8,7 +8,7 @@ import pytest
 
 import custom_ops
 from conftest import requires_native
-from rewriter import runner
+from custom_ops import runtime
 from test_rewriter import run_cli
 
 CAL = ("--calib-tokens", "1024", "--calib-window", "64")
@@ -18,9 +18,9 @@ def _feeds(path, n=12, seed=0):
     import onnxruntime as ort  # noqa: F401
 
     s = custom_ops.session(str(path), backend="auto")
-    io = runner.ModelIO.from_session(s)
+    io = runtime.ModelIO.from_session(s)
     ids = np.random.default_rng(seed).integers(2, 50, size=(1, n))
-    return s, io, runner.feeds(io, ids)
+    return s, io, runtime.feeds(io, ids)
 
 
 @requires_native
@@ -77,12 +77,12 @@ def test_event_and_duty_nodes_carry_state_like_the_kv_cache(toy_model, toy_text,
     outs = [o.name for o in m.graph.output if o.name.startswith("present_event.")]
     assert len(ins) == 4 and sorted(i.replace("past_event", "present_event") for i in ins) == sorted(outs)  # gate+up fused, down
     s = custom_ops.session(str(out), threads=2)
-    io = runner.ModelIO.from_session(s)
+    io = runtime.ModelIO.from_session(s)
     assert all(i in io.past_to_present for i in ins)
-    tok = runner.load_tokenizer(out)
-    text_n, ids_n = runner.generate(s, io, tok, "the sister of", 12)
+    tok = runtime.load_tokenizer(out)
+    text_n, ids_n = runtime.generate(s, io, tok, "the sister of", 12)
     sr = custom_ops.session(str(out), backend="reference")
-    text_r, ids_r = runner.generate(sr, runner.ModelIO.from_session(sr), tok, "the sister of", 12)
+    text_r, ids_r = runtime.generate(sr, runtime.ModelIO.from_session(sr), tok, "the sister of", 12)
     assert ids_n == ids_r
 
 

@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from models import cache, corpus, prepare as prep  # noqa: E402
-from rewriter import runner  # noqa: E402
+from custom_ops import runtime  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def smollm2():
     _need("smollm2")
     d = prep.prepare("smollm2")
     sess = _session(d / "model.onnx")
-    return d, sess, runner.ModelIO.from_session(sess), runner.load_tokenizer(d)
+    return d, sess, runtime.ModelIO.from_session(sess), runtime.load_tokenizer(d)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def minilm():
     _need("minilm")
     d = prep.prepare("minilm")
     sess = _session(d / "model.onnx")
-    return d, sess, runner.ModelIO.from_session(sess), runner.load_tokenizer(d)
+    return d, sess, runtime.ModelIO.from_session(sess), runtime.load_tokenizer(d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,16 +87,16 @@ def test_prepare_smollm2_artifact(smollm2):
 
 def test_smollm2_perplexity_eval_novel(smollm2):
     d, sess, io, tok = smollm2
-    ids = runner.tokenize(tok, corpus.text(corpus.EVAL_NOVEL))
+    ids = runtime.tokenize(tok, corpus.text(corpus.EVAL_NOVEL))
     assert ids.size > 50_000
-    r = runner.perplexity(sess, io, ids[:512], window=256)
+    r = runtime.perplexity(sess, io, ids[:512], window=256)
     assert r["windows"] == 2 and r["tokens"] == 510
     assert np.isfinite(r["ppl"]) and 2.0 < r["ppl"] < 100.0, r
 
 
 def test_smollm2_generate(smollm2):
     d, sess, io, tok = smollm2
-    text, ids = runner.generate(sess, io, tok, "The capital of France is", max_new_tokens=12)
+    text, ids = runtime.generate(sess, io, tok, "The capital of France is", max_new_tokens=12)
     assert text.strip() and len(ids) >= 1
     assert "Paris" in text
 
@@ -104,7 +104,7 @@ def test_smollm2_generate(smollm2):
 def test_minilm_embeddings(minilm):
     d, sess, io, tok = minilm
     assert io.kind == "encoder" and io.has_token_type_ids and io.hidden_size == 384
-    e = runner.embeddings(sess, io, tok, [
+    e = runtime.embeddings(sess, io, tok, [
         "A man is eating food.", "A man is eating a piece of bread.",
         "The girl is carrying a baby.", "A woman is playing the violin.",
         "Stock markets fell sharply on Monday."])
@@ -116,9 +116,9 @@ def test_minilm_embeddings(minilm):
 
 def test_minilm_on_corpus_sentences(minilm):
     d, sess, io, tok = minilm
-    sents = runner.sentences_from_text(corpus.text(corpus.EVAL_NOVEL), 32)
+    sents = runtime.sentences_from_text(corpus.text(corpus.EVAL_NOVEL), 32)
     assert len(sents) == 32
-    e = runner.embeddings(sess, io, tok, sents)
+    e = runtime.embeddings(sess, io, tok, sents)
     assert np.isfinite(e).all() and e.shape == (32, 384)
 
 

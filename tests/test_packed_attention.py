@@ -294,7 +294,8 @@ def optimum_block(path, Hq=4, Hkv=2, D=16, nan_guard=True):
 def test_graph_pass_on_optimum_block(tmp_path, budget):
     import onnxruntime as ort
 
-    from rewriter import attn, graph as g, runner
+    from custom_ops import runtime
+    from rewriter import attn, graph as g
 
     src = optimum_block(tmp_path / "blk.onnx")
     model = g.load_model(src)
@@ -304,7 +305,7 @@ def test_graph_pass_on_optimum_block(tmp_path, budget):
     assert not any(n.op_type in ("Softmax", "Expand", "IsNaN") for n in model.graph)
     out = tmp_path / "blk.lean.onnx"
     g.save_model_atomic(model, out)
-    io = runner.ModelIO.from_model(str(out))
+    io = runtime.ModelIO.from_model(str(out))
     assert io.past_to_present["past_key_values.0.key_bits"] == "present.0.key_bits"
     dense = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     lean = custom_ops.session(str(out))
@@ -380,26 +381,27 @@ def _prepared(name):
 @pytest.mark.slow
 @requires_native
 def test_smollm2_rewrite_full_budget_same_greedy_text(tmp_path):
-    from rewriter import cli, runner
+    from custom_ops import runtime
+    from rewriter import cli
 
     d = _prepared(SMOL)
     out = tmp_path / "smol.lean.onnx"
     assert cli.main(["rewrite", str(d / "model.onnx"), "-o", str(out), "--state-pack", "binary", "--attn-budget", "0", "-q"]) == 0
     dense = custom_ops.session(str(d / "model.onnx"), threads=2)
     lean = custom_ops.session(str(out), threads=2)
-    io_d, io_l = runner.ModelIO.from_session(dense), runner.ModelIO.from_session(lean)
+    io_d, io_l = runtime.ModelIO.from_session(dense), runtime.ModelIO.from_session(lean)
     assert len([n for n in io_l.past_to_present if n.endswith("key_bits")]) == 30
-    tok = runner.load_tokenizer(d)
+    tok = runtime.load_tokenizer(d)
     prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
-    td, _ = runner.generate(dense, io_d, tok, prompt, 24)
-    tl, _ = runner.generate(lean, io_l, tok, prompt, 24)
+    td, _ = runtime.generate(dense, io_d, tok, prompt, 24)
+    tl, _ = runtime.generate(lean, io_l, tok, prompt, 24)
     assert td == tl
     # the bits carried through prefill + decode steps equal the bits packed from scratch
-    ids = runner.tokenize(tok, prompt)
-    out = runner.run(lean, io_l, runner.feeds(io_l, ids[None, :]))
+    ids = runtime.tokenize(tok, prompt)
+    out = runtime.run(lean, io_l, runtime.feeds(io_l, ids[None, :]))
     past, plen = io_l.next_state(out), ids.size
     for t in (11, 12):
-        out = runner.run(lean, io_l, runner.feeds(io_l, np.array([[t]]), past, plen))
+        out = runtime.run(lean, io_l, runtime.feeds(io_l, np.array([[t]]), past, plen))
         past, plen = io_l.next_state(out), plen + 1
     for n in (0, 17, 29):
         assert (out[f"present.{n}.key_bits"] == pack_keys(out[f"present.{n}.key"])).all()
@@ -408,7 +410,8 @@ def test_smollm2_rewrite_full_budget_same_greedy_text(tmp_path):
 @pytest.mark.slow
 @requires_native
 def test_minilm_rewrite_matches_dense(tmp_path):
-    from rewriter import attn, graph as g, runner
+    from custom_ops import runtime
+    from rewriter import attn, graph as g
 
     d = _prepared("minilm")
     model = g.load_model(d / "model.onnx")
@@ -419,10 +422,10 @@ def test_minilm_rewrite_matches_dense(tmp_path):
     g.save_model_atomic(model, out)
     dense = custom_ops.session(str(d / "model.onnx"))
     lean = custom_ops.session(str(out))
-    io = runner.ModelIO.from_session(dense)
-    tok = runner.load_tokenizer(d)
+    io = runtime.ModelIO.from_session(dense)
+    tok = runtime.load_tokenizer(d)
     sents = ["Anne Elliot was a woman of gentle manners.", "Captain Wentworth returned from the sea with a fortune."]
-    e1, e2 = runner.embeddings(dense, io, tok, sents), runner.embeddings(lean, io, tok, sents)
+    e1, e2 = runtime.embeddings(dense, io, tok, sents), runtime.embeddings(lean, io, tok, sents)
     np.testing.assert_allclose(e1, e2, atol=1e-4)
 
 

@@ -489,12 +489,12 @@ def test_rewrite_toy_model(toy_model, toy_text, tmp_path):
     assert len(nodes) == len(conv)
     # the rewritten model runs natively and on the references, with the same outputs
     import onnxruntime as ort  # noqa: F401
-    from rewriter import runner
+    from custom_ops import runtime
 
-    io = runner.ModelIO.from_model(str(out))
+    io = runtime.ModelIO.from_model(str(out))
     s_nat = custom_ops.session(str(out))
     s_ref = custom_ops.session(str(out), backend="reference")
-    feeds = runner.feeds(io, np.arange(1, 9, dtype=np.int64)[None, :])
+    feeds = runtime.feeds(io, np.arange(1, 9, dtype=np.int64)[None, :])
     a = s_nat.run(None, feeds)[0]
     b = s_ref.run(None, feeds)[0]
     np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-3)

@@ -58,7 +58,7 @@ def test_smollm2_tt_subset_end_to_end(tmp_path, corpus):
     report, runtime metrics."""
     import custom_ops
     from models import prepare
-    from rewriter import runner
+    from custom_ops import runtime
 
     d = prepare("smollm2")
     dense = d / "model.onnx"
@@ -84,8 +84,8 @@ def test_smollm2_tt_subset_end_to_end(tmp_path, corpus):
     code, so, se = cli("generate", out, "--prompt", "It is a truth universally acknowledged", "--max-new-tokens", "8")
     assert code == 0 and so.strip(), se
     sess = custom_ops.session(str(out), threads=1)
-    io = runner.ModelIO.from_session(sess)
-    runner.generate(sess, io, runner.load_tokenizer(out), "Anne Elliot", 4)
+    io = runtime.ModelIO.from_session(sess)
+    runtime.generate(sess, io, runtime.load_tokenizer(out), "Anne Elliot", 4)
     m = custom_ops.metrics()
     tt_nodes = [n.name for n in onnx.load(str(out)).graph.node if n.op_type == "TTMatMul"]
     assert tt_nodes and all(m[n]["tt.calls"] > 0 for n in tt_nodes)

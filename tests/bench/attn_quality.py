@@ -41,11 +41,12 @@ def main(argv=None) -> int:
 
     import custom_ops
     from models import corpus, prepare as prep
-    from rewriter import cli, runner
+    from custom_ops import runtime
+    from rewriter import cli
 
     d = prep.prepare("smollm2")
     dense_path = d / "model.onnx"
-    tok = runner.load_tokenizer(d)
+    tok = runtime.load_tokenizer(d)
     ids = np.asarray(tok.encode(corpus.text(corpus.EVAL_NOVEL), add_special_tokens=False).ids[: a.tokens], np.int64)
     windows = [int(w) for w in a.windows.split(",")]
     budgets = [float(b) for b in a.budgets.split(",")]
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         cache (same logits as one w-token pass; bounded memory: a 4,096-token single pass of the
         dense graph needs > 12 GB). Scores every token of a window but its first."""
         sess = custom_ops.session(str(path), threads=a.threads)
-        io = runner.ModelIO.from_session(sess)
+        io = runtime.ModelIO.from_session(sess)
         t = time.perf_counter()
         nll, count = 0.0, 0
         for begin in range(0, ids.size - 1, w):
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
             past, plen = None, 0
             for c0 in range(0, win.size, a.chunk):
                 chunk = win[c0:c0 + a.chunk]
-                out = runner.run(sess, io, runner.feeds(io, chunk[None, :], past, plen))
+                out = runtime.run(sess, io, runtime.feeds(io, chunk[None, :], past, plen))
                 past, plen = io.next_state(out), plen + chunk.size
                 logits = out[io.logits_name][0].astype(np.float64)
                 tgt_pos = np.arange(c0 + 1, c0 + chunk.size + 1)           # predicted positions

@@ -8,7 +8,7 @@ dim 64, RoPE'd Q/K given) — the optimum-style dense subgraph (Concat with the 
 QKᵀ·scale + mask, Softmax, IsNaN → 0, ·V) vs the same block after the PackedAttention pass —
 in the same process, interleaved, medians; also the 512-row prefill of the same block.
 model: SmolLM2 decode tokens/s at a cache of --past tokens, dense vs rewritten
-(runner.bench_sessions: interleaved rounds, medians).
+(runtime.bench_sessions: interleaved rounds, medians).
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def bench_model(a) -> dict:
 
     import custom_ops
     from models import prepare as prep
-    from rewriter import cli, runner
+    from custom_ops import runtime
+    from rewriter import cli
 
     d = prep.prepare("smollm2")
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnm-"))
@@ -103,7 +104,7 @@ def bench_model(a) -> dict:
                      "--attn-budget", str(a.budget), "--attn-window", str(a.window), "-q"]) == 0
     sessions = {"dense": custom_ops.session(str(d / "model.onnx"), threads=a.threads),
                 "lean": custom_ops.session(str(out), threads=a.threads)}
-    ios = {n: runner.ModelIO.from_session(s) for n, s in sessions.items()}
+    ios = {n: runtime.ModelIO.from_session(s) for n, s in sessions.items()}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=a.past, dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps, dtype=np.int64)
@@ -112,7 +113,7 @@ def bench_model(a) -> dict:
         past, plen = None, 0
         for c0 in range(0, a.past, 512):
             ch = prompt[c0:c0 + 512]
-            o = runner.run(s, ios[n], runner.feeds(ios[n], ch[None, :], past, plen))
+            o = runtime.run(s, ios[n], runtime.feeds(ios[n], ch[None, :], past, plen))
             past, plen = ios[n].next_state(o), plen + ch.size
         init[n] = past
     times = {n: [] for n in sessions}
@@ -122,9 +123,9 @@ def bench_model(a) -> dict:
         for n in order:
             past, plen = init[n], a.past
             for k in range(a.steps):
-                f = runner.feeds(ios[n], steps[None, k:k + 1], past, plen)
+                f = runtime.feeds(ios[n], steps[None, k:k + 1], past, plen)
                 t0 = time.perf_counter()
-                o = runner.run(sessions[n], ios[n], f)
+                o = runtime.run(sessions[n], ios[n], f)
                 dt = time.perf_counter() - t0
                 past, plen = ios[n].next_state(o), plen + 1
                 if r > 0:

@@ -81,7 +81,8 @@ def text(tokens=48, threads=2):
     from models import corpus, prepare
 
     import custom_ops
-    from rewriter import cli, runner
+    from custom_ops import runtime
+    from rewriter import cli
 
     d = prepare.prepare("smollm2")
     out = Path("/tmp/ortlean-bench-event/model.event.onnx")
@@ -92,15 +93,15 @@ def text(tokens=48, threads=2):
         assert rc == 0
     prompt = corpus.novels()[corpus.EVAL_NOVEL].read_text()[5000:5600]
     s = custom_ops.session(str(out), threads=threads)
-    io = runner.ModelIO.from_session(s)
-    tok = runner.load_tokenizer(d / "model.onnx")
+    io = runtime.ModelIO.from_session(s)
+    tok = runtime.load_tokenizer(d / "model.onnx")
     custom_ops.reset_metrics()
-    txt_e, ids_e = runner.generate(s, io, tok, prompt, tokens, eos=None)
+    txt_e, ids_e = runtime.generate(s, io, tok, prompt, tokens, eos=None)
     met = custom_ops.metrics()
     import onnxruntime as ort
 
     sd = custom_ops.session(str(d / "model.onnx"), threads=threads)
-    txt_d, ids_d = runner.generate(sd, runner.ModelIO.from_session(sd), tok, prompt, tokens, eos=None)
+    txt_d, ids_d = runtime.generate(sd, runtime.ModelIO.from_session(sd), tok, prompt, tokens, eos=None)
     ev = {k: v for k, v in met.items() if "event.enabled" in v}
     return {"layers": len(ev), "enabled_layers_at_end": int(sum(v["event.enabled"] for v in ev.values())),
             "disables": int(sum(v.get("event.disables", 0) for v in ev.values())),

@@ -1,4 +1,4 @@
-"""rewriter.runner on tiny hand-built ONNX models (no real model needed, fast).
+"""custom_ops.runtime on tiny hand-built ONNX models (no real model needed, fast).
 
 The toy causal LM is named like an optimum export (input_ids, attention_mask, position_ids,
 past_key_values.N.key/value -> logits, present.N.key/value) and its logits depend on the token,
@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rewriter import runner
+from custom_ops import runtime
 
 V, D, H, HD, L, MAXPOS = 13, 8, 2, 4, 2, 64
 WORDS = ["<unk>", "<eos>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "away", "home"]
@@ -161,8 +161,8 @@ def encoder(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 def test_modelio_causal(causal):
     p, sess = causal
-    for io in (runner.ModelIO.from_model(p), runner.ModelIO.from_model(onnx.load(str(p))),
-               runner.ModelIO.from_session(sess)):
+    for io in (runtime.ModelIO.from_model(p), runtime.ModelIO.from_model(onnx.load(str(p))),
+               runtime.ModelIO.from_session(sess)):
         assert io.kind == "causal-lm"
         assert io.num_layers == L and io.kv_heads == H and io.head_dim == HD and io.vocab_size == V
         assert io.has_position_ids and io.has_attention_mask and not io.has_token_type_ids
@@ -173,7 +173,7 @@ def test_modelio_causal(causal):
 
 
 def test_modelio_pairs_by_index_and_custom_state():
-    io = runner.ModelIO._build(
+    io = runtime.ModelIO._build(
         [("input_ids", ["b", "s"], np.int64),
          ("past_key_values.1.value", ["b", 3, "past_sequence_length", 8], np.float32),
          ("past_key_values.1.key", ["b", 3, "past_sequence_length", 8], np.float32),
@@ -191,39 +191,39 @@ def test_modelio_pairs_by_index_and_custom_state():
 
 def test_modelio_encoder(encoder):
     p, sess, *_ = encoder
-    for io in (runner.ModelIO.from_model(p), runner.ModelIO.from_session(sess)):
+    for io in (runtime.ModelIO.from_model(p), runtime.ModelIO.from_session(sess)):
         assert io.kind == "encoder"
         assert io.has_token_type_ids and not io.has_past and io.hidden_name == "last_hidden_state"
         assert io.hidden_size == D
 
 
 def test_feeds(causal, encoder):
-    io = runner.ModelIO.from_session(causal[1])
-    f = runner.feeds(io, np.array([3, 4, 5]))
+    io = runtime.ModelIO.from_session(causal[1])
+    f = runtime.feeds(io, np.array([3, 4, 5]))
     assert f["input_ids"].shape == (1, 3) and f["input_ids"].dtype == np.int64
     assert f["attention_mask"].shape == (1, 3)
     assert f["position_ids"].tolist() == [[0, 1, 2]]
     assert f["past_key_values.0.key"].shape == (1, H, 0, HD) and f["past_key_values.0.key"].dtype == np.float32
     assert set(f) == set(io.inputs)
     past = {n: np.zeros((1, H, 5, HD), np.float32) for n in io.past_inputs}
-    f = runner.feeds(io, np.array([[7]]), past)           # past_len read from the states
+    f = runtime.feeds(io, np.array([[7]]), past)           # past_len read from the states
     assert f["position_ids"].tolist() == [[5]] and f["attention_mask"].shape == (1, 6)
-    f = runner.feeds(io, np.array([[7, 8]]), past, past_len=5)
+    f = runtime.feeds(io, np.array([[7, 8]]), past, past_len=5)
     assert f["position_ids"].tolist() == [[5, 6]]
-    eio = runner.ModelIO.from_session(encoder[1])
-    f = runner.feeds(eio, np.array([[2, 3], [4, 5]]))
+    eio = runtime.ModelIO.from_session(encoder[1])
+    f = runtime.feeds(eio, np.array([[2, 3], [4, 5]]))
     assert f["token_type_ids"].tolist() == [[0, 0], [0, 0]] and f["attention_mask"].shape == (2, 2)
-    bad = runner.ModelIO._build([("input_ids", ["b", "s"], np.int64), ("mystery", [1], np.float32)],
+    bad = runtime.ModelIO._build([("input_ids", ["b", "s"], np.int64), ("mystery", [1], np.float32)],
                                 [("logits", ["b", "s", 4], np.float32)])
     with pytest.raises(ValueError, match="mystery"):
-        runner.feeds(bad, np.array([1, 2]))
+        runtime.feeds(bad, np.array([1, 2]))
 
 
 def test_forward_matches_reference(causal):
     p, sess = causal
-    io = runner.ModelIO.from_session(sess)
+    io = runtime.ModelIO.from_session(sess)
     ids = np.array([2, 3, 4, 5, 6, 7, 8])
-    got = runner.run(sess, io, runner.feeds(io, ids))["logits"][0]
+    got = runtime.run(sess, io, runtime.feeds(io, ids))["logits"][0]
     np.testing.assert_allclose(got, causal_ref_logits(ids), rtol=1e-4, atol=1e-4)
 
 
@@ -246,9 +246,9 @@ def _ref_ppl(ids, window, stride):
 @pytest.mark.parametrize("window,stride", [(8, None), (10, 4), (64, None), (7, 7)])
 def test_perplexity_matches_numpy(causal, window, stride):
     p, sess = causal
-    io = runner.ModelIO.from_session(sess)
+    io = runtime.ModelIO.from_session(sess)
     ids = np.random.default_rng(3).integers(0, V, size=37)
-    r = runner.perplexity(sess, io, ids, window=window, stride=stride)
+    r = runtime.perplexity(sess, io, ids, window=window, stride=stride)
     ppl, nll, n = _ref_ppl(ids, window, stride or window)
     assert r["tokens"] == n
     assert r["nll"] == pytest.approx(nll, rel=1e-5)
@@ -261,18 +261,18 @@ def test_perplexity_matches_numpy(causal, window, stride):
 
 def test_perplexity_max_windows(causal):
     p, sess = causal
-    io = runner.ModelIO.from_session(sess)
+    io = runtime.ModelIO.from_session(sess)
     ids = np.arange(40) % V
-    r = runner.perplexity(sess, io, ids, window=8, max_windows=2)
+    r = runtime.perplexity(sess, io, ids, window=8, max_windows=2)
     assert r["windows"] == 2 and r["tokens"] == 14
 
 
 def test_generate_carries_past(causal):
     p, sess = causal
-    io = runner.ModelIO.from_session(sess)
-    tok = runner.load_tokenizer(p)
+    io = runtime.ModelIO.from_session(sess)
+    tok = runtime.load_tokenizer(p)
     prompt = "the cat sat"
-    text, ids = runner.generate(sess, io, tok, prompt, max_new_tokens=10, eos=None)
+    text, ids = runtime.generate(sess, io, tok, prompt, max_new_tokens=10, eos=None)
     # full recomputation without a cache, greedy
     seq = tok.encode(prompt).ids
     ref = []
@@ -283,32 +283,32 @@ def test_generate_carries_past(causal):
     assert text == tok.decode(ref, skip_special_tokens=True)
     # eos stops generation and is not part of the text
     stop = ref[3]
-    text2, ids2 = runner.generate(sess, io, tok, prompt, max_new_tokens=10, eos=stop)
+    text2, ids2 = runtime.generate(sess, io, tok, prompt, max_new_tokens=10, eos=stop)
     assert ids2 == ref[: ref.index(stop) + 1]
 
 
 def test_load_tokenizer_errors(tmp_path, causal):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        runner.load_tokenizer(tmp_path / "model.onnx")
-    tok = runner.load_tokenizer(tmp_path / "model.onnx", causal[0].parent / "tokenizer.json")
+        runtime.load_tokenizer(tmp_path / "model.onnx")
+    tok = runtime.load_tokenizer(tmp_path / "model.onnx", causal[0].parent / "tokenizer.json")
     assert tok.token_to_id("cat") == 3
-    assert runner.load_tokenizer(None, tok) is tok
-    assert runner.load_tokenizer(causal[0].parent).token_to_id("dog") == 8
+    assert runtime.load_tokenizer(None, tok) is tok
+    assert runtime.load_tokenizer(causal[0].parent).token_to_id("dog") == 8
 
 
 def test_embeddings_mean_pool(encoder):
     p, sess, E, T = encoder
-    io = runner.ModelIO.from_session(sess)
-    tok = runner.load_tokenizer(p)
+    io = runtime.ModelIO.from_session(sess)
+    tok = runtime.load_tokenizer(p)
     sents = ["the cat sat on the mat", "a dog ran", "cat"]
-    e = runner.embeddings(sess, io, tok, sents, batch=2)
+    e = runtime.embeddings(sess, io, tok, sents, batch=2)
     assert e.shape == (3, D) and e.dtype == np.float32
     for s, row in zip(sents, e):
         ids = tok.encode(s).ids
         ref = E[ids].mean(0) + T[0]
         ref /= np.linalg.norm(ref)
         np.testing.assert_allclose(row, ref, rtol=1e-5, atol=1e-6)
-    e2 = runner.embeddings(sess, io, tok, sents, max_len=3, normalize=False)
+    e2 = runtime.embeddings(sess, io, tok, sents, max_len=3, normalize=False)
     ids = tok.encode(sents[0]).ids
     np.testing.assert_allclose(e2[0], E[[ids[0], ids[1], ids[-1]]].mean(0) + T[0], rtol=1e-5, atol=1e-6)
 
@@ -318,17 +318,17 @@ def test_sentences_from_text():
             "fortune must be in want of a wife. Short one. \"However little known the feelings or "
             "views of such a man may be on his first entering a neighbourhood,\" she said.\n\n"
             "Chapter 2\n\nMr. Bennet was among the earliest of those who waited on Mr. Bingley today.")
-    s = runner.sentences_from_text(text, 10, min_words=6)
+    s = runtime.sentences_from_text(text, 10, min_words=6)
     assert len(s) == 3
     assert s[0].startswith("It was a truth") and "\n" not in s[0] and "single man in possession" in s[0]
     assert all(len(x.split()) >= 6 for x in s)
-    assert runner.sentences_from_text(text, 2, min_words=6) == [s[0], s[2]]
+    assert runtime.sentences_from_text(text, 2, min_words=6) == [s[0], s[2]]
 
 
 def test_bench_sessions(causal, encoder):
     p, sess = causal
-    io = runner.ModelIO.from_session(sess)
-    r = runner.bench_sessions({"dense": sess, "other": _sess(p)}, io, prefill_len=8, decode_past=4,
+    io = runtime.ModelIO.from_session(sess)
+    r = runtime.bench_sessions({"dense": sess, "other": _sess(p)}, io, prefill_len=8, decode_past=4,
                               decode_steps=3, repeats=3, warmup=1)
     assert r["baseline"] == "dense" and r["kind"] == "causal-lm"
     for n in ("dense", "other"):
@@ -339,17 +339,17 @@ def test_bench_sessions(causal, encoder):
     assert r["ratios"]["dense"] == {"prefill": 1.0, "decode": 1.0}
     assert set(r["ratios"]["other"]) == {"prefill", "decode"}
     ep, esess, *_ = encoder
-    eio = runner.ModelIO.from_session(esess)
-    r = runner.bench_sessions({"a": esess}, eio, prefill_len=8, short_len=2, repeats=2, warmup=0,
+    eio = runtime.ModelIO.from_session(esess)
+    r = runtime.bench_sessions({"a": esess}, eio, prefill_len=8, short_len=2, repeats=2, warmup=0,
                             vocab_size=V)
     assert set(r["sessions"]["a"]) >= {"prefill", "short"} and "decode" not in r["sessions"]["a"]
 
 
 def test_profile_summary(causal):
     p, sess = causal
-    io = runner.ModelIO.from_session(sess)
-    f = runner.feeds(io, np.arange(10) % V)
-    rows = runner.profile_summary(p, feeds=f, runs=3)
+    io = runtime.ModelIO.from_session(sess)
+    f = runtime.feeds(io, np.arange(10) % V)
+    rows = runtime.profile_summary(p, feeds=f, runs=3)
     ops = {r["op_type"]: r for r in rows}
     assert {"MatMul", "Gather", "Concat", "CumSum"} <= set(ops)
     assert ops["MatMul"]["count"] == 2 and ops["MatMul"]["calls"] == 2
@@ -365,7 +365,7 @@ def test_profile_summary(causal):
         seen["so"] = so
         return ort.InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"])
 
-    rows2 = runner.profile_summary(str(p), factory, lambda s: f, runs=1, warmup=0)
+    rows2 = runtime.profile_summary(str(p), factory, lambda s: f, runs=1, warmup=0)
     assert seen["so"].enable_profiling and rows2.runs == 1
 
 
@@ -373,13 +373,13 @@ def test_weight_bytes(causal, tmp_path):
     p, _ = causal
     m = onnx.load(str(p))
     expect = sum(numpy_helper.to_array(t).nbytes for t in m.graph.initializer)
-    assert runner.weight_bytes(p) == expect
+    assert runtime.weight_bytes(p) == expect
     ext = tmp_path / "ext.onnx"
     onnx.save_model(m, str(ext), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="ext.onnx.data", size_threshold=0)
     assert (tmp_path / "ext.onnx.data").is_file()
-    assert runner.weight_bytes(ext) == expect
-    assert runner.ModelIO.from_model(ext).kind == "causal-lm"
+    assert runtime.weight_bytes(ext) == expect
+    assert runtime.ModelIO.from_model(ext).kind == "causal-lm"
 
 
 def _matmul_model(path: Path, K=64, N=48):
@@ -398,7 +398,7 @@ def _matmul_model(path: Path, K=64, N=48):
 def test_quantize_matmul_nbits(tmp_path, bits):
     src = tmp_path / "mm.onnx"
     Wt = _matmul_model(src)
-    out = runner.quantize_matmul_nbits(src, bits, tmp_path / f"mm.int{bits}.onnx", block_size=32)
+    out = runtime.quantize_matmul_nbits(src, bits, tmp_path / f"mm.int{bits}.onnx", block_size=32)
     m = onnx.load(str(out))
     assert [n.op_type for n in m.graph.node] == ["MatMulNBits"]
     x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
@@ -406,4 +406,4 @@ def test_quantize_matmul_nbits(tmp_path, bits):
     ref = x @ Wt
     rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     assert rel < (0.2 if bits == 4 else 0.03)
-    assert runner.weight_bytes(out) < runner.weight_bytes(src) * (0.3 if bits == 4 else 0.45)
+    assert runtime.weight_bytes(out) < runtime.weight_bytes(src) * (0.3 if bits == 4 else 0.45)

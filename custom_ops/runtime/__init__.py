@@ -1,0 +1,32 @@
+"""Driving optimum-exported ONNX models in onnxruntime, dense or rewritten with ortlean's ops.
+
+The caller builds the session (``custom_ops.session(path, threads=N)`` for rewritten models, a
+plain ``onnxruntime.InferenceSession`` for dense ones); these modules only look at its declared
+inputs and outputs:
+
+- ``io``: ``ModelIO`` (inputs, outputs, past→present states), ``feeds``, ``run``, the tokenizer;
+- ``quality``: ``perplexity``, sentence ``embeddings``, ``sentences_from_text``;
+- ``generate``: greedy decoding with the KV cache;
+- ``bench``: whole-model prefill/decode timing (``bench_sessions``) and interleaved op timing;
+- ``profile``: ONNX Runtime's per-node profile, summarised;
+- ``weights``: stored weight bytes, ORT's own MatMulNBits quantization (the int8/int4 baseline).
+
+    from custom_ops import runtime
+    io = runtime.ModelIO.from_session(sess)
+    tok = runtime.load_tokenizer(model_path)
+    runtime.perplexity(sess, io, runtime.tokenize(tok, text), window=512)   # {"ppl", "nll", "tokens", ...}
+    runtime.generate(sess, io, tok, "Once upon a time", 32)
+    runtime.bench_sessions({"dense": s0, "lean": s1}, io)
+"""
+from .bench import bench_sessions, time_cpu, time_sessions
+from .generate import EOS_TOKENS, generate
+from .io import ModelIO, feeds, load_tokenizer, run, tokenize
+from .profile import ProfileSummary, profile_summary
+from .quality import embeddings, perplexity, sentences_from_text
+from .weights import quantize_matmul_nbits, weight_bytes
+
+__all__ = [
+    "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "embeddings",
+    "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary",
+    "ProfileSummary", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
+]

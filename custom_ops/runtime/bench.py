@@ -1,0 +1,171 @@
+"""Timing sessions: prefill/decode latency of whole models compared in one process, interleaved."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Mapping
+
+import numpy as np
+
+from .io import ModelIO, feeds, run
+
+# benchmarking
+def _stats(samples_s: list[float]) -> dict:
+    a = np.asarray(samples_s, dtype=np.float64) * 1e3
+    return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
+            "p90_ms": float(np.percentile(a, 90)), "mean_ms": float(a.mean()), "n": int(a.size)}
+
+
+def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 128,
+                   decode_past: int = 128, decode_steps: int = 16, repeats: int = 7,
+                   warmup: int = 2, short_len: int = 16, batch: int = 1, seed: int = 0,
+                   baseline: str | None = None, vocab_size: int | None = None,
+                   progress: bool = False, ios: Mapping[str, ModelIO] | None = None) -> dict:
+    """Time the sessions (same model interface, e.g. dense vs rewritten) on the same inputs.
+
+    Causal LM: prefill latency of ``prefill_len`` tokens from an empty cache, and decode step
+    latency — ``decode_steps`` single-token runs starting from a cache of ``decode_past`` tokens
+    that the session itself built (untimed), the cache growing as in generation.
+    Encoder: latency of one ``prefill_len``-token sequence and of a ``short_len`` one.
+
+    After ``warmup`` untimed rounds, each of ``repeats`` rounds runs every session once per
+    measurement, round-robin (the order rotates every round) so drift hits all alike; each timed
+    prefill follows an untimed one of the same session (other sessions' pools stop spinning). Reports
+    per session the median / p10 / p90 (over rounds for prefill; over all steps for decode),
+    tokens/s from the median, and ratios vs ``baseline`` (default: "dense" if present, else the
+    first session): ``speedup = baseline_median / session_median``. Token ids are random
+    (seeded) below ``vocab_size`` (default: the logits width; 100 when unknown, e.g. encoders)."""
+    names = list(sessions)
+    if not names:
+        raise ValueError("no sessions")
+    # per-session interface (a rewritten model may carry extra cache states, e.g. key_bits)
+    ios = {n: (ios or {}).get(n, io) for n in names}
+    baseline = baseline or ("dense" if "dense" in sessions else names[0])
+    rng = np.random.default_rng(seed)
+    hi = max(int(vocab_size or io.vocab_size or 100), 2)
+    lo = 100 if hi > 1000 else 0  # skip the special tokens at the start of big vocabularies
+    long_ids = rng.integers(lo, hi, size=(batch, prefill_len), dtype=np.int64)
+    short_ids = rng.integers(lo, hi, size=(batch, short_len), dtype=np.int64)
+    past_ids = rng.integers(lo, hi, size=(batch, decode_past), dtype=np.int64)
+    step_ids = rng.integers(lo, hi, size=(batch, decode_steps), dtype=np.int64)
+    causal = io.kind == "causal-lm"
+
+    results: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in names}
+    init_state: dict[str, tuple[dict, int]] = {}
+    if causal and io.has_past and decode_steps > 0:
+        for n in names:
+            out = run(sessions[n], ios[n], feeds(ios[n], past_ids))
+            init_state[n] = (ios[n].next_state(out), decode_past)
+
+    def t_prefill(n, ids):
+        f = feeds(ios[n], ids)
+        t0 = time.perf_counter()
+        sessions[n].run(None, f)
+        return time.perf_counter() - t0
+
+    def t_decode(n) -> list[float]:
+        past, plen = init_state[n]
+        times = []
+        for s in range(decode_steps):
+            f = feeds(ios[n], step_ids[:, s: s + 1], past, plen)
+            t0 = time.perf_counter()
+            out = run(sessions[n], ios[n], f)
+            times.append(time.perf_counter() - t0)
+            past, plen = ios[n].next_state(out), plen + 1
+        return times
+
+    rounds = range(warmup + repeats)
+    if progress:
+        from tqdm import tqdm
+
+        rounds = tqdm(rounds, desc="bench", unit="round", leave=False)
+    for r in rounds:
+        k = r % len(names)
+        order = names[k:] + names[:k]
+        timed = r >= warmup
+        for n in order:
+            if timed and len(names) > 1:
+                # untimed run first: the previous session's intra-op threads spin for a while after
+                # its Run and, with > 1 thread on few cores, would compete with this timed one
+                # (measured: SmolLM2 prefill at 2 threads 0.78-0.85x in a tight interleave where
+                # the per-op ORT profile gives 0.93x)
+                t_prefill(n, long_ids)
+            dt = t_prefill(n, long_ids)
+            if timed:
+                results[n]["prefill"].append(dt)
+        if causal:
+            if init_state:
+                for n in order:
+                    ts = t_decode(n)
+                    if timed:
+                        results[n]["decode"].extend(ts)
+        else:
+            for n in order:
+                if timed and len(names) > 1:
+                    t_prefill(n, short_ids)  # untimed: see above
+                dt = t_prefill(n, short_ids)
+                if timed:
+                    results[n]["short"].append(dt)
+
+    report: dict[str, Any] = {
+        "kind": io.kind, "baseline": baseline,
+        "params": {"prefill_len": prefill_len, "decode_past": decode_past, "decode_steps": decode_steps,
+                   "repeats": repeats, "warmup": warmup, "short_len": short_len, "batch": batch},
+        "sessions": {},
+    }
+    for n in names:
+        row: dict[str, Any] = {}
+        if results[n]["prefill"]:
+            st = _stats(results[n]["prefill"])
+            row["prefill"] = st
+            row["prefill_tok_s"] = batch * prefill_len / (st["median_ms"] / 1e3)
+        if results[n]["decode"]:
+            st = _stats(results[n]["decode"])
+            row["decode"] = st
+            row["decode_tok_s"] = batch / (st["median_ms"] / 1e3)
+        if results[n]["short"]:
+            row["short"] = _stats(results[n]["short"])
+        report["sessions"][n] = row
+    base = report["sessions"][baseline]
+    report["ratios"] = {}
+    for n in names:
+        rr = {}
+        for key in ("prefill", "decode", "short"):
+            if key in base and key in report["sessions"][n]:
+                rr[key] = base[key]["median_ms"] / report["sessions"][n][key]["median_ms"]
+        report["ratios"][n] = rr
+    return report
+
+
+
+
+def time_sessions(sessions: dict, feeds: dict, min_time: float = 0.15, max_reps: int = 400, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per run for each session, runs interleaved so drift hits all alike."""
+    for s in sessions.values():
+        for _ in range(warmup):
+            s.run(None, feeds)
+    times = {k: [] for k in sessions}
+    t_start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < 5 or time.perf_counter() - t_start < min_time * len(sessions)):
+        for k, s in sessions.items():
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times[k].append(time.perf_counter() - t0)
+        reps += 1
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def time_cpu(sessions: dict, feeds: dict, reps: int = 25, warmup: int = 3) -> dict[str, float]:
+    """Median process CPU seconds per run, sessions interleaved (single-threaded sessions: the CPU
+    time of this process is the kernel's; a run preempted on a busy machine does not inflate it)."""
+    for s in sessions.values():
+        for _ in range(warmup):
+            s.run(None, feeds)
+    times = {k: [] for k in sessions}
+    for _ in range(reps):
+        for k, s in sessions.items():
+            c0 = time.process_time()
+            s.run(None, feeds)
+            times[k].append(time.process_time() - c0)
+    return {k: float(np.median(v)) for k, v in times.items()}

@@ -1,0 +1,125 @@
+"""Quality of a model on text: perplexity of a causal LM, sentence embeddings of an encoder, and
+the sentences of a text those are computed on."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from .io import ModelIO, feeds, run
+
+# quality
+def _log_softmax_rows(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def perplexity(sess, io: ModelIO, ids, window: int = 512, stride: int | None = None,
+               max_windows: int | None = None, progress: bool = False) -> dict:
+    """Perplexity of a causal LM on the token sequence ``ids``.
+
+    Windows of ``window`` tokens start every ``stride`` tokens (default ``stride = window``:
+    non-overlapping). Each window is one forward pass from an empty cache; the tokens of a
+    window that an earlier window already scored are context only (with overlap), so every
+    token after the first is scored once. Returns ``ppl = exp(nll)``, ``nll`` (mean negative
+    log-likelihood per scored token, nats), ``tokens`` (scored), ``windows``."""
+    if io.kind != "causal-lm" or not io.logits_name:
+        raise ValueError("perplexity needs a causal LM with a logits output")
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    stride = int(stride or window)
+    if not 0 < stride <= window:
+        raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
+    n = ids.size
+    total_nll = 0.0
+    count = 0
+    windows = 0
+    scored_to = 1  # positions < scored_to are already scored (position 0 never is)
+    starts = range(0, max(n - 1, 0), stride)
+    it = starts
+    if progress:
+        from tqdm import tqdm
+
+        nwin = len(starts) if max_windows is None else min(len(starts), max_windows)
+        it = tqdm(starts, total=nwin, desc="perplexity", unit="win", leave=False)
+    for begin in it:
+        if max_windows is not None and windows >= max_windows:
+            break
+        end = min(begin + window, n)
+        chunk = ids[begin:end]
+        if chunk.size < 2:
+            break
+        out = run(sess, io, feeds(io, chunk[None, :]))
+        logits = out[io.logits_name][0]                   # [T, V]
+        first = max(scored_to, begin + 1)                 # first absolute position to score
+        if first < end:
+            rows = logits[first - begin - 1: end - begin - 1]
+            lp = _log_softmax_rows(rows)
+            tgt = ids[first:end]
+            total_nll -= float(lp[np.arange(tgt.size), tgt].sum())
+            count += int(tgt.size)
+            scored_to = end
+        windows += 1
+        if end >= n:
+            break
+    if count == 0:
+        raise ValueError("perplexity: fewer than 2 tokens to score")
+    nll = total_nll / count
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": windows,
+            "window": window, "stride": stride}
+
+
+def embeddings(sess, io: ModelIO, tokenizer, sentences: list[str], max_len: int = 128,
+               batch: int = 16, normalize: bool = True) -> np.ndarray:
+    """Sentence embeddings [N, H] (float32): mean of ``last_hidden_state`` over the attention
+    mask, L2-normalized (sentence-transformers' recipe for all-MiniLM-L6-v2)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer.to_str())  # don't change the caller's settings
+    tok.enable_truncation(max_length=max_len)
+    pad_id = tok.token_to_id("[PAD]")
+    if pad_id is None:
+        pad_id = tok.token_to_id("<pad>")
+    tok.enable_padding(pad_id=pad_id if pad_id is not None else 0)
+    out = []
+    for i in range(0, len(sentences), batch):
+        encs = tok.encode_batch(list(sentences[i: i + batch]))
+        ids = np.array([e.ids for e in encs], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in encs], dtype=np.int64)
+        f = feeds(io, ids, attention_mask=mask)
+        if "token_type_ids" in f:
+            f["token_type_ids"] = np.array([e.type_ids for e in encs], dtype=f["token_type_ids"].dtype)
+        h = run(sess, io, f)[io.hidden_name].astype(np.float32)  # [B, T, H]
+        m = mask[..., None].astype(np.float32)
+        pooled = (h * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
+        if normalize:
+            pooled /= np.clip(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12, None)
+        out.append(pooled)
+    if not out:
+        return np.zeros((0, io.hidden_size or 0), dtype=np.float32)
+    return np.concatenate(out, axis=0)
+
+
+_SENT_SPLIT = re.compile(r"(?<=[.!?])[\"'”’)]*\s+(?=[\"'“‘(]*[A-Z])")
+
+
+def sentences_from_text(text: str, n: int, min_words: int = 8, max_words: int = 60) -> list[str]:
+    """``n`` sentences of ``min_words``..``max_words`` words, spread evenly over ``text``
+    (deterministic). Line wrapping is undone; paragraphs (blank lines) always end a sentence."""
+    sents: list[str] = []
+    for para in re.split(r"\n\s*\n", text):
+        para = " ".join(para.split())
+        if not para:
+            continue
+        for s in _SENT_SPLIT.split(para):
+            s = s.strip()
+            w = len(s.split())
+            if min_words <= w <= max_words:
+                sents.append(s)
+    if n >= len(sents):
+        return sents
+    idx = np.linspace(0, len(sents) - 1, n).round().astype(int)
+    return [sents[i] for i in idx]
+
+
