@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-DOMAIN = "ai.ortlean"
+from .schema import DOMAIN
 LIB_NAME = "libortlean_ops.so"
 
 __all__ = [

@@ -36,7 +36,10 @@ import math
 
 import numpy as np
 
+from ..schema import get as _schema
+
 MODES = {"sign": 1, "ternary": 2, "binary": 1}
+_SCHEMA = _schema("PackedAttention")
 
 
 def n_words(D: int, mode: str = "sign") -> int:
@@ -133,11 +136,14 @@ def select_candidates(T, approx_plus_mask, budget, min_candidates, sinks, window
     return np.sort(np.concatenate([np.flatnonzero(fixed), order]))
 
 
-def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sign", eps=0.0, budget=0.0,
-                     min_candidates=64, sinks=4, window=64, min_context=256, rho=0.15, qbits=8, mix=0.0,
-                     k_layout="bhtd", approx_prefill=0, eps_heads=None, kscale=None, select="popcount",
-                     **_ignored):
-    """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32)."""
+def packed_attention(Q, K, V, mask=None, past_bits=None, **attrs):
+    """Returns (Y [B, Hq, M, Dv] float32, present_bits [B, Hkv, T, W] int32). `attrs`: the node's
+    attributes; omitted ones take the op schema's defaults (custom_ops.schema)."""
+    a = _SCHEMA.resolve(attrs)
+    scale, mode, eps, budget, rho, mix = a["scale"], a["mode"], a["eps"], a["budget"], a["rho"], a["mix"]
+    min_candidates, sinks, window, min_context = a["min_candidates"], a["sinks"], a["window"], a["min_context"]
+    qbits, k_layout, approx_prefill, select = a["qbits"], a["k_layout"], a["approx_prefill"], a["select"]
+    eps_heads, kscale = a.get("eps_heads"), a.get("kscale")
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
     V = np.asarray(V, np.float32)
@@ -195,3 +201,8 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, *, scale=1.0, mode="sig
                 e = np.exp(logits - mx)
                 Y[b, h, m] = (e / e.sum()) @ Vh[idx]
     return Y, bits
+
+
+def op(q, k, v, mask=None, past_bits=None, **attrs):
+    """The op as ONNX Runtime calls it (custom_ops.schema: PackedAttention.reference)."""
+    return packed_attention(q, k, v, mask, past_bits, **attrs)

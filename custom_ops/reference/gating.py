@@ -44,13 +44,11 @@ import math
 
 import numpy as np
 
+from ..schema import get as _schema
+
 HDR = 8
 
-DEFAULTS = dict(block=1, pack="none", pack_eps=0.0, pack_rho=1.0, kwta=0, kwta_select="threshold",
-                kwta_score="xw", kwta_threshold=0.0, kwta_k=0, kwta_mass=1.0, kwta_temp=0.0, kwta_duty=1,
-                kwta_renorm=0, event=0, event_topk=1.0, event_quorum=1.0, event_theta=0.0, event_budget_ms=0.0,
-                event_gap_tol=0.03, event_gap_every=16, event_beta=1.0, event_lambda=0.0, event_age_max=0,
-                dense_prefill=0)
+_SCHEMA = _schema("EventGatedMatMul")
 
 
 def state_size(K: int, N: int, block: int) -> int:
@@ -113,8 +111,7 @@ def _gate(x, norms, a, blocks, st_mask):
 
 def event_gated_matmul(x, w, state=None, **attrs):
     """Returns (Y [..., N] float32, state_out [B, S] float32 or None when the node is stateless)."""
-    a = dict(DEFAULTS)
-    a.update({k: v for k, v in attrs.items() if k in DEFAULTS})
+    a = _SCHEMA.resolve(attrs)
     for k in ("pack", "kwta_select", "kwta_score"):
         if isinstance(a[k], bytes):
             a[k] = a[k].decode()
@@ -226,3 +223,13 @@ def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step):
         xref, ycache, age = xt.copy(), yf.copy(), np.zeros(nb)
     st[sx], st[sy], st[sa] = xref, ycache, age
     return y
+
+
+def op(x, w, state=None, **attrs):
+    """The op as ONNX Runtime calls it (custom_ops.schema: EventGatedMatMul.reference): the state
+    output is an empty [B, 0] tensor for a stateless node."""
+    y, st = event_gated_matmul(x, w, state, **attrs)
+    if st is None:
+        b = int(np.prod(x.shape[:-2])) if x.ndim >= 3 else int(np.prod(x.shape[:-1]))
+        st = np.zeros((b, 0), np.float32)
+    return y, st

@@ -52,3 +52,8 @@ def lowrank_cores(a: np.ndarray, b: np.ndarray) -> list[np.ndarray]:
 
 def tt_params(cores: list[np.ndarray]) -> int:
     return int(sum(c.size for c in cores))
+
+
+def op(x, g1, g2, g3=None, g4=None, x_scale=None, **attrs):
+    """The op as ONNX Runtime calls it (custom_ops.schema: TTMatMul.reference)."""
+    return tt_matmul(x, [c for c in (g1, g2, g3, g4) if c is not None], x_scale)
