@@ -3,39 +3,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from .errors import OrtleanError
+from .kit import options
+from .kit.options import RewriteConfig, StatePack, thread_counts
 
 EXIT_USER_ERROR = 2
 EXIT_NOTHING_WRITTEN = 3
 
 
-def _budget(v: str):
-    if v.strip().lower() in ("off", "none"):
-        return None
-    try:
-        return float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'off', got {v!r}") from None
-
-
-def _threads_list(v: str) -> list[int]:
-    try:
-        out = [int(x) for x in v.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts, got {v!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be ≥ 1, got {v!r}")
-    return out
+BENCH_THREADS = [1, 2]     # bench / demo: thread counts compared
+RUN_THREADS = [2]          # eval / generate
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     from . import backends
 
-    backends.add_shared_flags(p)
+    StatePack.add_flags(p)
     for b in backends.all_backends():
         b.add_flags(p)
 
@@ -48,19 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rewrite", help="rewrite weight MatMuls into ortlean custom ops")
     p.add_argument("model")
     p.add_argument("-o", "--output", help="output model (default: MODEL with .lean.onnx)")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB", help="only node names matching (repeatable)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip node names matching (repeatable)")
-    p.add_argument("--calib-text", help="calibration text file (tokenized with the model's tokenizer.json)")
-    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
-    p.add_argument("--calib-window", type=int, default=256, help="tokens per calibration run (default 256)")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: next to the model)")
-    p.add_argument("--report", help="write the per-layer report as JSON here")
-    p.add_argument("--threads", type=int, default=1, help="threads for the rewrite-time speed check (default 1)")
-    p.add_argument("--quality-budget", type=_budget, default=0.02,
-                   help="end-to-end loss allowed vs dense on held-out calibration text: Δppl for causal LMs, "
-                        "1 − mean embedding cosine for encoders (default 0.02; 'off' disables the check)")
-    p.add_argument("--quality-tokens", type=int, default=1024, help="held-out tokens for the end-to-end check (default 1024)")
     p.add_argument("-q", "--quiet", action="store_true")
+    options.add_flags(p, RewriteConfig)
     _add_backend_flags(p)
 
     p = sub.add_parser("inspect", help="ops, layers and ortlean attributes of a model")
@@ -74,14 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--windows", type=int, default=8, help="number of windows (causal LM) (default 8)")
     p.add_argument("--sentences", type=int, default=256, help="sentences (encoder) (default 256)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
     p.add_argument("--json", help="write results as JSON here")
 
     p = sub.add_parser("bench", help="prefill/decode speed vs the dense model in the same run")
     p.add_argument("model")
     p.add_argument("--ref", required=True, help="the dense model")
-    p.add_argument("--threads", type=_threads_list, default=[1, 2], help="comma list (default 1,2)")
+    p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list (default 1,2)")
     p.add_argument("--prefill", type=int, default=128, help="prefill tokens (default 128)")
     p.add_argument("--decode-past", type=int, default=128, help="past length for decode steps (default 128)")
     p.add_argument("--repeats", type=int, default=15)
@@ -93,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
 
     p = sub.add_parser("models", help="prepare the packaged real models as ONNX (cached)")
@@ -111,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="prepare a real model and run rewrite → eval → bench end to end")
     p.add_argument("name", choices=["minilm", "smollm2"])
     p.add_argument("--out", default=None, help="working directory (default: <cache>/demo/<name>)")
-    p.add_argument("--threads", type=_threads_list, default=[1, 2])
+    p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list for the bench (default 1,2)")
     p.add_argument("--no-bench", action="store_true")
-    p.add_argument("--quality-budget", type=_budget, default=0.02)
+    options.add_flags(p, RewriteConfig, only=("quality_budget",))
     _add_backend_flags(p)
     return ap
 
@@ -156,22 +131,19 @@ def _version() -> int:
 
 # --------------------------------------------------------------------------- rewrite
 def _backend_configs(args) -> dict:
+    """Every registered backend's config from the parsed flags (the shared --state-pack* group parsed once)."""
     from . import backends
 
-    return {b.name: b.config(args) for b in backends.all_backends()}
+    state_pack = StatePack.from_args(args)
+    return {b.name: b.config(args, state_pack) for b in backends.all_backends()}
 
 
 def cmd_rewrite(args) -> int:
     from . import pipeline
 
-    if args.calib_tokens < 1 or args.calib_window < 2:
-        raise OrtleanError(f"--calib-tokens {args.calib_tokens} / --calib-window {args.calib_window}: must be positive")
-    cfg = pipeline.RewriteConfig(model=args.model, output=args.output or pipeline.default_output(args.model),
-                                 backends=_backend_configs(args), include=args.include, exclude=args.exclude,
-                                 calib_text=args.calib_text, calib_tokens=args.calib_tokens,
-                                 calib_window=args.calib_window, tokenizer=args.tokenizer, report=args.report,
-                                 quality_budget=args.quality_budget, quality_tokens=args.quality_tokens,
-                                 threads=args.threads, progress=not args.quiet)
+    cfg = options.from_args(RewriteConfig, args, model=args.model,
+                            output=args.output or pipeline.default_output(args.model),
+                            backends=_backend_configs(args), progress=not args.quiet)
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))
     return 0 if summary["output"] else EXIT_NOTHING_WRITTEN
@@ -181,9 +153,9 @@ def cmd_rewrite(args) -> int:
 def cmd_inspect(args) -> int:
     from collections import Counter
 
-    from . import graph as g
+    from .kit import candidates as g, modelfile
 
-    model = g.load_model(args.model)
+    model = modelfile.load_model(args.model)
     ops = Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph)
     custom = []
     for n in g.ortlean_nodes(model):
@@ -200,7 +172,7 @@ def cmd_inspect(args) -> int:
         "ir_version": model.ir_version,
         "opsets": dict(model.opset_imports),
         "ops": dict(ops.most_common()),
-        "weight_bytes": g.initializer_bytes(model),
+        "weight_bytes": modelfile.initializer_bytes(model),
         "ortlean_nodes": custom,
         "dense_candidates": [{"name": c.name, "target": c.target, "role": c.role, "block": c.layer, "shape": [c.K, c.N],
                               "transposed_weight": c.transposed, "classified_by": c.how} for c in cands],
@@ -227,7 +199,8 @@ def cmd_inspect(args) -> int:
 def cmd_eval(args) -> int:
     from . import evaluate
 
-    res = evaluate.evaluate(args.model, args.ref, args.text, threads=args.threads, window=args.window,
+    res = evaluate.evaluate(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
+                            window=args.window,
                             windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer)
     print(evaluate.format_eval(res))
     if args.json:
@@ -252,7 +225,7 @@ def cmd_generate(args) -> int:
 
     from .evaluate import _session
 
-    sess = _session(args.model, args.threads)
+    sess = _session(args.model, options.one_thread_count(args.threads, "--threads"))
     io = runtime.ModelIO.from_session(sess)
     if io.kind != "causal-lm":
         raise OrtleanError(f"{args.model}: not a causal LM with a KV cache (no past_key_values inputs)")
@@ -294,21 +267,22 @@ def cmd_corpus(args) -> int:
 
 def cmd_demo(args) -> int:
     from models import corpus, prepare
+    from models.cache import cache_root
 
     from . import evaluate, pipeline
 
     d = prepare.prepare(args.name)
     dense = d / "model.onnx"
     novels = corpus.novels()
-    work = Path(args.out) if args.out else Path(os.environ.get("ORTLEAN_CACHE", Path.home() / ".cache" / "ortlean")) / "demo" / args.name
+    work = Path(args.out) if args.out else cache_root() / "demo" / args.name
     work.mkdir(parents=True, exist_ok=True)
     if not args.tt:
         args.tt = True
     tag = f"tt-{args.tt_target.replace(',', '+')}-gap{args.tt_gap:g}"
     out = work / f"model.{tag}.onnx"
-    cfg = pipeline.RewriteConfig(model=str(dense), output=str(out), backends=_backend_configs(args),
-                                 calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
-                                 quality_budget=args.quality_budget, progress=True)
+    cfg = RewriteConfig(model=str(dense), output=str(out), backends=_backend_configs(args),
+                        calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
+                        quality_budget=args.quality_budget, progress=True)
     print(f"== rewrite {dense} ({tag}), calibrated on {corpus.CALIB_NOVEL}")
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))

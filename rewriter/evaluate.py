@@ -3,21 +3,21 @@ reference, both measured in the same process."""
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
 
 from custom_ops import runtime
+from models.cache import cache_root
+
 from .errors import OrtleanError
+from .kit import modelfile
 
 
 def _session(path: str, threads: int):
     import custom_ops
 
-    from . import graph as g
-
-    g.load_model(path)  # clear messages for missing / corrupt files
+    modelfile.load_model(path)  # clear messages for missing / corrupt files
     try:
         return custom_ops.session(path, threads=threads)
     except custom_ops.LibraryNotFoundError as e:
@@ -69,7 +69,7 @@ def nbits_model(dense: str, bits: int) -> str:
     p = Path(dense).resolve()
     st = p.stat()
     key = hashlib.sha1(f"{p}|{st.st_size}|{int(st.st_mtime)}|{bits}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("ORTLEAN_CACHE", Path.home() / ".cache" / "ortlean")) / "nbits"
+    root = cache_root() / "nbits"
     out = root / f"{p.stem}.q{bits}.{key}.onnx"
     if not out.exists():
         root.mkdir(parents=True, exist_ok=True)

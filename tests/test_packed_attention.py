@@ -295,16 +295,17 @@ def test_graph_pass_on_optimum_block(tmp_path, budget):
     import onnxruntime as ort
 
     from custom_ops import runtime
-    from rewriter import attn, graph as g
+    from rewriter.backends import packed_attention as attn
+    from rewriter.kit import modelfile
 
     src = optimum_block(tmp_path / "blk.onnx")
-    model = g.load_model(src)
+    model = modelfile.load_model(src)
     cfg = attn.AttnConfig(enabled=True, budget=budget, min_context=8, window=4, sinks=2, min_candidates=4)
     recs = attn.apply(model, cfg)
     assert [r["backend"] for r in recs] == ["packed_attention"] and recs[0]["cache"]
     assert not any(n.op_type in ("Softmax", "Expand", "IsNaN") for n in model.graph)
     out = tmp_path / "blk.lean.onnx"
-    g.save_model_atomic(model, out)
+    modelfile.save_model_atomic(model, out)
     io = runtime.ModelIO.from_model(str(out))
     assert io.past_to_present["past_key_values.0.key_bits"] == "present.0.key_bits"
     dense = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
@@ -335,7 +336,8 @@ def test_graph_pass_on_optimum_block(tmp_path, budget):
 def test_graph_pass_reports_unmatched(tmp_path):
     import onnx
 
-    from rewriter import attn, graph as g
+    from rewriter.backends import packed_attention as attn
+    from rewriter.kit import modelfile
 
     src = optimum_block(tmp_path / "blk.onnx")
     m = onnx.load(str(src))
@@ -343,7 +345,7 @@ def test_graph_pass_reports_unmatched(tmp_path):
         if n.op_type == "Softmax":
             n.attribute[0].i = 1
     onnx.save(m, str(src))
-    model = g.load_model(src)
+    model = modelfile.load_model(src)
     recs = attn.apply(model, attn.AttnConfig(enabled=True))
     assert recs[0]["backend"] == "dense" and "axis 1" in recs[0]["decision"]
 
@@ -411,15 +413,16 @@ def test_smollm2_rewrite_full_budget_same_greedy_text(tmp_path):
 @requires_native
 def test_minilm_rewrite_matches_dense(tmp_path):
     from custom_ops import runtime
-    from rewriter import attn, graph as g
+    from rewriter.backends import packed_attention as attn
+    from rewriter.kit import modelfile
 
     d = _prepared("minilm")
-    model = g.load_model(d / "model.onnx")
+    model = modelfile.load_model(d / "model.onnx")
     recs = attn.apply(model, attn.AttnConfig(enabled=True))
     assert len([r for r in recs if r["backend"] == "packed_attention"]) == 6
     assert all(r["k_layout"] == "bhdt" and not r["cache"] for r in recs)
     out = tmp_path / "minilm.lean.onnx"
-    g.save_model_atomic(model, out)
+    modelfile.save_model_atomic(model, out)
     dense = custom_ops.session(str(d / "model.onnx"))
     lean = custom_ops.session(str(out))
     io = runtime.ModelIO.from_session(dense)

@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:
 import custom_ops  # noqa: E402
 from custom_ops.reference.procsparse import (hash_base, hash_unit, proc_full, proc_sparse_matmul,  # noqa: E402
                                              splitmix64)
-from rewriter import procsparse as ps  # noqa: E402
+from rewriter.backends import procsparse as ps  # noqa: E402
+from rewriter.builders import procsparse as psb  # noqa: E402
 
 
 def _native() -> bool:
@@ -119,7 +120,7 @@ def test_reference_full_and_mask():
     mask = np.array([1, 0, 1, 1], np.float32)
     keep = np.repeat(mask != 0, B)[:K]
     np.testing.assert_allclose(ref(x, K, N, B, rp, bi, d, mask=mask), (x * keep) @ W.astype(np.float64), atol=1e-12)
-    assert np.array_equal(ps.reconstruct(K, N, B, 7, 0.05, rp, bi, d), W)   # builder's vectorized form
+    assert np.array_equal(psb.reconstruct(K, N, B, 7, 0.05, rp, bi, d), W)   # builder's vectorized form
 
 
 # --------------------------------------------------------------------------- kernel vs reference
@@ -215,7 +216,7 @@ def test_all_blocks_base_zero_reproduces_dense():
     cfg = ps.ProcConfig(enabled=True, fanout="all", base_scale="0", shed_eps=0.0, watermark=0, refit=False, block=32)
     nb = (K + 31) // 32
     keep = np.ones((nb, N), bool)
-    lay = ps.build_layer(W, None, keep, cfg, nb, ps.block_scores(W, None, 32))
+    lay = psb.build_layer(W, None, keep, cfg, nb, psb.block_scores(W, None, 32))
     assert lay.nnzb == nb * N and lay.base_scale == 0.0
     assert np.array_equal(lay.dense(), W)
     s = _session(proc_model(K, N, 32, lay.row_ptr, lay.block_idx, lay.deltas, seed=lay.seed, scale=0.0))
@@ -224,7 +225,7 @@ def test_all_blocks_base_zero_reproduces_dense():
         np.testing.assert_allclose(s.run(None, {"X": x})[0], x.astype(np.float64) @ W, rtol=1e-5, atol=1e-5)
     # with a base: still the same function (deltas absorb it)
     cfg.base_scale = "0.05"
-    lay = ps.build_layer(W, None, keep, cfg, nb, ps.block_scores(W, None, 32))
+    lay = psb.build_layer(W, None, keep, cfg, nb, psb.block_scores(W, None, 32))
     np.testing.assert_allclose(lay.dense(), W, atol=1e-7)
 
 
@@ -354,9 +355,9 @@ def test_shedding_bounds():
     W = (rng.standard_normal((K, N)) * 0.02).astype(np.float32)
     W[:64, :10] *= 1e-3             # two blocks of ten rows are tiny: soft shedding trims them
     nb = K // B
-    S = ps.block_scores(W, None, B)
+    S = psb.block_scores(W, None, B)
     cfg = ps.ProcConfig(enabled=True, fanout="all", base_scale="0", shed_eps=1e-3, watermark=4 * B, refit=False, block=B)
-    lay = ps.build_layer(W, None, np.ones((nb, N), bool), cfg, nb, S)
+    lay = psb.build_layer(W, None, np.ones((nb, N), bool), cfg, nb, S)
     counts = np.diff(lay.row_ptr)
     assert counts.max() <= 4                                  # hard: watermark / B blocks per row
     assert np.all(np.abs(lay.deltas).max(axis=1) >= 1e-3)    # soft: no stored block entirely below eps
@@ -393,15 +394,15 @@ def test_selection_and_refit_use_calibration():
     T = nb * N // 2
     base = dict(enabled=True, fanout="all", base_scale="0", shed_eps=0.0, watermark=0, block=B)
     gaps = {}
-    for label, S, refit in (("naive", ps.block_scores(W, None, B), False), ("act", ps.block_scores(W, G, B), False),
-                            ("act+refit", ps.block_scores(W, G, B), True)):
+    for label, S, refit in (("naive", psb.block_scores(W, None, B), False), ("act", psb.block_scores(W, G, B), False),
+                            ("act+refit", psb.block_scores(W, G, B), True)):
         cfg = ps.ProcConfig(refit=refit, **base)
-        lay = ps.build_layer(W, G, ps.select_blocks(S, T, nb), cfg, nb, S)
-        gaps[label] = ps.layer_gap(W, G, lay)
+        lay = psb.build_layer(W, G, psb.select_blocks(S, T, nb), cfg, nb, S)
+        gaps[label] = psb.layer_gap(W, G, lay)
     assert gaps["act"] < gaps["naive"] and gaps["act+refit"] < gaps["act"], gaps
     cfg = ps.ProcConfig(refit=False, **{**base, "base_scale": "fit"})
-    S = ps.block_scores(W, G, B)
-    lay = ps.build_layer(W, G, ps.select_blocks(S, T, nb), cfg, nb, S)
+    S = psb.block_scores(W, G, B)
+    lay = psb.build_layer(W, G, psb.select_blocks(S, T, nb), cfg, nb, S)
     assert abs(lay.base_scale) < 0.01
 
 

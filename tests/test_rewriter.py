@@ -13,7 +13,7 @@ import pytest
 
 import custom_ops
 from conftest import requires_native
-from rewriter import cli, graph as g
+from rewriter.kit import candidates, modelfile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def run_cli(*args, cwd=None):
 
 
 def test_classification(toy_model):
-    cands = g.find_candidates(g.load_model(toy_model))
+    cands = candidates.find_candidates(modelfile.load_model(toy_model))
     roles = {c.name: (c.target, c.role, c.layer) for c in cands}
     assert roles["/model/layers.0/self_attn/q_proj/MatMul"] == ("attn", "q", 0)
     assert roles["/model/layers.1/self_attn/o_proj/MatMul"] == ("attn", "o", 1)
@@ -47,7 +47,7 @@ def test_classification_ignores_misleading_names(tmp_path):
     for i, n in enumerate(m.graph.node):
         n.name = f"node_{i}"
     onnx.save(m, str(p))
-    cands = g.find_candidates(g.load_model(p))
+    cands = candidates.find_candidates(modelfile.load_model(p))
     assert [c.target for c in cands].count("attn") == 8
     assert [c.target for c in cands].count("mlp") == 6
     assert [c.target for c in cands].count("head") == 1
@@ -331,12 +331,12 @@ def test_eval_bad_inputs(toy_model, tmp_path):
     assert code == 2 and "missing.txt" in se
 
 
-def test_quality_guard_bisection_keeps_largest_prefix(monkeypatch):
+def test_quality_guard_bisection_keeps_largest_prefix():
     """The guard keeps the k lowest-gap layers for the largest k whose loss meets the budget."""
     from types import SimpleNamespace
 
     from rewriter import pipeline
-    from rewriter.backends import Plan
+    from rewriter.kit.backend import Plan
 
     n = 11
     chosen, records = [], {}
@@ -346,18 +346,13 @@ def test_quality_guard_bisection_keeps_largest_prefix(monkeypatch):
         chosen.append((c, None, plan))
         records[c.name] = pipeline.LayerRecord(c.name, i, "mlp", "up", [10, 10], "tt", 100, 40, plan.gap, "factored")
 
-    class FakeProbe:
-        def __init__(self, *a, **k):
-            self.ids = np.zeros(5)
+    class FakeQuality:  # loss of a trial model = 0.004 per layer it rewrites
+        probe = SimpleNamespace(metric="delta_ppl", unit="tokens", size=5)
 
-        def loss(self, model):
-            return 0.004 * model  # model = number of layers (see _trial_model below)
+        def loss(self, subset):
+            return 0.004 * len(subset)
 
-    monkeypatch.setattr(pipeline, "QualityProbe", FakeProbe)
-    monkeypatch.setattr(pipeline, "_trial_model", lambda inp, subset, ctx: len(subset))
-    cfg = pipeline.RewriteConfig(model="m", output="o", quality_budget=0.02, progress=False)
-    io = SimpleNamespace(kind="causal-lm")
-    kept, q = pipeline._quality_guard(cfg, Path("m"), io, chosen, records, None)
+    kept, q = pipeline._quality_guard(chosen, records, FakeQuality(), budget=0.02, progress=False)
     assert q["kept"] == 5 and len(kept) == 5 and q["loss"] == pytest.approx(0.02)
     gaps = sorted(p.gap for _, _, p in chosen)
     assert sorted(p.gap for _, _, p in kept) == gaps[:5]          # the lowest-gap layers stay

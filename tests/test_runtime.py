@@ -173,7 +173,7 @@ def test_modelio_causal(causal):
 
 
 def test_modelio_pairs_by_index_and_custom_state():
-    io = runtime.ModelIO._build(
+    io = runtime.ModelIO.from_signature(
         [("input_ids", ["b", "s"], np.int64),
          ("past_key_values.1.value", ["b", 3, "past_sequence_length", 8], np.float32),
          ("past_key_values.1.key", ["b", 3, "past_sequence_length", 8], np.float32),
@@ -213,7 +213,7 @@ def test_feeds(causal, encoder):
     eio = runtime.ModelIO.from_session(encoder[1])
     f = runtime.feeds(eio, np.array([[2, 3], [4, 5]]))
     assert f["token_type_ids"].tolist() == [[0, 0], [0, 0]] and f["attention_mask"].shape == (2, 2)
-    bad = runtime.ModelIO._build([("input_ids", ["b", "s"], np.int64), ("mystery", [1], np.float32)],
+    bad = runtime.ModelIO.from_signature([("input_ids", ["b", "s"], np.int64), ("mystery", [1], np.float32)],
                                 [("logits", ["b", "s", 4], np.float32)])
     with pytest.raises(ValueError, match="mystery"):
         runtime.feeds(bad, np.array([1, 2]))

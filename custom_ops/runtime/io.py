@@ -81,7 +81,9 @@ class ModelIO:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def _build(cls, inputs: list[tuple[str, list, Any]], outputs: list[tuple[str, list, Any]]) -> "ModelIO":
+    def from_signature(cls, inputs: list[tuple[str, list, Any]], outputs: list[tuple[str, list, Any]]) -> "ModelIO":
+        """From (name, shape, numpy type) of every input (initializers excluded) and output; shape
+        dims are ints, names of symbolic dims, or None."""
         in_names = [n for n, _, _ in inputs]
         out_names = [n for n, _, _ in outputs]
         out_set = set(out_names)
@@ -170,7 +172,7 @@ class ModelIO:
 
         ins = [vi(v) for v in g.input if v.name not in init_names]
         outs = [vi(v) for v in g.output]
-        return cls._build(ins, outs)
+        return cls.from_signature(ins, outs)
 
     @classmethod
     def from_session(cls, sess) -> "ModelIO":
@@ -178,7 +180,7 @@ class ModelIO:
             shape = [d if isinstance(d, (int, str)) else None for d in (a.shape or [])]
             return a.name, shape, _ONNX_TO_NP.get(a.type, np.float32)
 
-        return cls._build([vi(a) for a in sess.get_inputs()], [vi(a) for a in sess.get_outputs()])
+        return cls.from_signature([vi(a) for a in sess.get_inputs()], [vi(a) for a in sess.get_outputs()])
 
     # -- states ----------------------------------------------------------------------------
     def empty_state(self, batch: int = 1) -> dict[str, np.ndarray]:

@@ -33,7 +33,8 @@ def bench_op(a) -> dict:
 
     import custom_ops
     from custom_ops.reference.attn import pack_keys
-    from rewriter import attn, graph as g
+    from rewriter.backends import packed_attention as attn
+    from rewriter.kit import modelfile
     from test_packed_attention import optimum_block
 
     Hq, Hkv, D = 9, 3, 64
@@ -44,10 +45,10 @@ def bench_op(a) -> dict:
     so.inter_op_num_threads = 1
     sessions = {"dense": ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])}
     for b in [float(x) for x in a.budgets.split(",")]:
-        m = g.load_model(src)
+        m = modelfile.load_model(src)
         attn.apply(m, attn.AttnConfig(enabled=True, budget=b, window=64))  # as measured for issue 5
         out = tmp / f"blk_{b}.onnx"
-        g.save_model_atomic(m, out)
+        modelfile.save_model_atomic(m, out)
         sessions[f"packed_{b}"] = custom_ops.session(str(out), threads=a.threads)
     r = np.random.default_rng(0)
     res = {"threads": a.threads, "isa": custom_ops.isa(), "contexts": {}}

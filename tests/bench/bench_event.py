@@ -29,7 +29,7 @@ def stream(K=1536, N=576, change=0.05, steps=400, threads=1, topk=0.25, block=1,
     import onnxruntime as ort
 
     import custom_ops
-    from rewriter import speed
+    from rewriter.kit import timing
     from test_gating_kernel import _stream, gate_model
 
     rng = np.random.default_rng(seed)
@@ -40,7 +40,7 @@ def stream(K=1536, N=576, change=0.05, steps=400, threads=1, topk=0.25, block=1,
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    dense = ort.InferenceSession(speed.dense_model(K, N), so, providers=["CPUExecutionProvider"])
+    dense = ort.InferenceSession(timing.dense_model(K, N), so, providers=["CPUExecutionProvider"])
     # the dense model with these weights (so the outputs can be compared)
     from onnx import TensorProto, helper, numpy_helper
 

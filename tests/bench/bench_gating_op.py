@@ -35,7 +35,7 @@ def _model(Ws, attrs=None) -> bytes:
     """`len(Ws)` independent layers on one input: MatMul (attrs None) or EventGatedMatMul."""
     from onnx import helper, numpy_helper, TensorProto
 
-    from rewriter import speed
+    from rewriter.kit import timing
 
     K, N = Ws[0].shape
     nodes, inits, outs = [], [], []
@@ -49,9 +49,9 @@ def _model(Ws, attrs=None) -> bytes:
         outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
     g = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])], outs,
                           initializer=inits)
-    ops = [helper.make_opsetid("", speed.OPSET)] + ([helper.make_opsetid("ai.ortlean", 1)] if attrs else [])
+    ops = [helper.make_opsetid("", timing.OPSET)] + ([helper.make_opsetid("ai.ortlean", 1)] if attrs else [])
     m = helper.make_model(g, opset_imports=ops)
-    m.ir_version = speed.IR_VERSION
+    m.ir_version = timing.IR_VERSION
     return m.SerializeToString()
 
 

@@ -19,8 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 import custom_ops  # noqa: E402
 import onnxruntime as ort  # noqa: E402
-from rewriter import procsparse as ps  # noqa: E402
-from rewriter.speed import dense_model  # noqa: E402
+from rewriter.backends.procsparse import proc_model  # noqa: E402
+from rewriter.builders.procsparse import ProcLayer  # noqa: E402
+from rewriter.kit.timing import dense_model  # noqa: E402
 
 
 def time_both(sessions: dict, feeds: dict, reps: int = 30, warmup: int = 3) -> dict:
@@ -49,7 +50,7 @@ def layer(K, N, B, frac, scale, seed=0):
     bi = np.concatenate([np.sort(rng.choice(nb, f, replace=False)) for _ in range(N)]).astype(np.int32)
     rp = (np.arange(N + 1) * f).astype(np.int32)
     d = (rng.standard_normal((len(bi), B)) * 0.02).astype(np.float32)
-    return ps.ProcLayer(K, N, B, 1234, scale, rp, bi, d, fanout=f, watermark=0, shed_eps=0.0, gap=0.0)
+    return ProcLayer(K, N, B, 1234, scale, rp, bi, d, fanout=f, watermark=0, shed_eps=0.0, gap=0.0)
 
 
 def main():
@@ -74,7 +75,7 @@ def main():
             for frac in (0.25, 0.5, 0.75):
                 for scale in (0.0, 0.05):
                     lay = layer(K, N, a.block, frac, scale)
-                    s_p = ort.InferenceSession(ps.proc_model(lay), custom_ops.session_options(thr),
+                    s_p = ort.InferenceSession(proc_model(lay), custom_ops.session_options(thr),
                                                providers=["CPUExecutionProvider"])
                     for M in (1, 128):
                         x = np.random.default_rng(M).standard_normal((M, K)).astype(np.float32)

@@ -14,22 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rewriter import speed  # noqa: E402
-
-
-def tt_macs(modes_k, modes_n, ranks) -> int:
-    """Multiply-adds per input row of the sequential contraction (first core first)."""
-    d = len(modes_k)
-    total = 0
-    for i in range(d):
-        n_before = 1
-        for j in range(i):
-            n_before *= modes_n[j]
-        k_after = 1
-        for j in range(i + 1, d):
-            k_after *= modes_k[j]
-        total += n_before * modes_n[i] * ranks[i + 1] * ranks[i] * modes_k[i] * k_after
-    return total
+from rewriter.backends.tt import measure_tt  # noqa: E402
+from rewriter.builders.tt import choose_modes, tt_macs  # noqa: E402
 
 
 def cases_from_report(path: str):
@@ -44,8 +30,6 @@ def cases_from_report(path: str):
         if d == 2:
             mk, mn = [K, 1], [1, N]
         else:  # modes are in the model attributes; reports list ranks only → re-derive like the builder
-            from rewriter.ttmath import choose_modes
-
             mk, mn = choose_modes(K, N, d)
         key = (K, N, tuple(ranks))
         if key not in seen:
@@ -73,7 +57,7 @@ def main() -> int:
     for K, N, mk, mn, ranks in cases:
         ideal = K * N / tt_macs(mk, mn, ranks)
         for t in (int(x) for x in args.threads.split(",")):
-            res = speed.measure_tt(K, N, mk, mn, ranks, Ms=Ms, threads=t, use_cache=False)
+            res = measure_tt(K, N, mk, mn, ranks, Ms=Ms, threads=t, use_cache=False)
             for M in Ms:
                 r = res[M]
                 print(f"{K:>5}x{N:<5} {','.join(map(str, ranks)):>14} {t:>3} {M:>4} {1e6 * r['dense']:>9.1f} {1e6 * r['tt']:>9.1f} "

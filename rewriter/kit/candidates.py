@@ -1,119 +1,22 @@
-"""Model I/O and the candidate search: weight MatMuls classified attn | mlp | head from the graph
-structure (names are only a tie-breaking hint)."""
+"""The units a weight backend plans: weight MatMuls (a MatMul whose B is a constant float
+initializer, or a Transpose of one) classified attn | mlp | head from the graph structure (names
+are only a tie-breaking hint), and groups of them planned as one unit."""
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-import os
 import re
-import shutil
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
-from . import DOMAIN
-from .errors import OrtleanError
+from custom_ops.schema import DOMAIN
 
-# external data is used when the initializers exceed this (protobuf's hard limit is 2 GiB)
-EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 1_800_000_000))
+from ..errors import OrtleanError
 
 
-# --------------------------------------------------------------------------- load / save
-def load_model(path: str | os.PathLike) -> ir.Model:
-    """Load an ONNX model (external data is memory-mapped, not read) with clear errors."""
-    p = Path(path)
-    if not p.exists():
-        raise OrtleanError(f"{p}: no such file")
-    if p.is_dir():
-        raise OrtleanError(f"{p}: is a directory, expected an .onnx file")
-    try:
-        proto = onnx.load(str(p), load_external_data=False)
-    except Exception as e:  # DecodeError, OSError …
-        raise OrtleanError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from None
-    if not proto.HasField("graph") or len(proto.graph.node) == 0 or len(proto.opset_import) == 0:
-        raise OrtleanError(f"{p}: not an ONNX model (no graph, nodes or opset imports)")
-    for t in proto.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            loc = dict((e.key, e.value) for e in t.external_data).get("location", "")
-            if not (p.parent / loc).is_file():
-                raise OrtleanError(f"{p}: external data file {loc!r} of initializer {t.name!r} is missing")
-    try:
-        model = ir.serde.deserialize_model(proto)
-        ir.external_data.set_base_dir(model.graph, p.parent)
-    except Exception as e:
-        raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
-    return model
-
-
-def initializer_bytes(model: ir.Model) -> int:
-    total = 0
-    for v in model.graph.initializers.values():
-        if v.const_value is not None:
-            total += v.const_value.nbytes
-    return total
-
-
-def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_path: str | os.PathLike | None = None,
-                      check=None) -> list[Path]:
-    """Save next to `out_path` in a temporary directory, run `check(tmp_model_path)` on it, then
-    rename into place (data file first, model last). Never writes over the input model or its
-    external data; a failed check leaves nothing behind."""
-    out = Path(out_path).resolve()
-    if input_path is not None:
-        inp = Path(input_path).resolve()
-        if out == inp:
-            raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
-        input_data = {Path(inp.parent, loc).resolve() for loc in _external_locations(inp)}
-    else:
-        input_data = set()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    large = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
-    data_name = out.name + ".data" if large else None
-    if data_name and (out.parent / data_name).resolve() in input_data:
-        raise OrtleanError(f"{out.parent / data_name}: would overwrite the input's external data")
-    tmpdir = Path(tempfile.mkdtemp(prefix=".ortlean-", dir=out.parent))
-    written: list[Path] = []
-    try:
-        tmp_model = tmpdir / out.name
-        if data_name is None:
-            # tensors still memory-mapped from the input's external data go inline: the output
-            # must not point at the input's files
-            ir.external_data.load_to_model(model)
-        ir.save(model, tmp_model, external_data=data_name)
-        if check is not None:
-            check(tmp_model)
-        if data_name:
-            os.replace(tmpdir / data_name, out.parent / data_name)
-            written.append(out.parent / data_name)
-        elif (out.parent / (out.name + ".data")).exists() and (out.parent / (out.name + ".data")).resolve() not in input_data:
-            # a stale data file from an earlier large save would mislead: remove it
-            (out.parent / (out.name + ".data")).unlink()
-        os.replace(tmp_model, out)
-        written.insert(0, out)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-    return written
-
-
-def _external_locations(path: Path) -> set[str]:
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception:
-        return set()
-    locs = set()
-    for t in proto.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            for e in t.external_data:
-                if e.key == "location":
-                    locs.add(e.value)
-    return locs
-
-
-# --------------------------------------------------------------------------- candidates
 @dataclass
 class Candidate:
     node: ir.Node
@@ -135,6 +38,16 @@ class Candidate:
     @property
     def params(self) -> int:
         return self.K * self.N
+
+    @property
+    def label(self) -> str:
+        """The node's `layer` attribute: the block index, else the target."""
+        return str(self.layer) if self.layer is not None else self.target
+
+    def rebind(self, nodes: dict[int, ir.Node], graph: ir.Graph) -> "Candidate":
+        """The same candidate in a clone of its model: `nodes` maps id(original node) → clone."""
+        node = nodes[id(self.node)]
+        return dataclasses.replace(self, node=node, weight=graph.initializers[self.weight.name], input=node.inputs[0])
 
 
 _SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Cast", "Squeeze", "Unsqueeze", "Flatten"}
@@ -392,3 +305,49 @@ def select(cands: list[Candidate], include: list[str], exclude: list[str], all_n
             continue
         keep.append(c)
     return keep, excluded
+
+
+# --------------------------------------------------------------------------- groups
+@dataclass
+class GroupCandidate(Candidate):
+    """Projections that read the same input value (q/k/v of an attention block, gate/up of a
+    gated MLP), gated as one layer: W = [W_1 | W_2 | …] ([K, ΣN]), one KWTA mask per token scored
+    with the rows of the concatenated weight, one row-skipping matvec, then a Split back into the
+    members' outputs. Planned, guarded and reported as one unit."""
+    members: list = field(default_factory=list)
+
+    def weight_array(self) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([m.weight_array() for m in self.members], axis=1))
+
+    def rebind(self, nodes: dict[int, ir.Node], graph: ir.Graph) -> "GroupCandidate":
+        return make_group([m.rebind(nodes, graph) for m in self.members])
+
+
+def make_group(members: list) -> GroupCandidate:
+    m0 = members[0]
+    roles = "+".join(m.role for m in members)
+    return GroupCandidate(node=m0.node, name="+".join(m.name for m in members), weight=m0.weight,
+                          transposed=False, K=m0.K, N=int(sum(m.N for m in members)), target=m0.target, role=roles,
+                          layer=m0.layer, how=m0.how, input=m0.input, members=list(members))
+
+
+def group_shared_inputs(todo: list, targets) -> list:
+    """Candidates of `targets` that read the same value become one GroupCandidate (in graph
+    order); everything else passes through."""
+    def eligible(c) -> bool:
+        return c.target in targets and c.target != "head" and c.input is not None
+
+    by_input: dict[int, list] = {}
+    for c in todo:
+        if eligible(c):
+            by_input.setdefault(id(c.input), []).append(c)
+    out, seen = [], set()
+    for c in todo:
+        grp = by_input.get(id(c.input)) if eligible(c) else None
+        if grp and len(grp) > 1:
+            if id(c.input) not in seen:
+                seen.add(id(c.input))
+                out.append(make_group(grp))
+            continue
+        out.append(c)
+    return out

@@ -1,5 +1,5 @@
 """Offline math for TTMatMul: activation-aware whitening, TT-SVD, TT-cross with maxvol, mode
-factorisation and the exact calibration gap.
+factorisation (the gap metrics are kit.gaps).
 
 Conventions (see DEVELOPERS.md): W is [K, N]; TT-matrix cores are G_i [r_{i-1}, k_i, n_i, r_i];
 the calibration statistic is the Gram matrix G = XᵀX of the layer's inputs, so the relative
@@ -7,7 +7,6 @@ output error on the calibration set is ‖X(W − Ŵ)‖_F / ‖XW‖_F = sqrt(t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,43 +14,11 @@ import scipy.linalg as sla
 
 from custom_ops.reference.tt import tt_full, tt_params
 
-
-# --------------------------------------------------------------------------- gap / whitening
-def output_gap(W: np.ndarray, W_hat: np.ndarray, G: np.ndarray | None) -> float:
-    """Relative output error on calibration inputs (G = XᵀX); plain Frobenius error if G is None."""
-    E = np.asarray(W, np.float64) - np.asarray(W_hat, np.float64)
-    W = np.asarray(W, np.float64)
-    if G is None:
-        return float(np.linalg.norm(E) / max(np.linalg.norm(W), 1e-30))
-    num = float(np.einsum("kn,kn->", G @ E, E))
-    den = float(np.einsum("kn,kn->", G @ W, W))
-    return math.sqrt(max(num, 0.0) / max(den, 1e-30))
+from ..kit.gaps import layer_gap
 
 
+# --------------------------------------------------------------------------- whitening
 _WHITE_CACHE: dict = {}
-
-
-def channel_gap(W: np.ndarray, W_hat: np.ndarray, G: np.ndarray | None) -> float:
-    """RMS over output channels of each channel's relative error on the calibration inputs:
-    sqrt(mean_n eₙᵀGeₙ / wₙᵀGwₙ). Unlike the Frobenius gap it cannot be met by reproducing only
-    a few massive-activation channels (Llama down-projections: a rank-1 factor of layer 11 of
-    SmolLM2 has a 2 % Frobenius gap and costs +11 % perplexity)."""
-    W = np.asarray(W, np.float64)
-    E = W - np.asarray(W_hat, np.float64)
-    if G is None:
-        num, den = np.sum(E * E, axis=0), np.sum(W * W, axis=0)
-    else:
-        num, den = np.sum((G @ E) * E, axis=0), np.sum((G @ W) * W, axis=0)
-    ok = den > 1e-12 * max(float(den.max(initial=0.0)), 1e-300)
-    if not ok.any():
-        return 0.0
-    return float(np.sqrt(np.mean(np.maximum(num[ok], 0.0) / den[ok])))
-
-
-def layer_gap(W: np.ndarray, W_hat: np.ndarray, G: np.ndarray | None) -> float:
-    """The gap a layer must meet: the larger of the Frobenius and the channel-averaged relative
-    output errors on the calibration inputs."""
-    return max(output_gap(W, W_hat, G), channel_gap(W, W_hat, G))
 
 
 def whitening(G: np.ndarray, ridge: float = 1e-6) -> np.ndarray:

@@ -1,0 +1,154 @@
+"""Model files: loading with clear errors, atomic saving next to the output, the tokenizer/config
+sidecars, the checker, and the I/O signature of a loaded model."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ..errors import OrtleanError
+
+# external data is used when the initializers exceed this (protobuf's hard limit is 2 GiB)
+EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 1_800_000_000))
+
+
+def load_model(path: str | os.PathLike) -> ir.Model:
+    """Load an ONNX model (external data is memory-mapped, not read) with clear errors."""
+    p = Path(path)
+    if not p.exists():
+        raise OrtleanError(f"{p}: no such file")
+    if p.is_dir():
+        raise OrtleanError(f"{p}: is a directory, expected an .onnx file")
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # DecodeError, OSError …
+        raise OrtleanError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    if not proto.HasField("graph") or len(proto.graph.node) == 0 or len(proto.opset_import) == 0:
+        raise OrtleanError(f"{p}: not an ONNX model (no graph, nodes or opset imports)")
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = dict((e.key, e.value) for e in t.external_data).get("location", "")
+            if not (p.parent / loc).is_file():
+                raise OrtleanError(f"{p}: external data file {loc!r} of initializer {t.name!r} is missing")
+    try:
+        model = ir.serde.deserialize_model(proto)
+        ir.external_data.set_base_dir(model.graph, p.parent)
+    except Exception as e:
+        raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
+    return model
+
+
+def initializer_bytes(model: ir.Model) -> int:
+    total = 0
+    for v in model.graph.initializers.values():
+        if v.const_value is not None:
+            total += v.const_value.nbytes
+    return total
+
+
+def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_path: str | os.PathLike | None = None,
+                      check=None) -> list[Path]:
+    """Save next to `out_path` in a temporary directory, run `check(tmp_model_path)` on it, then
+    rename into place (data file first, model last). Never writes over the input model or its
+    external data; a failed check leaves nothing behind."""
+    out = Path(out_path).resolve()
+    if input_path is not None:
+        inp = Path(input_path).resolve()
+        if out == inp:
+            raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
+        input_data = {Path(inp.parent, loc).resolve() for loc in _external_locations(inp)}
+    else:
+        input_data = set()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    large = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    data_name = out.name + ".data" if large else None
+    if data_name and (out.parent / data_name).resolve() in input_data:
+        raise OrtleanError(f"{out.parent / data_name}: would overwrite the input's external data")
+    tmpdir = Path(tempfile.mkdtemp(prefix=".ortlean-", dir=out.parent))
+    written: list[Path] = []
+    try:
+        tmp_model = tmpdir / out.name
+        if data_name is None:
+            # tensors still memory-mapped from the input's external data go inline: the output
+            # must not point at the input's files
+            ir.external_data.load_to_model(model)
+        ir.save(model, tmp_model, external_data=data_name)
+        if check is not None:
+            check(tmp_model)
+        if data_name:
+            os.replace(tmpdir / data_name, out.parent / data_name)
+            written.append(out.parent / data_name)
+        elif (out.parent / (out.name + ".data")).exists() and (out.parent / (out.name + ".data")).resolve() not in input_data:
+            # a stale data file from an earlier large save would mislead: remove it
+            (out.parent / (out.name + ".data")).unlink()
+        os.replace(tmp_model, out)
+        written.insert(0, out)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return written
+
+
+def _external_locations(path: Path) -> set[str]:
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return set()
+    locs = set()
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            for e in t.external_data:
+                if e.key == "location":
+                    locs.add(e.value)
+    return locs
+
+
+def default_output(model: str) -> str:
+    p = Path(model)
+    return str(p.with_name(p.stem + ".lean.onnx"))
+
+
+SIDECARS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+            "generation_config.json", "vocab.txt", "ortlean.json")
+
+
+def copy_sidecars(inp: Path, out: Path) -> list[Path]:
+    """Tokenizer/config files next to the input go next to the output too (when it is another
+    directory and they are not there yet), so eval/generate work on the rewritten model alone."""
+    copied = []
+    if inp.resolve().parent == out.resolve().parent:
+        return copied
+    for name in SIDECARS:
+        src, dst = inp.parent / name, out.parent / name
+        if src.is_file() and not dst.exists():
+            shutil.copy2(src, dst)
+            copied.append(dst)
+    return copied
+
+
+def check(path: Path, out: Path) -> None:
+    """onnx.checker on the saved file (a path handles external data and > 2 GB models). The
+    custom domain has no schemas, so the checker validates the graph and the standard nodes."""
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as e:
+        raise OrtleanError(f"{out}: rewritten model fails onnx.checker: {e}") from None
+
+
+def model_io(model: ir.Model):
+    """`custom_ops.runtime.ModelIO` of a loaded model (what `ModelIO.from_model` reads from its
+    file, without parsing the file again)."""
+    from custom_ops.runtime import ModelIO
+
+    inits = model.graph.initializers
+
+    def sig(v: ir.Value):
+        shape = [] if v.shape is None else [d.value if isinstance(d, ir.SymbolicDim) else int(d) for d in v.shape]
+        return v.name, shape, (v.dtype.numpy().type if v.dtype is not None else np.float32)
+
+    return ModelIO.from_signature([sig(v) for v in model.graph.inputs if v.name not in inits],
+                                  [sig(v) for v in model.graph.outputs])

@@ -1,0 +1,118 @@
+"""The end-to-end quality check shared by every planner and the guard of one rewrite: one probe on
+held-out calibration text (its dense reference computed once) and trial models built in memory
+(a clone of the loaded model with a subset of the layer plans emitted; candidates are carried
+over to the clone, not searched again)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from custom_ops import runtime
+from custom_ops.schema import DOMAIN
+
+from .calib import CalibText
+
+
+def session(model, threads: int):
+    """An onnxruntime session on `model` (path or bytes) with the ortlean ops registered
+    (native library, else the numpy references)."""
+    import onnxruntime as ort
+
+    import custom_ops
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    return custom_ops.session(model, so=so, backend="auto")
+
+
+class QualityProbe:
+    """Whole-model loss of a candidate rewrite vs the dense model on held-out calibration text
+    (the part after the calibration tokens; never the evaluation text): Δppl for causal LMs,
+    1 − mean sentence-embedding cosine for encoders."""
+
+    def __init__(self, dense, io, calib: CalibText, calib_tokens: int, quality_tokens: int, threads: int):
+        self.io = io
+        self.threads = max(1, threads)
+        self.tok = calib.tok
+        sess = session(dense, self.threads)
+        if io.kind == "causal-lm":
+            ids = calib.ids
+            held = ids[calib_tokens: calib_tokens + quality_tokens]
+            if len(held) < 64:  # short text: score its tail, overlapping calibration
+                held = ids[-quality_tokens:]
+            self.ids = np.asarray(held, dtype=np.int64)
+            self.window = min(256, len(self.ids))
+            self.ref = runtime.perplexity(sess, io, self.ids, window=self.window)["nll"]
+        else:
+            sents = runtime.sentences_from_text(calib.text, 4 * max(8, quality_tokens // 16))
+            self.sents = sents[1::4][: max(8, quality_tokens // 16)]  # not the calibration sentences' order
+            self.ref = runtime.embeddings(sess, io, self.tok, self.sents)
+
+    @property
+    def metric(self) -> str:
+        return "delta_ppl" if self.io.kind == "causal-lm" else "1-cosine"
+
+    @property
+    def unit(self) -> str:
+        return "tokens" if self.io.kind == "causal-lm" else "sentences"
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.size) if self.io.kind == "causal-lm" else len(self.sents)
+
+    def loss(self, model) -> float:
+        sess = session(model, self.threads)
+        if self.io.kind == "causal-lm":
+            io = runtime.ModelIO.from_session(sess)  # a rewrite may add state inputs (event caches)
+            nll = runtime.perplexity(sess, io, self.ids, window=self.window)["nll"]
+            return float(np.exp(nll - self.ref) - 1.0)
+        e = runtime.embeddings(sess, self.io, self.tok, self.sents)
+        cos = np.sum(e * self.ref, axis=1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(self.ref, axis=1) + 1e-30)
+        return float(1.0 - cos.mean())
+
+
+def trial_model(model: ir.Model, chosen, ctx) -> bytes:
+    """`model` (not modified) with the plans `chosen` [(candidate, backend, plan)] emitted, serialized."""
+    m = model.clone()
+    nodes = {id(a): b for a, b in zip(model.graph, m.graph)}
+    for c, b, plan in chosen:
+        b.emit(m.graph, c.rebind(nodes, m.graph), plan, ctx)
+    m.opset_imports.setdefault(DOMAIN, 1)
+    ir.external_data.load_to_model(m)
+    return ir.serde.serialize_model(m).SerializeToString()
+
+
+class Quality:
+    """Loss of the loaded model with a subset of plans emitted, on the rewrite's one probe."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self._probe: QualityProbe | None = None
+
+    @property
+    def probe(self) -> QualityProbe:
+        if self._probe is None:
+            c = self.ctx
+            self._probe = QualityProbe(c.source(), c.io, c.calib, c.opts.calib_tokens, c.opts.quality_tokens,
+                                       c.threads)
+        return self._probe
+
+    def loss(self, chosen) -> float:
+        """0 for no plan; else the probe's loss of the trial model."""
+        if not chosen:
+            return 0.0
+        return self.probe.loss(trial_model(self.ctx.model, chosen, self.ctx))
+
+
+def largest_passing(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest x in [lo, hi] with ok(x), by bisection, for ok true up to some point and false
+    after it; ok(lo) is taken as true without being asked (lo may be a sentinel)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

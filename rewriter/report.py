@@ -1,0 +1,109 @@
+"""The rewrite's report: one record per candidate layer (what was decided and why), the summary
+written with --report, and its text form."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class LayerRecord:
+    layer: str
+    block: int | None
+    target: str
+    role: str
+    shape: list[int]
+    backend: str
+    params_before: int
+    params_after: int
+    gap: float | None
+    decision: str
+    rank: list[int] | None = None
+    method: str | None = None
+    speed: dict | None = None
+    extra: dict | None = None       # backend-specific report fields (fanout, blocks, tried …)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def config_dict(c) -> dict:
+    d = dict(getattr(c, "__dict__", {}))
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def record(c, plan) -> LayerRecord:
+    return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], plan.decision, c.params, plan.params_after,
+                       plan.gap, plan.reason, rank=plan.attrs.get("rank"), method=plan.attrs.get("method"),
+                       speed=plan.speed or None, extra=_extra(plan))
+
+
+def _extra(plan) -> dict | None:
+    return {k: v for k, v in plan.attrs.items() if k not in ("rank", "method")} or None
+
+
+def all_dense(c, plans: list) -> LayerRecord:
+    """Every backend that targets the layer planned it dense: their reasons, the last one's gap."""
+    last = plans[-1]
+    return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params, last.gap,
+                       "; ".join(p.reason for p in plans), speed=last.speed or None, extra=_extra(last))
+
+
+def dense(c, why: str) -> LayerRecord:
+    return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params, None, f"kept dense: {why}")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, default=_json_default))
+    os.replace(tmp, path)
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)
+
+
+def format_report(summary: dict) -> str:
+    rows = [("layer", "target", "shape", "backend", "params", "→ stored", "gap", "decision")]
+    if not summary["layers"]:
+        rows = []
+    for r in summary["layers"]:
+        gap = "" if r["gap"] is None else f"{r['gap']:.4f}"
+        rows.append((r["layer"], f"{r['target']}/{r['role']}", "x".join(map(str, r["shape"])), r["backend"],
+                     f"{r['params_before']:,}", f"{r['params_after']:,}", gap, r["decision"]))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)] if rows else []
+    lines = []
+    for row in rows:
+        lines.append("  ".join(str(v).ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
+    for r in summary.get("graph_passes") or []:
+        lines.append(f"{r['layer']}  {r['backend']}  {r['decision']}")
+    pb, pa = summary["params_before"], summary["params_after"]
+    lines.append("")
+    q = summary.get("quality")
+    if q:
+        lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
+                     f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers (budget {q['budget']})")
+    if summary["layers"]:
+        by: dict[str, int] = {}
+        for r in summary["layers"]:
+            if r["backend"] != "dense":
+                by[r["backend"]] = by.get(r["backend"], 0) + 1
+        how = f" ({', '.join(f'{k}: {v}' for k, v in by.items())})" if by else ""
+        lines.append(f"{summary['factored']} layers rewritten{how}, {summary['kept_dense']} kept dense; candidate params "
+                     f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
+    else:  # graph passes only
+        lines.append(f"{summary['factored']} attention cores rewritten, {summary['kept_dense']} left as they were")
+    if summary["output"]:
+        lines.append(f"wrote {', '.join(summary['written'])}")
+    else:
+        lines.append("no layer met the quality and speed bars: no model written (the dense model is the better one)")
+    return "\n".join(lines)
