@@ -83,7 +83,8 @@ def run(cfg: RewriteConfig) -> dict:
             b.emit(model.graph, c, plan, ctx)
     graph_records += _graph_passes(passes, "post", model, ctx)
 
-    emitted = len(chosen) + sum(1 for r in graph_records if r.get("backend") != "dense")
+    rewritten = sum(1 for r in graph_records if r.get("backend") != "dense")   # by the graph passes
+    emitted = len(chosen) + rewritten
     written = []
     if emitted:
         model.opset_imports.setdefault(DOMAIN, 1)
@@ -97,8 +98,9 @@ def run(cfg: RewriteConfig) -> dict:
         "written": [str(p) for p in written],
         "kind": ctx.io.kind,
         "layers": [r.as_dict() for r in recs],
-        "factored": emitted,
-        "kept_dense": (len(recs) if recs else len(graph_records)) - emitted,
+        # layers rewritten / kept dense (a graph-pass-only rewrite: the structures it matched)
+        "factored": len(chosen) if recs else rewritten,
+        "kept_dense": len(recs) - len(chosen) if recs else len(graph_records) - rewritten,
         "params_before": int(sum(r.params_before for r in recs)),
         "params_after": int(sum(r.params_after for r in recs)),
         "quality": quality,

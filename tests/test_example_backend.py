@@ -128,7 +128,8 @@ def test_example_backend_rewrites_through_the_pipeline(registered, toy_model, to
     assert r["quality"]["kept"] == len(taken) and r["quality"]["loss"] <= 0.02         # the guard ran on them
     assert [p["backend"] for p in r["graph_passes"]] == ["untranspose"]               # the pre pass: lm_head
     m = onnx.load(str(out))
-    assert sum(n.op_type == "DequantizeLinear" for n in m.graph.node) == r["factored"] - 1
+    assert sum(n.op_type == "DequantizeLinear" for n in m.graph.node) == r["factored"] == len(taken)
+    assert r["kept_dense"] == len(r["layers"]) - len(taken)
     assert not any(n.op_type == "Transpose" and n.input[0] == "model.embed_tokens.weight" for n in m.graph.node)
     head = next(L for L in r["layers"] if L["target"] == "head")
     assert head["layer"] == "/lm_head/MatMul"                                          # found after the pre pass
