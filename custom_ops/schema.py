@@ -4,7 +4,7 @@ their types, the kernel's default when a node omits one, and which values are va
 Everything that spells an op's interface derives from here: the rewriter's emitters and timing
 models (typed node attributes), the numpy references' defaults and their onnxruntime-extensions
 tables (``reference/ext.py``). The C++ kernels hold the same defaults in their constructors; the
-library exports them (``custom_ops.kernel_defaults()``) and a test checks that they agree with
+library exports them (``custom_ops.op_schema()``) and a test checks that they agree with
 ``OpSchema.defaults()`` here. The constructors also enforce ``valid``: a value outside it fails
 session creation with a message naming the node.
 
@@ -163,7 +163,8 @@ def _meta(*names_types) -> tuple[Attr, ...]:
     return tuple(Attr(n, t, meta=True) for n, t in names_types)
 
 
-_COMMON_META = (("gap", "float"), ("params_dense", "int"), ("params_stored", "int"), ("layer", "string"))
+_COMMON_META = (("params_dense", "int"), ("params_stored", "int"), ("layer", "string"))
+NOT_MEASURED = Attr("gap", "float", default=math.nan, meta=True, doc="relative output error; NaN: not measured")
 
 SCHEMAS: tuple[OpSchema, ...] = (
     OpSchema(
@@ -178,6 +179,7 @@ SCHEMAS: tuple[OpSchema, ...] = (
             Attr("method", "string", valid=Valid(choices=("svd", "cross")), meta=True),
             Attr("speedup", "float", default=0.0, meta=True, doc="measured at rewrite time, 0: not measured"),
             Attr("target", "string", valid=TARGET, meta=True),
+            NOT_MEASURED,
             *_meta(*_COMMON_META),
         ),
         reference="custom_ops.reference.tt:op",
@@ -202,6 +204,7 @@ SCHEMAS: tuple[OpSchema, ...] = (
             Attr("bytes_stored", "int", meta=True),
             Attr("speedup", "float", default=0.0, meta=True),
             Attr("target", "string", valid=TARGET, meta=True),
+            NOT_MEASURED,
             *_meta(*_COMMON_META),
         ),
         reference="custom_ops.reference.procsparse:proc_sparse_matmul",
@@ -238,6 +241,7 @@ SCHEMAS: tuple[OpSchema, ...] = (
             Attr("keep_ratio", "float", meta=True),
             Attr("fused", "string", meta=True, doc="members of a fused group, comma separated"),
             Attr("target", "string", valid=TARGET, meta=True),
+            Attr("gap", "float", meta=True),
             *_meta(*_COMMON_META),
         ),
         reference="custom_ops.reference.gating:op",
@@ -266,8 +270,8 @@ SCHEMAS: tuple[OpSchema, ...] = (
             Attr("k_layout", "string", default="bhtd", valid=Valid(choices=("bhtd", "bhdt"))),
             Attr("approx_prefill", "int", default=0, doc=FLAG),
             Attr("select", "string", default="popcount", valid=Valid(choices=("popcount", "exact"))),
-            Attr("eps_heads", "floats", valid=Valid(lo=0, finite=True), doc="one per KV head; absent: eps for all"),
-            Attr("kscale", "floats", valid=Valid(lo=0, finite=True), doc="KV heads x head dim; absent: none"),
+            Attr("eps_heads", "floats", default=(), valid=Valid(lo=0, finite=True), doc="one per KV head; empty: eps for all"),
+            Attr("kscale", "floats", default=(), valid=Valid(lo=0, finite=True), doc="KV heads x head dim; empty: none"),
             Attr("layer", "string", meta=True),
         ),
         reference="custom_ops.reference.attn:op",
@@ -288,6 +292,10 @@ def op_types() -> list[str]:
     return list(_BY_TYPE)
 
 
-def defaults() -> dict[str, dict[str, Any]]:
-    """{op_type: {attribute: default}}: the shape of the library's `ortlean_op_schema_json()`."""
-    return {s.op_type: s.defaults() for s in SCHEMAS}
+def defaults_json() -> dict[str, dict[str, Any]]:
+    """{op_type: {attribute: default}} as the library's `ortlean_op_schema_json()` writes it
+    (`custom_ops.op_schema()`): NaN is None, lists are lists."""
+    def js(v):
+        return None if isinstance(v, float) and math.isnan(v) else (list(v) if isinstance(v, tuple) else v)
+
+    return {s.op_type: {k: js(v) for k, v in s.defaults().items()} for s in SCHEMAS}

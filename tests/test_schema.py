@@ -122,7 +122,7 @@ def test_resolve_puts_the_node_values_on_the_defaults():
     s = schema.get("PackedAttention")
     r = s.resolve({"budget": 0.5, "not_an_attribute": 1})
     assert r["budget"] == 0.5 and r["window"] == s.attr("window").default and "not_an_attribute" not in r
-    assert set(schema.defaults()) == set(schema.op_types())
+    assert set(schema.defaults_json()) == set(schema.op_types())
 
 
 @requires_native
@@ -153,3 +153,14 @@ def test_kernel_refuses_nodes_without_required_attributes():
                 with pytest.raises(Exception, match=f"node 'no_{a.name}'.*{a.name}"):
                     custom_ops.session(op_model(s.op_type, {k: v for k, v in required.items() if k != a.name},
                                                 name=f"no_{a.name}"))
+
+
+@requires_native
+def test_kernel_defaults_are_the_schema_defaults():
+    """What the C++ kernels use for an omitted attribute (their attribute tables, exported by the
+    library) is what the schema says, value and type."""
+    native, ours = custom_ops.op_schema(), schema.defaults_json()
+    assert native == ours
+    for op, attrs in native.items():
+        for k, v in attrs.items():
+            assert type(v) is type(ours[op][k]), (op, k, v, ours[op][k])

@@ -31,7 +31,13 @@ _registered = False
 def _fill_values(s: schema.OpSchema) -> dict:
     """What the ext op sees for attributes a node omits (it needs every declared one): the
     kernel's default, else an empty value (required attributes are never filled in)."""
-    return {a.name: (a.default if a.default is not None else _FILL[a.type]) for a in s.attrs if not a.required}
+    out = {}
+    for a in s.attrs:
+        if a.required:
+            continue
+        v = a.default if a.default is not None else _FILL[a.type]
+        out[a.name] = json.dumps(list(v)) if a.type in ("ints", "floats") and not isinstance(v, str) else v
+    return out
 
 
 def library_path() -> str:
