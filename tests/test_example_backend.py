@@ -46,9 +46,6 @@ class Int8Backend(WeightBackendBase):
     Config = Int8Config
     title = "int8 weights (test example)"
 
-    def needs_calibration(self) -> bool:
-        return self.cfg.enabled
-
     def plan(self, cand, W, G, ctx) -> Plan:
         q, scale = quantize(W)
         gap = gaps.layer_gap(W, q.astype(np.float64) * scale, G)

@@ -225,9 +225,6 @@ class ProcBackend(WeightBackendBase):
     Config = ProcConfig
     title = "ProcSparseMatMul (seed 002)"
 
-    def needs_calibration(self) -> bool:
-        return self.cfg.enabled
-
     def plan(self, cand, W, G, ctx) -> Plan:
         p = plan_layer(W, G, self.cfg, ctx.speed_M, ctx.threads)
         if p.decision != "procsparse":

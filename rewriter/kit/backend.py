@@ -7,7 +7,7 @@ makes one instance per enabled backend, ``Backend(config)``, and calls, in this 
     Backend.add_flags(parser)                  # its flags on `ortlean rewrite` (class level)
     Backend.config(args, state_pack) -> cfg    # cfg.enabled, cfg.targets (class level, once)
     b.group_candidates(todo, enabled) -> todo  # hook: plan several MatMuls as one unit (default: as is)
-    b.needs_calibration() -> bool              # wants the Gram XᵀX of its layers' inputs
+    b.needs_calibration() -> bool              # wants the Gram XᵀX of its layers' inputs (default: yes)
     b.calibration_hook(ctx) -> hook | None     # hook: sees every calibration activation (default: none)
     b.plan(cand, W, G, ctx) -> Plan            # decision for one layer ("dense" says why)
     b.emit(graph, cand, plan, ctx)             # replace cand.node by its op
@@ -179,7 +179,9 @@ class WeightBackendBase(_Configured, ABC):
         return todo
 
     def needs_calibration(self) -> bool:
-        return False
+        """A weight backend measures its gaps on the Gram of the calibration inputs; one that
+        does not need them says so."""
+        return True
 
     def calibration_hook(self, ctx: Context) -> CalibrationHook | None:
         return None

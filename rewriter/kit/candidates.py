@@ -88,26 +88,11 @@ def _consumers(v: ir.Value) -> list[ir.Node]:
     return [u.node for u in v.uses()]
 
 
-def _downstream(node: ir.Node, limit: int = 40):
-    """Nodes reachable from node's outputs, stopping at weight MatMuls (not crossed)."""
+def _walk(start: list, step, limit: int):
+    """Breadth-first (node, depth) from `start` [(node, 1)], `step(node)` giving the next nodes; weight
+    MatMuls are reached but not crossed."""
     seen: set[int] = set()
-    q = deque((c, 1) for o in node.outputs for c in _consumers(o))
-    while q:
-        n, depth = q.popleft()
-        if id(n) in seen or depth > limit:
-            continue
-        seen.add(id(n))
-        yield n, depth
-        if _is_weight_matmul(n):
-            continue
-        for o in n.outputs:
-            for c in _consumers(o):
-                q.append((c, depth + 1))
-
-
-def _upstream(v: ir.Value, limit: int = 12):
-    seen: set[int] = set()
-    q = deque([(v.producer(), 1)])
+    q = deque(start)
     while q:
         n, depth = q.popleft()
         if n is None or id(n) in seen or depth > limit:
@@ -116,9 +101,22 @@ def _upstream(v: ir.Value, limit: int = 12):
         yield n, depth
         if _is_weight_matmul(n):
             continue
-        for i in n.inputs:
-            if i is not None and not i.is_initializer():
-                q.append((i.producer(), depth + 1))
+        q.extend((m, depth + 1) for m in step(n))
+
+
+def _downstream(node: ir.Node, limit: int = 40):
+    """Nodes reachable from node's outputs, stopping at weight MatMuls (not crossed)."""
+    def consumers(n: ir.Node) -> list[ir.Node]:
+        return [c for o in n.outputs for c in _consumers(o)]
+
+    return _walk([(c, 1) for c in consumers(node)], consumers, limit)
+
+
+def _upstream(v: ir.Value, limit: int = 12):
+    def producers(n: ir.Node) -> list[ir.Node | None]:
+        return [i.producer() for i in n.inputs if i is not None and not i.is_initializer()]
+
+    return _walk([(v.producer(), 1)], producers, limit)
 
 
 def _reaches_output_plainly(node: ir.Node) -> bool:
