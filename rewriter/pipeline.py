@@ -48,8 +48,7 @@ def run(cfg: RewriteConfig) -> dict:
     quality = None
     order: dict[str, int] = {}
     if weight:
-        cands, records, todo = _candidates(model, cfg, weight, inp)
-        order = {c.name: i for i, c in enumerate(cands)}
+        order, records, todo = _candidates(model, cfg, weight, inp)
         for b in weight:  # a backend may plan several MatMuls as one unit (gating: shared-input projections)
             todo = b.group_candidates(todo, weight)
         ctx.todo = todo
@@ -131,7 +130,7 @@ def _graph_passes(passes: list, stage: str, model, ctx: Context) -> list[dict]:
 
 
 def _candidates(model, cfg: RewriteConfig, weight: list, inp: Path):
-    """(every candidate, records of those no backend will plan, the ones to plan)."""
+    """({weight MatMul name: graph position}, records of those no backend will plan, the ones to plan)."""
     done = candidates.ortlean_nodes(model)
     cands = candidates.find_candidates(model)
     already = [n.name for n in done]
@@ -144,7 +143,8 @@ def _candidates(model, cfg: RewriteConfig, weight: list, inp: Path):
         extra = f" ({len(already)} layers are already rewritten by ortlean)" if already else ""
         raise OrtleanError(f"{inp}: no eligible MatMul (a MatMul whose B is a constant float initializer){extra}")
     _, excluded = candidates.select(cands, cfg.include, cfg.exclude)
-    records: dict[str, LayerRecord] = {}
+    unsupported = candidates.find_unsupported(model)
+    records: dict[str, LayerRecord] = {u.name: report.unsupported(u) for u in unsupported}
     todo = []
     for c in cands:
         if c.name in excluded:
@@ -155,7 +155,9 @@ def _candidates(model, cfg: RewriteConfig, weight: list, inp: Path):
             todo.append(c)
     if not todo:
         raise OrtleanError(f"{inp}: no MatMul left to rewrite after the --*-target flags and --include/--exclude")
-    return cands, records, todo
+    pos = {id(n): i for i, n in enumerate(model.graph)}
+    order = {x.name: pos[id(x.node)] for x in [*cands, *unsupported]}
+    return order, records, todo
 
 
 def _calibrate(cfg: RewriteConfig, ctx: Context, weight: list, todo: list) -> dict:

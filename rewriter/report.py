@@ -53,6 +53,13 @@ def all_dense(c, plans: list) -> LayerRecord:
                        "; ".join(p.reason for p in plans), speed=last.speed or None, extra=_extra(last))
 
 
+def unsupported(u) -> LayerRecord:
+    """A weight MatMul the backends cannot take (kit.candidates.Unsupported)."""
+    shape = [int(d) for d in u.weight.const_value.shape]
+    n = int(np.prod(shape))
+    return LayerRecord(u.name, None, "?", "?", shape, "dense", n, n, None, f"kept: unsupported ({u.why})")
+
+
 def dense(c, why: str) -> LayerRecord:
     return LayerRecord(c.name, c.layer, c.target, c.role, [c.K, c.N], "dense", c.params, c.params, None, f"kept dense: {why}")
 

@@ -164,6 +164,32 @@ def test_bad_flags(toy_model, toy_text, tmp_path, flags, needle):
     assert not out.exists()
 
 
+def test_unsupported_weight_matmul_is_reported(tmp_path, toy_text):
+    """A MatMul with a constant B the backends cannot take (here float16) is one report row that
+    says why; the rest of the model is rewritten as usual."""
+    import toy
+    from onnx import TensorProto, helper, numpy_helper
+
+    p = toy.build(tmp_path / "m.onnx")
+    m = onnx.load(str(p))
+    w16 = np.random.default_rng(0).standard_normal((48, 8)).astype(np.float16)
+    m.graph.initializer.append(numpy_helper.from_array(w16, "aux_w16"))
+    m.graph.node.extend([
+        helper.make_node("Cast", ["h0"], ["h0_16"], to=TensorProto.FLOAT16, name="/aux/Cast"),
+        helper.make_node("MatMul", ["h0_16", "aux_w16"], ["aux16"], name="/aux/MatMul"),
+        helper.make_node("Cast", ["aux16"], ["aux"], to=TensorProto.FLOAT, name="/aux/Cast_1")])
+    m.graph.output.append(helper.make_tensor_value_info("aux", TensorProto.FLOAT, ["batch", "seq", 8]))
+    onnx.save(m, str(p))
+    out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
+    code, so, se = _rewrite(p, toy_text, out, "--report", rep)
+    assert code == 0, se
+    r = json.loads(rep.read_text())
+    row = next(L for L in r["layers"] if L["layer"] == "/aux/MatMul")
+    assert row["backend"] == "dense" and row["decision"] == "kept: unsupported (weight aux_w16 is float16, not float32)"
+    assert row["shape"] == [48, 8] and row["params_before"] == row["params_after"] == 384
+    assert r["factored"] >= 1 and "kept: unsupported" in so
+
+
 def test_bad_files(tmp_path, toy_text):
     out = tmp_path / "o.onnx"
     code, _, se = run_cli("rewrite", tmp_path / "missing.onnx", "-o", out, "--tt=on", "--calib-text", toy_text)

@@ -243,19 +243,45 @@ def _name_hint(node: ir.Node):
     return None
 
 
+def _unsupported(w: ir.Value) -> str | None:
+    """Why the backends cannot take this weight (None: a 2-D float32 initializer, they can)."""
+    shape, dtype = w.const_value.shape, w.const_value.dtype
+    if dtype != ir.DataType.FLOAT:
+        return f"weight {w.name} is {dtype.name.lower()}, not float32"
+    if len(shape) != 2:
+        return f"weight {w.name} has shape {list(shape)}, not [K, N]"
+    return None
+
+
+@dataclass
+class Unsupported:
+    """A MatMul with a constant B that no backend can take, and why (one report row)."""
+    node: ir.Node
+    name: str
+    weight: ir.Value
+    why: str
+
+
+def node_name(node: ir.Node) -> str:
+    return node.name or f"MatMul_{node.outputs[0].name}"
+
+
+def find_unsupported(model: ir.Model) -> list[Unsupported]:
+    return [Unsupported(node, node_name(node), wt[0], why) for node in model.graph
+            for wt in [_weight_of(node)] if wt is not None for why in [_unsupported(wt[0])] if why]
+
+
 def find_candidates(model: ir.Model) -> list[Candidate]:
     out = []
     for node in model.graph:
         wt = _weight_of(node)
-        if wt is None:
+        if wt is None or _unsupported(wt[0]):
             continue
         w, transposed = wt
         shape = w.const_value.shape
-        if len(shape) != 2 or w.const_value.dtype != ir.DataType.FLOAT:
-            continue
         K, N = (int(shape[1]), int(shape[0])) if transposed else (int(shape[0]), int(shape[1]))
         target, role, how = _classify(node, K, N)
-        name = node.name or f"MatMul_{node.outputs[0].name}"
+        name = node_name(node)
         layer = _layer_index(node.name or "") if node.name else None
         if layer is None:
             layer = _layer_index(w.name or "")
