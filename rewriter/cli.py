@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rewrite", help="rewrite weight MatMuls into ortlean custom ops")
     p.add_argument("model")
     p.add_argument("-o", "--output", help="output model (default: MODEL with .lean.onnx)")
-    p.add_argument("-q", "--quiet", action="store_true")
     options.add_flags(p, RewriteConfig)
+    p.add_argument("-q", "--quiet", action="store_true")
     _add_backend_flags(p)
 
     p = sub.add_parser("inspect", help="ops, layers and ortlean attributes of a model")

@@ -99,7 +99,7 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past:
         res["profile"] = {}
         for k in ("dense", "lean"):
             prof = runtime.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, t), feeds=None, runs=5)
-            res["profile"][k] = {"rows": list(prof), "top_nodes": getattr(prof, "top_nodes", [])}
+            res["profile"][k] = {"rows": list(prof), "top_nodes": prof.top_nodes}
     return res
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ class LayerRecord:
 
 
 def config_dict(c) -> dict:
-    d = dict(getattr(c, "__dict__", {}))
+    d = {f.name: getattr(c, f.name) for f in fields(c)}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 

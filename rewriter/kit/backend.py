@@ -25,7 +25,7 @@ import argparse
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -34,6 +34,7 @@ from . import options
 from .calib import CalibText, CalibrationHook
 from .candidates import Candidate
 from .options import RewriteConfig, StatePack
+from .quality import Quality
 
 
 @dataclass
@@ -72,8 +73,6 @@ class Context:
     """What the pipeline knows during one rewrite that backends may use."""
 
     def __init__(self, opts: RewriteConfig, model: ir.Model, io):
-        from .quality import Quality
-
         self.opts = opts                    # the rewrite's options (budget, calibration tokens …)
         self.model = model                  # the loaded model: read-only until emission
         self.io = io                        # custom_ops.runtime.ModelIO of the model
@@ -122,7 +121,6 @@ class BackendConfig(Protocol):
     def validate(self) -> None: ...
 
 
-@runtime_checkable
 class WeightBackend(Protocol):
     name: ClassVar[str]             # "tt": the report's backend column
     op_type: ClassVar[str]          # "TTMatMul"
@@ -139,7 +137,6 @@ class WeightBackend(Protocol):
     def emit(self, graph: ir.Graph, cand: Candidate, plan: Plan, ctx: Context) -> None: ...
 
 
-@runtime_checkable
 class GraphPass(Protocol):
     name: ClassVar[str]
     stage: ClassVar[str]            # "pre" | "post"

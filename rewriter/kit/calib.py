@@ -67,8 +67,8 @@ def _with_extra_outputs(source: str | bytes, names: list[str]) -> bytes:
     return proto.SerializeToString()
 
 
-def collect_grams(source: str | bytes, io, value_names: list[str], calib: CalibText, max_tokens: int = 4096,
-                  window: int = 256, threads: int | None = None, progress: bool = True,
+def collect_grams(source: str | bytes, io, value_names: list[str], calib: CalibText, max_tokens: int, window: int,
+                  threads: int | None = None, progress: bool = True,
                   hook: CalibrationHook | None = None) -> dict[str, Gram]:
     """Gram XᵀX of every value in `value_names` over the calibration windows of the model
     `source` (a path: external data stays where it is, or serialized bytes)."""
