@@ -18,7 +18,7 @@ LIB_NAME = "libortlean_ops.so"
 
 __all__ = [
     "DOMAIN", "LibraryNotFoundError", "library_path", "load_library", "session_options",
-    "session", "metrics", "reset_metrics", "isa",
+    "session", "metrics", "reset_metrics", "isa", "op_schema",
 ]
 
 
@@ -91,6 +91,8 @@ def load_library() -> ctypes.CDLL:
         lib.ortlean_metrics_reset.argtypes = []
         lib.ortlean_isa.restype = ctypes.c_char_p
         lib.ortlean_isa.argtypes = []
+        lib.ortlean_op_schema_json.restype = ctypes.c_char_p
+        lib.ortlean_op_schema_json.argtypes = []
         _LIB = lib
     return _LIB
 
@@ -168,3 +170,9 @@ def reset_metrics() -> None:
 def isa() -> str:
     """The kernel ISA path chosen at load time: scalar | avx2 | avx512."""
     return load_library().ortlean_isa().decode()
+
+
+def op_schema() -> dict[str, dict]:
+    """The attribute defaults the native kernels use: {op_type: {attr: default}} (attributes
+    without a default are omitted; a float default of NaN, "not measured", is None)."""
+    return json.loads(load_library().ortlean_op_schema_json().decode())

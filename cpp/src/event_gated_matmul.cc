@@ -445,45 +445,77 @@ void EventGatedMatMulKernel::dense_product(const Ort::KernelContext& ctx, const 
 // ------------------------------------------------------------------ construction
 namespace {
 
-template <class T>
-T attr_or(const Ort::ConstKernelInfo& info, const char* name, T def) {
-  T v = def;
-  try_attribute(info, name, v);
-  return v;
-}
+// Every attribute and its default (the numpy reference's DEFAULTS in custom_ops/reference/gating.py
+// must agree: ortlean_op_schema_json exports these).
+constexpr AttrSpec kAttrSpecs[] = {
+    attr_int("block", 1),
+    attr_string("pack", "none"),
+    attr_float("pack_eps", 0.0f),
+    attr_float("pack_rho", 1.0f),
+    attr_int("kwta", 0),
+    attr_string("kwta_select", "threshold"),
+    attr_string("kwta_score", "xw"),
+    attr_float("kwta_threshold", 0.0f),
+    attr_int("kwta_k", 0),
+    attr_float("kwta_mass", 1.0f),
+    attr_float("kwta_temp", 0.0f),
+    attr_int("kwta_duty", 1),
+    attr_int("kwta_renorm", 0),
+    attr_int("event", 0),
+    attr_float("event_topk", 1.0f),
+    attr_float("event_quorum", 1.0f),
+    attr_float("event_theta", 0.0f),
+    attr_float("event_budget_ms", 0.0f),
+    attr_float("event_gap_tol", 0.03f),
+    attr_int("event_gap_every", 16),
+    attr_float("event_beta", 1.0f),
+    attr_float("event_lambda", 0.0f),
+    attr_int("event_age_max", 0),
+    attr_int("dense_prefill", 0),
+    attr_optional("keep_ratio", AttrType::Float),
+    attr_optional("gap", AttrType::Float),
+    attr_optional("params_dense", AttrType::Int),
+    attr_optional("params_stored", AttrType::Int),
+    attr_optional("layer", AttrType::String),
+    attr_optional("target", AttrType::String),
+    attr_optional("fused", AttrType::String),  // members of a fused group (metadata)
+};
 
 }  // namespace
+
+const AttrTable EventGatedMatMulKernel::kAttrs{kAttrSpecs};
 
 EventGatedMatMulKernel::EventGatedMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
   err_prefix_ = "ortlean EventGatedMatMul node '" + name_ + "': ";
+  const Attrs at(info, kAttrs);
   GatingAttrs& a = a_;
-  a.block = attr_or<int64_t>(info, "block", 1);
-  const std::string pack = attr_or<std::string>(info, "pack", "none");
-  a.pack_eps = attr_or<float>(info, "pack_eps", 0.0f);
-  a.pack_rho = attr_or<float>(info, "pack_rho", 1.0f);
-  a.kwta = attr_or<int64_t>(info, "kwta", 0) != 0;
-  const std::string sel = attr_or<std::string>(info, "kwta_select", "threshold");
-  const std::string score = attr_or<std::string>(info, "kwta_score", "xw");
-  a.kwta_threshold = attr_or<float>(info, "kwta_threshold", 0.0f);
-  a.kwta_k = attr_or<int64_t>(info, "kwta_k", 0);
-  a.kwta_mass = attr_or<float>(info, "kwta_mass", 1.0f);
-  a.kwta_temp = attr_or<float>(info, "kwta_temp", 0.0f);
-  a.kwta_duty = attr_or<int64_t>(info, "kwta_duty", 1);
-  a.kwta_renorm = attr_or<int64_t>(info, "kwta_renorm", 0) != 0;
-  a.event = attr_or<int64_t>(info, "event", 0) != 0;
-  a.event_topk = attr_or<float>(info, "event_topk", 1.0f);
-  a.event_quorum = attr_or<float>(info, "event_quorum", 1.0f);
-  a.event_theta = attr_or<float>(info, "event_theta", 0.0f);
-  a.event_budget_ms = attr_or<float>(info, "event_budget_ms", 0.0f);
-  a.event_gap_tol = attr_or<float>(info, "event_gap_tol", 0.03f);
-  a.event_gap_every = attr_or<int64_t>(info, "event_gap_every", 16);
-  a.event_beta = attr_or<float>(info, "event_beta", 1.0f);
-  a.event_lambda = attr_or<float>(info, "event_lambda", 0.0f);
-  a.event_age_max = attr_or<int64_t>(info, "event_age_max", 0);
-  a.dense_prefill = attr_or<int64_t>(info, "dense_prefill", 0) != 0;
-  const std::string target = attr_or<std::string>(info, "target", "");
+  a.block = at.i("block");
+  const std::string& pack = at.s("pack");
+  a.pack_eps = at.f("pack_eps");
+  a.pack_rho = at.f("pack_rho");
+  a.kwta = at.i("kwta") != 0;
+  const std::string& sel = at.s("kwta_select");
+  const std::string& score = at.s("kwta_score");
+  a.kwta_threshold = at.f("kwta_threshold");
+  a.kwta_k = at.i("kwta_k");
+  a.kwta_mass = at.f("kwta_mass");
+  a.kwta_temp = at.f("kwta_temp");
+  a.kwta_duty = at.i("kwta_duty");
+  a.kwta_renorm = at.i("kwta_renorm") != 0;
+  a.event = at.i("event") != 0;
+  a.event_topk = at.f("event_topk");
+  a.event_quorum = at.f("event_quorum");
+  a.event_theta = at.f("event_theta");
+  a.event_budget_ms = at.f("event_budget_ms");
+  a.event_gap_tol = at.f("event_gap_tol");
+  a.event_gap_every = at.i("event_gap_every");
+  a.event_beta = at.f("event_beta");
+  a.event_lambda = at.f("event_lambda");
+  a.event_age_max = at.i("event_age_max");
+  a.dense_prefill = at.i("dense_prefill") != 0;
+  const std::string& target = at.s("target");
 
   if (a.block < 1) fail("attribute block must be >= 1, got " + std::to_string(a.block));
   if (pack == "none") a.pack = 0;

@@ -5,32 +5,35 @@
 // (like the KV cache), so the kernel itself holds no per-sequence state.
 #pragma once
 #include "kernels/gating.h"
+#include "attrs.h"
 #include "metrics.h"
 #include "ort_common.h"
 
 namespace ortlean {
 
+// The node's gating attributes (values and defaults: kAttrSpecs in event_gated_matmul.cc).
 struct GatingAttrs {
-  int64_t block = 1;
-  int pack = 0;  // 0 none, 1 binary, 2 ternary
-  float pack_eps = 0.0f, pack_rho = 1.0f;
-  bool kwta = false;
-  int kwta_select = 0;  // 0 threshold, 1 topk, 2 mass
-  bool score_xw = true;
-  float kwta_threshold = 0.0f, kwta_mass = 1.0f, kwta_temp = 0.0f;
-  int64_t kwta_k = 0, kwta_duty = 1;
-  bool kwta_renorm = false;
-  bool event = false;
-  float event_topk = 1.0f, event_quorum = 1.0f, event_theta = 0.0f, event_budget_ms = 0.0f;
-  float event_gap_tol = 0.03f, event_beta = 1.0f, event_lambda = 0.0f;
-  int64_t event_gap_every = 16, event_age_max = 0;
-  bool dense_prefill = false;
+  int64_t block;
+  int pack;  // 0 none, 1 binary, 2 ternary
+  float pack_eps, pack_rho;
+  bool kwta;
+  int kwta_select;  // 0 threshold, 1 topk, 2 mass
+  bool score_xw;
+  float kwta_threshold, kwta_mass, kwta_temp;
+  int64_t kwta_k, kwta_duty;
+  bool kwta_renorm;
+  bool event;
+  float event_topk, event_quorum, event_theta, event_budget_ms;
+  float event_gap_tol, event_beta, event_lambda;
+  int64_t event_gap_every, event_age_max;
+  bool dense_prefill;
 };
 
 class EventGatedMatMulKernel {
  public:
   EventGatedMatMulKernel(const OrtApi& api, const OrtKernelInfo* info);  // throws on invalid node
   OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept;
+  static const AttrTable kAttrs;  // attribute names, types, defaults (ortlean_op_schema_json)
 
   static constexpr int64_t kHdr = 8;
 
@@ -41,7 +44,7 @@ class EventGatedMatMulKernel {
   std::string name_;
 
   std::string err_prefix_;  // "ortlean EventGatedMatMul node '<name>': " (built once: Compute allocates nothing for it)
-  GatingAttrs a_;
+  GatingAttrs a_{};
   int64_t K_ = 0, N_ = 0, nb_ = 0, S_ = 0;
   bool stateful_ = false;
   const float* W_ = nullptr;   // the constant initializer (owned by the session)

@@ -5,6 +5,8 @@
 #include <map>
 #include <memory>
 
+#include "json.h"
+
 namespace ortlean {
 namespace metrics {
 
@@ -19,40 +21,6 @@ Registry& registry() {
   return *r;
 }
 
-void json_string(std::string& out, const std::string& s) {
-  out += '"';
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  out += '"';
-}
-
-void json_number(std::string& out, double v) {
-  if (!std::isfinite(v)) {
-    out += "null";
-    return;
-  }
-  char buf[32];
-  if (v == std::floor(v) && std::fabs(v) < 1e15)
-    std::snprintf(buf, sizeof buf, "%.0f", v);
-  else
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-  out += buf;
-}
 }  // namespace
 
 Value* Node::metric(const std::string& key, bool counter) {
@@ -84,15 +52,15 @@ std::string to_json() {
   for (auto& kv : r.nodes) {
     if (!first_node) out += ", ";
     first_node = false;
-    json_string(out, kv.first);
+    json::string(out, kv.first);
     out += ": {";
     Node& n = *kv.second;
     std::lock_guard<std::mutex> lk2(n.mu_);
     for (size_t i = 0; i < n.entries_.size(); ++i) {
       if (i) out += ", ";
-      json_string(out, n.entries_[i].key);
+      json::string(out, n.entries_[i].key);
       out += ": ";
-      json_number(out, n.entries_[i].value.load(std::memory_order_relaxed));
+      json::number(out, n.entries_[i].value.load(std::memory_order_relaxed));
     }
     out += "}";
   }

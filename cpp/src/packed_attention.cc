@@ -13,6 +13,18 @@
 namespace ortlean {
 namespace {
 
+constexpr AttrSpec kAttrSpecs[] = {
+    attr_float("scale", 1.0f),          attr_string("mode", "sign"),
+    attr_float("eps", 0.0f),            attr_float("budget", 0.0f),
+    attr_int("min_candidates", 64),     attr_int("sinks", 4),
+    attr_int("window", 64),             attr_int("min_context", 256),
+    attr_float("rho", 0.15f),           attr_int("qbits", 8),
+    attr_float("mix", 0.0f),            attr_string("popcnt", "auto"),
+    attr_string("k_layout", "bhtd"),    attr_int("approx_prefill", 0),
+    attr_list("eps_heads", AttrType::Floats), attr_list("kscale", AttrType::Floats),
+    attr_string("select", "popcount"),  attr_optional("layer", AttrType::String),
+};
+
 constexpr int64_t kRowBlock = 32;  // query rows per task in the exact (prefill) path
 
 // Popcount path: requested (auto | vpopcntdq | avx2 | scalar), clamped to what the CPU has and to
@@ -39,31 +51,30 @@ inline int popc(uint32_t x) { return __builtin_popcount(x); }
 
 }  // namespace
 
+const AttrTable PackedAttentionKernel::kAttrs{kAttrSpecs};
+
 PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
   err_prefix_ = "ortlean PackedAttention node '" + name_ + "': ";
-  std::string mode = "sign", layout = "bhtd", popcnt = "auto";
-  try_attribute(info, "mode", mode);
-  try_attribute(info, "k_layout", layout);
-  try_attribute(info, "popcnt", popcnt);
-  std::string select = "popcount";
-  try_attribute(info, "select", select);
+  const Attrs at(info, kAttrs);
+  const std::string &mode = at.s("mode"), &layout = at.s("k_layout"), &popcnt = at.s("popcnt");
+  const std::string& select = at.s("select");
   if (select == "exact")
     oracle_ = true;
   else if (select != "popcount")
     fail("attribute select='" + select + "': expected popcount | exact");
-  try_attribute(info, "scale", scale_);
-  try_attribute(info, "eps", eps_);
-  try_attribute(info, "budget", budget_);
-  try_attribute(info, "rho", rho_);
-  try_attribute(info, "mix", mix_);
-  try_attribute(info, "min_candidates", min_candidates_);
-  try_attribute(info, "sinks", sinks_);
-  try_attribute(info, "window", window_);
-  try_attribute(info, "min_context", min_context_);
-  try_attribute(info, "qbits", qbits_);
-  try_attribute(info, "approx_prefill", approx_prefill_);
+  scale_ = at.f("scale");
+  eps_ = at.f("eps");
+  budget_ = at.f("budget");
+  rho_ = at.f("rho");
+  mix_ = at.f("mix");
+  min_candidates_ = at.i("min_candidates");
+  sinks_ = at.i("sinks");
+  window_ = at.i("window");
+  min_context_ = at.i("min_context");
+  qbits_ = at.i("qbits");
+  approx_prefill_ = at.i("approx_prefill");
   if (mode == "sign")
     mode_ = kSign;
   else if (mode == "ternary")
@@ -80,16 +91,8 @@ PackedAttentionKernel::PackedAttentionKernel(const OrtApi&, const OrtKernelInfo*
     fail("attribute k_layout='" + layout + "': expected bhtd | bhdt");
   if (!std::isfinite(scale_)) fail("attribute scale must be finite");
   if (!(eps_ >= 0) || !std::isfinite(eps_)) fail("attribute eps must be finite and >= 0");
-  try {
-    eps_heads_ = info.GetAttributes<float>("eps_heads");
-  } catch (const Ort::Exception& e) {
-    if (!std::strstr(e.what(), "No attribute")) throw;
-  }
-  try {
-    kscale_ = info.GetAttributes<float>("kscale");
-  } catch (const Ort::Exception& e) {
-    if (!std::strstr(e.what(), "No attribute")) throw;
-  }
+  eps_heads_ = at.floats("eps_heads");
+  kscale_ = at.floats("kscale");
   for (float e : kscale_)
     if (!(e >= 0) || !std::isfinite(e)) fail("attribute kscale must hold finite values >= 0");
   for (float e : eps_heads_)

@@ -3,6 +3,7 @@
 // custom_ops/reference/attn.py.
 #pragma once
 #include "kernels/attn_kernels.h"
+#include "attrs.h"
 #include "metrics.h"
 #include "ort_common.h"
 
@@ -12,6 +13,7 @@ class PackedAttentionKernel {
  public:
   PackedAttentionKernel(const OrtApi& api, const OrtKernelInfo* info);  // throws on invalid node
   OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept;
+  static const AttrTable kAttrs;  // attribute names, types, defaults (ortlean_op_schema_json)
 
   enum Mode { kSign = 0, kTernary = 1, kBinary = 2 };
 
@@ -21,9 +23,10 @@ class PackedAttentionKernel {
   std::string name_;
 
   std::string err_prefix_;  // "ortlean PackedAttention node '<name>': " (built once: Compute allocates nothing for it)
-  float scale_ = 1.0f, eps_ = 0.0f, budget_ = 0.0f, rho_ = 0.15f, mix_ = 0.0f;
+  // attribute values (defaults: kAttrSpecs in packed_attention.cc)
+  float scale_ = 0.0f, eps_ = 0.0f, budget_ = 0.0f, rho_ = 0.0f, mix_ = 0.0f;
   int64_t approx_prefill_ = 0;
-  int64_t min_candidates_ = 64, sinks_ = 4, window_ = 64, min_context_ = 256, qbits_ = 8;
+  int64_t min_candidates_ = 0, sinks_ = 0, window_ = 0, min_context_ = 0, qbits_ = 0;
   int mode_ = kSign;
   bool oracle_ = false;  // select = "exact": candidates by exact scores (measurement only)
   std::vector<float> kscale_;     // [Hkv * D] per-channel key scale folded into q for the popcount score

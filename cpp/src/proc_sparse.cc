@@ -12,6 +12,17 @@
 namespace ortlean {
 namespace {
 
+constexpr AttrSpec kAttrSpecs[] = {
+    attr_required("shape", AttrType::Ints),      attr_required("block", AttrType::Int),
+    attr_required("seed", AttrType::Int),        attr_required("base_scale", AttrType::Float),
+    attr_int("fanout", 0),                       attr_int("watermark", 0),
+    attr_float("shed_eps", 0.0f),                attr_int("trims", 0),
+    attr_float("gap", NAN),                      attr_optional("params_dense", AttrType::Int),
+    attr_optional("params_stored", AttrType::Int), attr_optional("bytes_stored", AttrType::Int),
+    attr_float("speedup", 0.0f),                 attr_optional("layer", AttrType::String),
+    attr_optional("target", AttrType::String),
+};
+
 constexpr int64_t kGrain = 64 * 1024;  // multiply-adds per ParallelFor task (a few microseconds)
 constexpr int64_t kMaxTasks = 16;
 constexpr int64_t kRowChunk = 32;     // input rows per pass in the M > 1 path (the X chunk stays in L2)
@@ -39,18 +50,17 @@ Ort::ConstValue const_input(const Ort::ConstKernelInfo& info, size_t i, const ch
 }  // namespace
 
 // ------------------------------------------------------------------ construction
+const AttrTable ProcSparseMatMulKernel::kAttrs{kAttrSpecs};
+
 ProcSparseMatMulKernel::ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
   err_prefix_ = "ortlean ProcSparseMatMul node '" + name_ + "': ";
 
-  std::vector<int64_t> shape;
-  int64_t block = 0, seed = 0;
-  float base_scale = NAN;
-  if (!try_attributes(info, "shape", shape)) fail("missing attribute 'shape' ([K, N])");
-  if (!try_attribute(info, "block", block)) fail("missing attribute 'block'");
-  if (!try_attribute(info, "seed", seed)) fail("missing attribute 'seed'");
-  if (!try_attribute(info, "base_scale", base_scale)) fail("missing attribute 'base_scale'");
+  const Attrs at(info, kAttrs);
+  const std::vector<int64_t>& shape = at.ints("shape");
+  const int64_t block = at.i("block"), seed = at.i("seed");
+  const float base_scale = at.f("base_scale");
   if (shape.size() != 2 || shape[0] < 1 || shape[1] < 1)
     fail("attribute shape must be [K, N] with K, N >= 1, got " + shape_str(shape));
   if (shape[0] > (int64_t{1} << 31) - 1 || shape[1] > (int64_t{1} << 31) - 1) fail("attribute shape too large");
@@ -63,17 +73,9 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInf
   seed_ = static_cast<uint64_t>(seed);
   scale_ = base_scale;
 
-  int64_t fanout = 0, watermark = 0, trims = 0;
-  float shed_eps = 0.0f, gap = NAN, speedup = 0.0f;
-  std::string target, layer;
-  try_attribute(info, "fanout", fanout);
-  try_attribute(info, "watermark", watermark);
-  try_attribute(info, "trims", trims);
-  try_attribute(info, "shed_eps", shed_eps);
-  try_attribute(info, "gap", gap);
-  try_attribute(info, "speedup", speedup);
-  try_attribute(info, "target", target);
-  try_attribute(info, "layer", layer);
+  const int64_t fanout = at.i("fanout"), watermark = at.i("watermark"), trims = at.i("trims");
+  const float shed_eps = at.f("shed_eps"), gap = at.f("gap"), speedup = at.f("speedup");
+  const std::string& target = at.s("target");
   if (fanout < 0) fail("attribute fanout must be >= 0 (0: no cap), got " + std::to_string(fanout));
   if (watermark < 0) fail("attribute watermark must be >= 0 (0: no cap), got " + std::to_string(watermark));
   if (!(shed_eps >= 0.0f)) fail("attribute shed_eps must be >= 0");
@@ -136,12 +138,9 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const OrtApi&, const OrtKernelInf
     if (nnzb_) std::memcpy(deltas_.data(), v.GetTensorData<float>(), sizeof(float) * nnzb_ * B_);
   }
 
-  int64_t params_dense = K_ * N_;
-  int64_t params_stored = nnzb_ * B_ + nnzb_ + N_ + 1;
-  int64_t bytes_stored = 4 * params_stored;
-  try_attribute(info, "params_dense", params_dense);
-  try_attribute(info, "params_stored", params_stored);
-  try_attribute(info, "bytes_stored", bytes_stored);
+  const int64_t params_dense = at.given("params_dense") ? at.i("params_dense") : K_ * N_;
+  const int64_t params_stored = at.given("params_stored") ? at.i("params_stored") : nnzb_ * B_ + nnzb_ + N_ + 1;
+  const int64_t bytes_stored = at.given("bytes_stored") ? at.i("bytes_stored") : 4 * params_stored;
 
   metrics::Node* m = metrics::node(name_);
   metrics::set(m->metric("proc.enabled", false), 1.0);

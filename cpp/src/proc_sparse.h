@@ -2,6 +2,7 @@
 // deltas on the stored blocks of each output row (zero elsewhere). Contract: DEVELOPERS.md;
 // semantics: custom_ops/reference/procsparse.py.
 #pragma once
+#include "attrs.h"
 #include "metrics.h"
 #include "ort_common.h"
 
@@ -11,6 +12,7 @@ class ProcSparseMatMulKernel {
  public:
   ProcSparseMatMulKernel(const OrtApi& api, const OrtKernelInfo* info);  // throws on invalid node
   OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept;
+  static const AttrTable kAttrs;  // attribute names, types, defaults (ortlean_op_schema_json)
 
  private:
   void Compute(OrtKernelContext* context) const;

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <vector>
 
+#include "attrs.h"
 #include "blas.h"
 #include "isa.h"
 #include "metrics.h"
@@ -124,6 +125,34 @@ ORTLEAN_EXPORT void ortlean_metrics_reset(void) {
     ortlean::metrics::reset_counters();
   } catch (...) {
   }
+}
+
+// {"<OpType>": {"<attr>": <default>, ...}, ...}: every attribute default the kernels use, from the
+// tables they read (attributes without a default are omitted; a float default NaN, "not measured",
+// is null). The string lives for the life of the process.
+ORTLEAN_EXPORT const char* ortlean_op_schema_json(void) {
+  using namespace ortlean;
+  static const std::string* json = [] {
+    const struct {
+      const char* op;
+      AttrTable attrs;
+    } ops[] = {{"TTMatMul", TTMatMulKernel::kAttrs},
+               {"ProcSparseMatMul", ProcSparseMatMulKernel::kAttrs},
+               {"EventGatedMatMul", EventGatedMatMulKernel::kAttrs},
+               {"PackedAttention", PackedAttentionKernel::kAttrs}};
+    auto* s = new std::string("{");
+    try {
+      for (const auto& o : ops) {
+        if (s->size() > 1) *s += ", ";
+        *s += std::string("\"") + o.op + "\": " + attr_defaults_json(o.attrs);
+      }
+      *s += "}";
+    } catch (...) {
+      *s = "{}";
+    }
+    return s;
+  }();
+  return json->c_str();
 }
 
 ORTLEAN_EXPORT const char* ortlean_isa(void) { return ortlean::isa_name(); }

@@ -13,6 +13,14 @@
 namespace ortlean {
 namespace {
 
+constexpr AttrSpec kAttrSpecs[] = {
+    attr_required("modes_k", AttrType::Ints), attr_required("modes_n", AttrType::Ints),
+    attr_required("ranks", AttrType::Ints),   attr_optional("method", AttrType::String),
+    attr_float("gap", NAN),                   attr_optional("params_dense", AttrType::Int),
+    attr_optional("params_stored", AttrType::Int), attr_float("speedup", 0.0f),
+    attr_optional("layer", AttrType::String), attr_optional("target", AttrType::String),
+};
+
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // BLAS takes 32-bit ints
 // Work (multiply-adds) per ParallelFor task: a task should run a few microseconds so ORT's
 // dispatch cost stays small. Matvec steps are memory-bound: ~64K weights per task.
@@ -230,16 +238,15 @@ int64_t guard_rows(const Call& c, const float* X, float* Y, int64_t m0, int64_t 
 }  // namespace
 
 // ------------------------------------------------------------------ construction
+const AttrTable TTMatMulKernel::kAttrs{kAttrSpecs};
+
 TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   Ort::ConstKernelInfo info{info_ptr};
   name_ = info.GetNodeName();
   err_prefix_ = "ortlean TTMatMul node '" + name_ + "': ";
 
-  std::vector<int64_t> mk, mn, ranks;
-  if (!try_attributes(info, "modes_k", mk)) fail("missing attribute 'modes_k'");
-  if (!try_attributes(info, "modes_n", mn)) fail("missing attribute 'modes_n'");
-  if (!try_attributes(info, "ranks", ranks)) fail("missing attribute 'ranks'");
-  plan_ = make_plan(std::move(mk), std::move(mn), std::move(ranks));
+  const Attrs at(info, kAttrs);
+  plan_ = make_plan(at.ints("modes_k"), at.ints("modes_n"), at.ints("ranks"));
   const TTPlan& p = plan_;
 
   // inputs: X, G1..G4 (G_{d+1}.. absent), x_scale
@@ -310,18 +317,14 @@ TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
     }
   }
 
-  // metadata attributes (optional for the kernel; defaults when absent)
-  std::string method, target, layer;
-  float gap = NAN, speedup = 0.0f;
-  int64_t params_dense = p.K * p.N, params_stored = 0;
+  // metadata attributes (optional for the kernel)
+  const std::string& method = at.s("method");
+  const std::string& target = at.s("target");
+  const float gap = at.f("gap"), speedup = at.f("speedup");
+  int64_t params_stored = 0;
   for (int i = 0; i < p.d; ++i) params_stored += p.core_size(i);
-  try_attribute(info, "method", method);
-  try_attribute(info, "target", target);
-  try_attribute(info, "layer", layer);
-  try_attribute(info, "gap", gap);
-  try_attribute(info, "speedup", speedup);
-  try_attribute(info, "params_dense", params_dense);
-  try_attribute(info, "params_stored", params_stored);
+  const int64_t params_dense = at.given("params_dense") ? at.i("params_dense") : p.K * p.N;
+  if (at.given("params_stored")) params_stored = at.i("params_stored");
   if (!method.empty() && method != "svd" && method != "cross")
     fail("attribute method must be 'svd' or 'cross', got '" + method + "'");
   if (!target.empty() && target != "mlp" && target != "attn" && target != "head")

@@ -1,6 +1,7 @@
 // TTMatMul (domain ai.ortlean, opset 1): Y = (X * x_scale) . W(G1..Gd), W given by TT-matrix cores
 // G_i [r_{i-1}, k_i, n_i, r_i]. Contract: DEVELOPERS.md; semantics: custom_ops/reference/tt.py.
 #pragma once
+#include "attrs.h"
 #include "metrics.h"
 #include "ort_common.h"
 
@@ -26,6 +27,7 @@ class TTMatMulKernel {
   TTMatMulKernel(const OrtApi& api, const OrtKernelInfo* info);  // throws on invalid node
   OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept;
   const std::string& name() const { return name_; }
+  static const AttrTable kAttrs;  // attribute names, types, defaults (ortlean_op_schema_json)
 
   struct CoreRef {
     const float* cm;   // [(r0 k), (n r1)] = the core as stored
