@@ -18,11 +18,12 @@ const char* type_name(AttrType t) {
   }
 }
 
-// Reads a list attribute into out; false when the node has no such attribute.
-template <class T>
-bool try_list(const Ort::ConstKernelInfo& info, const char* name, std::vector<T>& out) {
+// Runs read() (a GetAttribute call); false when the node has no such attribute (any other error,
+// e.g. a type mismatch, propagates and fails the node).
+template <class F>
+bool present(F&& read) {
   try {
-    out = info.GetAttributes<T>(name);
+    read();
     return true;
   } catch (const Ort::Exception& e) {
     if (std::strstr(e.what(), "No attribute")) return false;
@@ -40,21 +41,21 @@ Attrs::Attrs(const Ort::ConstKernelInfo& info, AttrTable table) {
     switch (sp.type) {
       case AttrType::Int:
         v.i = static_cast<int64_t>(sp.num);
-        v.given = try_attribute(info, sp.name, v.i);
+        v.given = present([&] { v.i = info.GetAttribute<int64_t>(sp.name); });
         break;
       case AttrType::Float:
         v.f = static_cast<float>(sp.num);
-        v.given = try_attribute(info, sp.name, v.f);
+        v.given = present([&] { v.f = info.GetAttribute<float>(sp.name); });
         break;
       case AttrType::String:
         v.s = sp.str ? sp.str : "";
-        v.given = try_attribute(info, sp.name, v.s);
+        v.given = present([&] { v.s = info.GetAttribute<std::string>(sp.name); });
         break;
       case AttrType::Ints:
-        v.given = try_list(info, sp.name, v.ints);
+        v.given = present([&] { v.ints = info.GetAttributes<int64_t>(sp.name); });
         break;
       case AttrType::Floats:
-        v.given = try_list(info, sp.name, v.floats);
+        v.given = present([&] { v.floats = info.GetAttributes<float>(sp.name); });
         break;
     }
     if (!v.given && sp.need == AttrNeed::Required) fail(std::string("missing attribute '") + sp.name + "'");

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "ort_common.h"
+#include "ort_api.h"
 
 namespace ortlean {
 
