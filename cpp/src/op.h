@@ -26,6 +26,9 @@
 
 namespace ortlean {
 
+// Largest dimension / count an op accepts (BLAS and the kernels index with 32-bit ints).
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+
 constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kI32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr bool kOptional = true;

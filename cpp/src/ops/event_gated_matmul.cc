@@ -12,7 +12,6 @@
 namespace ortlean {
 namespace {
 
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 // weights per matvec task (384 KB). From DRAM at 2 threads, 1536x576 keep 0.25 (221k weights)
 // took 29 us in two tasks vs 47 us in one; one-thread sessions never split (PoolProbe).
 constexpr int64_t kGrain = 96 * 1024;
@@ -703,63 +702,20 @@ void GatingCall::publish_metrics() const {
 EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
   GatingAttrs& a = a_;
-  a.block = at.i("block");
-  const std::string& pack = at.s("pack");
-  a.pack_eps = at.f("pack_eps");
-  a.pack_rho = at.f("pack_rho");
-  a.kwta = at.i("kwta") != 0;
-  const std::string& sel = at.s("kwta_select");
-  const std::string& score = at.s("kwta_score");
-  a.kwta_threshold = at.f("kwta_threshold");
-  a.kwta_k = at.i("kwta_k");
-  a.kwta_mass = at.f("kwta_mass");
-  a.kwta_temp = at.f("kwta_temp");
-  a.kwta_duty = at.i("kwta_duty");
-  a.kwta_renorm = at.i("kwta_renorm") != 0;
-  a.event = at.i("event") != 0;
-  a.event_topk = at.f("event_topk");
-  a.event_quorum = at.f("event_quorum");
-  a.event_theta = at.f("event_theta");
-  a.event_budget_ms = at.f("event_budget_ms");
-  a.event_gap_tol = at.f("event_gap_tol");
-  a.event_gap_every = at.i("event_gap_every");
-  a.event_beta = at.f("event_beta");
-  a.event_lambda = at.f("event_lambda");
-  a.event_age_max = at.i("event_age_max");
-  a.dense_prefill = at.i("dense_prefill") != 0;
-  const std::string& target = at.s("target");
-
-  if (a.block < 1) fail("attribute block must be >= 1, got " + std::to_string(a.block));
-  if (pack == "none") a.pack = 0;
-  else if (pack == "binary") a.pack = 1;
-  else if (pack == "ternary") a.pack = 2;
-  else fail("attribute pack must be 'none', 'binary' or 'ternary', got '" + pack + "'");
-  if (!(a.pack_eps >= 0.0f)) fail("attribute pack_eps must be >= 0");
-  if (!(a.pack_rho > 0.0f && a.pack_rho <= 1.0f)) fail("attribute pack_rho must be in (0, 1]");
-  if (sel == "threshold") a.kwta_select = 0;
-  else if (sel == "topk") a.kwta_select = 1;
-  else if (sel == "mass") a.kwta_select = 2;
-  else fail("attribute kwta_select must be 'threshold', 'topk' or 'mass', got '" + sel + "'");
-  if (score == "xw") a.score_xw = true;
-  else if (score == "x") a.score_xw = false;
-  else fail("attribute kwta_score must be 'xw' or 'x', got '" + score + "'");
-  if (!(a.kwta_threshold >= 0.0f)) fail("attribute kwta_threshold must be >= 0");
-  if (!(a.kwta_mass > 0.0f && a.kwta_mass <= 1.0f)) fail("attribute kwta_mass must be in (0, 1]");
-  if (!(a.kwta_temp >= 0.0f)) fail("attribute kwta_temp must be >= 0");
+  std::string pack, sel, score;
+  at.read({{"block", &a.block}, {"pack", &pack}, {"pack_eps", &a.pack_eps}, {"pack_rho", &a.pack_rho}});
+  at.read({{"kwta", &a.kwta}, {"kwta_select", &sel}, {"kwta_score", &score}, {"kwta_threshold", &a.kwta_threshold},
+           {"kwta_k", &a.kwta_k}, {"kwta_mass", &a.kwta_mass}, {"kwta_temp", &a.kwta_temp},
+           {"kwta_duty", &a.kwta_duty}, {"kwta_renorm", &a.kwta_renorm}});
+  at.read({{"event", &a.event}, {"event_topk", &a.event_topk}, {"event_quorum", &a.event_quorum},
+           {"event_theta", &a.event_theta}, {"event_budget_ms", &a.event_budget_ms},
+           {"event_gap_tol", &a.event_gap_tol}, {"event_gap_every", &a.event_gap_every},
+           {"event_beta", &a.event_beta}, {"event_lambda", &a.event_lambda}, {"event_age_max", &a.event_age_max}});
+  at.read({{"dense_prefill", &a.dense_prefill}});
+  a.pack = pack == "binary" ? 1 : pack == "ternary" ? 2 : 0;
+  a.kwta_select = sel == "topk" ? 1 : sel == "mass" ? 2 : 0;
+  a.score_xw = score == "xw";
   if (a.kwta && a.kwta_select == 2 && !(a.kwta_temp > 0.0f)) fail("kwta_select 'mass' needs kwta_temp > 0");
-  if (a.kwta_duty < 1) fail("attribute kwta_duty must be >= 1, got " + std::to_string(a.kwta_duty));
-  if (!(a.event_topk > 0.0f && a.event_topk <= 1.0f)) fail("attribute event_topk must be in (0, 1]");
-  if (!(a.event_quorum > 0.0f && a.event_quorum <= 1.0f)) fail("attribute event_quorum must be in (0, 1]");
-  if (!(a.event_theta >= 0.0f)) fail("attribute event_theta must be >= 0");
-  if (!(a.event_budget_ms >= 0.0f)) fail("attribute event_budget_ms must be >= 0 (0 = no budget)");
-  if (!(a.event_gap_tol >= 0.0f)) fail("attribute event_gap_tol must be >= 0");
-  if (a.event_gap_every < 0) fail("attribute event_gap_every must be >= 0 (0 = never)");
-  if (!(a.event_beta > 0.0f)) fail("attribute event_beta must be > 0");
-  if (!(a.event_lambda >= 0.0f)) fail("attribute event_lambda must be >= 0");
-  if (a.event_age_max < 0) fail("attribute event_age_max must be >= 0 (0 = unbounded)");
-  if (!target.empty() && target != "mlp" && target != "attn" && target != "head")
-    fail("attribute target must be 'mlp', 'attn' or 'head', got '" + target + "'");
-
 
   Ort::ConstValue wv = const_input(info, 1, "W", kF32);
   auto tsi = wv.GetTensorTypeAndShapeInfo();
@@ -769,10 +725,13 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info)
   K_ = shp[0];
   N_ = shp[1];
   W_ = wv.GetTensorData<float>();
+  if (a.block > K_)
+    fail("attribute block must be <= K = " + std::to_string(K_) + " (the input features), got " +
+         std::to_string(a.block));
   nb_ = (K_ + a.block - 1) / a.block;
-  if (a.kwta && a.kwta_select == 1 && (a.kwta_k < 1 || a.kwta_k > nb_))
-    fail("kwta_select 'topk' needs 1 <= kwta_k <= number of blocks (" + std::to_string(nb_) + "), got " +
-         std::to_string(a.kwta_k));
+  if (a.kwta_k > nb_ || (a.kwta && a.kwta_select == 1 && a.kwta_k < 1))
+    fail("attribute kwta_k must be <= the number of blocks (" + std::to_string(nb_) + ") and >= 1 for kwta_select " +
+         "'topk', got " + std::to_string(a.kwta_k));
   state_ = EventStateLayout{K_, N_, nb_};
   stateful_ = a.event || a.kwta_duty > 1;
   gemm_ = &gemm_kernels();

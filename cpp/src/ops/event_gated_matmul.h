@@ -42,39 +42,35 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
   static constexpr IoSpec kOutputs[] = {{kF32}, {kF32, kOptional}};
   // Every attribute and its default (custom_ops/reference/gating.py DEFAULTS must agree:
   // ortlean_op_schema_json exports these).
-  static constexpr AttrSpec kAttrs[] = {
-      attr_int("block", 1),
-      attr_string("pack", "none"),
-      attr_float("pack_eps", 0.0f),
-      attr_float("pack_rho", 1.0f),
-      attr_int("kwta", 0),
-      attr_string("kwta_select", "threshold"),
-      attr_string("kwta_score", "xw"),
-      attr_float("kwta_threshold", 0.0f),
-      attr_int("kwta_k", 0),
-      attr_float("kwta_mass", 1.0f),
-      attr_float("kwta_temp", 0.0f),
-      attr_int("kwta_duty", 1),
-      attr_int("kwta_renorm", 0),
-      attr_int("event", 0),
-      attr_float("event_topk", 1.0f),
-      attr_float("event_quorum", 1.0f),
-      attr_float("event_theta", 0.0f),
-      attr_float("event_budget_ms", 0.0f),
-      attr_float("event_gap_tol", 0.03f),
-      attr_int("event_gap_every", 16),
-      attr_float("event_beta", 1.0f),
-      attr_float("event_lambda", 0.0f),
-      attr_int("event_age_max", 0),
-      attr_int("dense_prefill", 0),
-      attr_optional("keep_ratio", AttrType::Float),
-      attr_optional("gap", AttrType::Float),
-      attr_optional("params_dense", AttrType::Int),
-      attr_optional("params_stored", AttrType::Int),
-      attr_optional("layer", AttrType::String),
-      attr_optional("target", AttrType::String),
+  static constexpr auto kAttrs = join({
+      attr_int("block", 1).at_least(1),  // <= K
+      attr_string("pack", "none").one_of("none|binary|ternary"),
+      attr_float("pack_eps", 0.0f).at_least(0),
+      attr_float("pack_rho", 1.0f).fraction(),
+      attr_int("kwta", 0).flag(),
+      attr_string("kwta_select", "threshold").one_of("threshold|topk|mass"),
+      attr_string("kwta_score", "xw").one_of("xw|x"),
+      attr_float("kwta_threshold", 0.0f).at_least(0),
+      attr_int("kwta_k", 0).range(0, kMaxDim),  // <= blocks; topk: >= 1
+      attr_float("kwta_mass", 1.0f).fraction(),
+      attr_float("kwta_temp", 0.0f).at_least(0),  // mass: > 0
+      attr_int("kwta_duty", 1).range(1, kMaxSteps),
+      attr_int("kwta_renorm", 0).flag(),
+      attr_int("event", 0).flag(),
+      attr_float("event_topk", 1.0f).fraction(),
+      attr_float("event_quorum", 1.0f).fraction(),
+      attr_float("event_theta", 0.0f).at_least(0),
+      attr_float("event_budget_ms", 0.0f).at_least(0),
+      attr_float("event_gap_tol", 0.03f).at_least(0),
+      attr_int("event_gap_every", 16).range(0, kMaxSteps),
+      attr_float("event_beta", 1.0f).positive(),
+      attr_float("event_lambda", 0.0f).at_least(0),
+      attr_int("event_age_max", 0).range(0, kMaxSteps),
+      attr_int("dense_prefill", 0).flag(),
+      attr_optional("keep_ratio", AttrType::Float).fraction(),
+      attr_optional("gap", AttrType::Float).at_least(0).or_nan(),
       attr_optional("fused", AttrType::String),  // members of a fused group (metadata)
-  };
+  }, kLayerMetadata);
 
   explicit EventGatedMatMulKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
   void Compute(Ort::KernelContext& ctx) const;

@@ -13,6 +13,10 @@
 
 namespace ortlean {
 
+// Step counters and ages are float32 in the state: exact up to 2^24, the bound of kwta_duty,
+// event_gap_every and event_age_max.
+constexpr int64_t kMaxSteps = int64_t{1} << 24;
+
 struct EventStateLayout {
   static constexpr int64_t kHeader = 8;
   int64_t K = 0, N = 0, nb = 0;

@@ -204,61 +204,18 @@ void attend_candidates(const AttnParams& p, const AttnCall& c, const AttnKernels
 PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
   AttnParams& p = p_;
-  const std::string &mode = at.s("mode"), &layout = at.s("k_layout"), &popcnt = at.s("popcnt");
-  const std::string& select = at.s("select");
-  p.scale = at.f("scale");
-  p.eps = at.f("eps");
-  p.budget = at.f("budget");
-  p.rho = at.f("rho");
-  p.mix = at.f("mix");
-  p.min_candidates = at.i("min_candidates");
-  p.sinks = at.i("sinks");
-  p.window = at.i("window");
-  p.min_context = at.i("min_context");
-  p.qbits = at.i("qbits");
-  p.approx_prefill = at.i("approx_prefill");
-  if (select == "exact")
-    p.oracle = true;
-  else if (select != "popcount")
-    fail("attribute select='" + select + "': expected popcount | exact");
-  if (mode == "sign")
-    p.mode = KeyMode::Sign;
-  else if (mode == "ternary")
-    p.mode = KeyMode::Ternary;
-  else if (mode == "binary")
-    p.mode = KeyMode::Binary;
-  else
-    fail("attribute mode='" + mode + "': expected sign | ternary | binary");
-  if (layout == "bhtd")
-    p.k_bhdt = false;
-  else if (layout == "bhdt")
-    p.k_bhdt = true;
-  else
-    fail("attribute k_layout='" + layout + "': expected bhtd | bhdt");
-  if (!std::isfinite(p.scale)) fail("attribute scale must be finite");
-  if (!(p.eps >= 0) || !std::isfinite(p.eps)) fail("attribute eps must be finite and >= 0");
-  p.eps_heads = at.floats("eps_heads");
-  p.kscale = at.floats("kscale");
-  for (float e : p.kscale)
-    if (!(e >= 0) || !std::isfinite(e)) fail("attribute kscale must hold finite values >= 0");
-  for (float e : p.eps_heads)
-    if (!(e >= 0) || !std::isfinite(e)) fail("attribute eps_heads must hold finite values >= 0");
-  if (!(p.budget >= 0 && p.budget <= 1)) fail("attribute budget must be in [0, 1] (0 or 1 = exact)");
-  if (!(p.rho >= 0 && p.rho <= 1)) fail("attribute rho must be in [0, 1]");
-  if (!(p.mix >= 0 && p.mix <= 1)) fail("attribute mix must be in [0, 1]");
-  if (p.min_candidates < 0 || p.sinks < 0 || p.window < 0 || p.min_context < 0)
-    fail("attributes min_candidates, sinks, window, min_context must be >= 0");
-  if (p.qbits < 2 || p.qbits > 16) fail("attribute qbits must be in 2..16, got " + std::to_string(p.qbits));
+  std::string mode, layout, popcnt, select;
+  at.read({{"scale", &p.scale}, {"eps", &p.eps}, {"budget", &p.budget}, {"rho", &p.rho}, {"mix", &p.mix},
+           {"mode", &mode}, {"k_layout", &layout}, {"popcnt", &popcnt}, {"select", &select}});
+  at.read({{"min_candidates", &p.min_candidates}, {"sinks", &p.sinks}, {"window", &p.window},
+           {"min_context", &p.min_context}, {"qbits", &p.qbits}, {"approx_prefill", &p.approx_prefill},
+           {"eps_heads", &p.eps_heads}, {"kscale", &p.kscale}});
+  p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : KeyMode::Sign;
+  p.k_bhdt = layout == "bhdt";
+  p.oracle = select == "exact";
+  check_list_lengths(info);
   // popcount path: requested (auto | vpopcntdq | avx2 | scalar), clamped to the CPU and ORTLEAN_ISA
-  Isa cap;
-  if (popcnt == "scalar")
-    cap = Isa::Scalar;
-  else if (popcnt == "avx2")
-    cap = Isa::Avx2;
-  else if (popcnt == "vpopcntdq" || popcnt == "auto" || popcnt.empty())
-    cap = Isa::Avx512;
-  else
-    fail("attribute popcnt='" + popcnt + "': expected auto | vpopcntdq | avx2 | scalar");
+  const Isa cap = popcnt == "scalar" ? Isa::Scalar : popcnt == "avx2" ? Isa::Avx2 : Isa::Avx512;
   Isa level;
   ak_ = &pick(IsaTables<AttnKernels>{attn_kernels_scalar, attn_kernels_avx2, attn_kernels_avx512, CpuFeature::Popcnt,
                                      CpuFeature::Avx512Vpopcntdq},
@@ -273,6 +230,27 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   n->gauges({{&m_density_, "pack.density"}});
   n->counters({{&m_active_, "pack.active"}, {&m_calls_, "pack.calls"}, {&m_cands_, "pack.candidates"},
                {&m_keys_, "pack.keys"}, {&m_packed_, "pack.packed_keys"}});
+}
+
+// eps_heads / kscale against the KV heads and head dim of K when its static shape says them (else
+// at the first Run).
+void PackedAttentionKernel::check_list_lengths(const Ort::ConstKernelInfo& info) const {
+  if (p_.eps_heads.empty() && p_.kscale.empty()) return;
+  auto ti = info.GetInputTypeInfo(1);
+  if (ti.GetONNXType() != ONNX_TYPE_TENSOR) return;
+  const auto ks = ti.GetTensorTypeAndShapeInfo().GetShape();
+  if (ks.size() != 4) return;
+  check_list_lengths(ks[1], p_.k_bhdt ? ks[2] : ks[3]);
+}
+
+void PackedAttentionKernel::check_list_lengths(int64_t Hkv, int64_t D) const {
+  const AttnParams& p = p_;
+  if (Hkv > 0 && !p.eps_heads.empty() && static_cast<int64_t>(p.eps_heads.size()) != Hkv)
+    fail("attribute eps_heads has " + std::to_string(p.eps_heads.size()) + " values, K has " + std::to_string(Hkv) +
+         " heads");
+  if (Hkv > 0 && D > 0 && !p.kscale.empty() && static_cast<int64_t>(p.kscale.size()) != Hkv * D)
+    fail("attribute kscale has " + std::to_string(p.kscale.size()) + " values, expected KV heads x head dim = " +
+         std::to_string(Hkv * D));
 }
 
 // ------------------------------------------------------------------ compute
@@ -291,12 +269,7 @@ AttnCall PackedAttentionKernel::read_inputs(Ort::KernelContext& ctx) const {
          "), V " + shape_str(vs));
   if (Hkv < 1 || Hq % Hkv != 0)
     fail("query heads " + std::to_string(Hq) + " not a multiple of KV heads " + std::to_string(Hkv));
-  if (!p.eps_heads.empty() && static_cast<int64_t>(p.eps_heads.size()) != Hkv)
-    fail("attribute eps_heads has " + std::to_string(p.eps_heads.size()) + " values, K has " + std::to_string(Hkv) +
-         " heads");
-  if (!p.kscale.empty() && static_cast<int64_t>(p.kscale.size()) != Hkv * D)
-    fail("attribute kscale has " + std::to_string(p.kscale.size()) + " values, expected KV heads x head dim = " +
-         std::to_string(Hkv * D));
+  check_list_lengths(Hkv, D);
   AttnCall c{B, Hq, M, D, Hkv, T, Dv, Hq / Hkv, PackedKeyFormat(p.mode, D)};
   const int64_t W = c.fmt.words;
 

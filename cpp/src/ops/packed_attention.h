@@ -32,23 +32,23 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kI32, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}};
   static constexpr AttrSpec kAttrs[] = {
-      attr_float("scale", 1.0f),
-      attr_string("mode", "sign"),
-      attr_float("eps", 0.0f),
-      attr_float("budget", 0.0f),
-      attr_int("min_candidates", 64),
-      attr_int("sinks", 4),
-      attr_int("window", 64),
-      attr_int("min_context", 256),
-      attr_float("rho", 0.15f),
-      attr_int("qbits", 8),
-      attr_float("mix", 0.0f),
-      attr_string("popcnt", "auto"),
-      attr_string("k_layout", "bhtd"),
-      attr_int("approx_prefill", 0),
-      attr_list("eps_heads", AttrType::Floats),
-      attr_list("kscale", AttrType::Floats),
-      attr_string("select", "popcount"),
+      attr_float("scale", 1.0f),  // any finite value
+      attr_string("mode", "sign").one_of("sign|ternary|binary"),
+      attr_float("eps", 0.0f).at_least(0),
+      attr_float("budget", 0.0f).range(0, 1),  // 0 or 1: exact
+      attr_int("min_candidates", 64).range(0, kMaxDim),
+      attr_int("sinks", 4).range(0, kMaxDim),
+      attr_int("window", 64).range(0, kMaxDim),
+      attr_int("min_context", 256).range(0, kMaxDim),
+      attr_float("rho", 0.15f).range(0, 1),
+      attr_int("qbits", 8).range(2, 16),
+      attr_float("mix", 0.0f).range(0, 1),
+      attr_string("popcnt", "auto").one_of("auto|vpopcntdq|avx2|scalar"),
+      attr_string("k_layout", "bhtd").one_of("bhtd|bhdt"),
+      attr_int("approx_prefill", 0).flag(),
+      attr_list("eps_heads", AttrType::Floats).at_least(0),  // one per KV head
+      attr_list("kscale", AttrType::Floats).at_least(0),     // KV heads x head dim
+      attr_string("select", "popcount").one_of("popcount|exact"),
       attr_optional("layer", AttrType::String),
   };
 
@@ -56,6 +56,8 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   void Compute(Ort::KernelContext& ctx) const;
 
  private:
+  void check_list_lengths(const Ort::ConstKernelInfo& info) const;
+  void check_list_lengths(int64_t Hkv, int64_t D) const;
   AttnCall read_inputs(Ort::KernelContext& ctx) const;
   void pack_keys(AttnCall& c, Ort::KernelContext& ctx) const;
   void attend_rows(AttnCall& c, Ort::KernelContext& ctx) const;

@@ -52,11 +52,8 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const Ort::ConstKernelInfo& info)
   const std::vector<int64_t>& shape = at.ints("shape");
   const int64_t block = at.i("block"), seed = at.i("seed");
   const float base_scale = at.f("base_scale");
-  if (shape.size() != 2 || shape[0] < 1 || shape[1] < 1)
-    fail("attribute shape must be [K, N] with K, N >= 1, got " + shape_str(shape));
-  if (shape[0] > (int64_t{1} << 31) - 1 || shape[1] > (int64_t{1} << 31) - 1) fail("attribute shape too large");
+  if (shape.size() != 2) fail("attribute shape must be [K, N], got " + shape_str(shape));
   if (block != 32 && block != 64) fail("attribute block must be 32 or 64, got " + std::to_string(block));
-  if (!std::isfinite(base_scale)) fail("attribute base_scale must be finite");
   ProcLayer& L = L_;
   L.K = shape[0];
   L.N = shape[1];
@@ -68,13 +65,9 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const Ort::ConstKernelInfo& info)
 
   const int64_t fanout = at.i("fanout"), watermark = at.i("watermark"), trims = at.i("trims");
   const float shed_eps = at.f("shed_eps"), gap = at.f("gap"), speedup = at.f("speedup");
-  const std::string& target = at.s("target");
-  if (fanout < 0) fail("attribute fanout must be >= 0 (0: no cap), got " + std::to_string(fanout));
-  if (watermark < 0) fail("attribute watermark must be >= 0 (0: no cap), got " + std::to_string(watermark));
-  if (!(shed_eps >= 0.0f)) fail("attribute shed_eps must be >= 0");
-  if (trims < 0) fail("attribute trims must be >= 0");
-  if (!target.empty() && target != "mlp" && target != "attn" && target != "head")
-    fail("attribute target must be 'mlp', 'attn' or 'head', got '" + target + "'");
+  if (fanout > nb)
+    fail("attribute fanout must be <= ceil(K / block) = " + std::to_string(nb) + " (0: no cap), got " +
+         std::to_string(fanout));
 
   has_mask_input_ = input_present(info, 4);
 
@@ -134,9 +127,12 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const Ort::ConstKernelInfo& info)
   L.deltas = deltas_.data();
   pk_ = &pick(IsaTables<ProcKernels>{proc_kernels_scalar, proc_kernels_avx2, proc_kernels_avx512});
 
-  const int64_t params_dense = at.given("params_dense") ? at.i("params_dense") : K * N;
-  const int64_t params_stored = at.given("params_stored") ? at.i("params_stored") : nnzb_ * B + nnzb_ + N + 1;
-  const int64_t bytes_stored = at.given("bytes_stored") ? at.i("bytes_stored") : 4 * params_stored;
+  // derived defaults when absent
+  int64_t params_dense = K * N, params_stored = nnzb_ * B + nnzb_ + N + 1, bytes_stored = -1;
+  at.read({{"params_dense", &params_dense}, {"params_stored", &params_stored}, {"bytes_stored", &bytes_stored}});
+  // in double: the metadata may be any int64 >= 0 (no overflow in 4 * params)
+  const double stored_bytes = bytes_stored >= 0 ? static_cast<double>(bytes_stored) : 4.0 * static_cast<double>(params_stored);
+  const double dense_bytes = 4.0 * static_cast<double>(std::max<int64_t>(params_dense, 1));
 
   metrics::Node* m = metrics::node(name_);
   m->set({{"proc.enabled", 1.0},
@@ -150,8 +146,7 @@ ProcSparseMatMulKernel::ProcSparseMatMulKernel(const Ort::ConstKernelInfo& info)
           {"proc.shed_eps", float_attr_value(shed_eps)},
           {"proc.gap", float_attr_value(gap)},
           {"proc.speedup", float_attr_value(speedup)},
-          {"proc.mem_saved",
-           1.0 - static_cast<double>(bytes_stored) / static_cast<double>(4 * std::max<int64_t>(params_dense, 1))}});
+          {"proc.mem_saved", 1.0 - stored_bytes / dense_bytes}});
   m->counters({{&m_calls_, "proc.calls"}, {&m_rows_, "proc.rows"}, {&m_visited_, "proc.blocks_visited"},
                {&m_nonfinite_, "proc.nonfinite_recomputes"}});
 }

@@ -17,23 +17,21 @@ class ProcSparseMatMulKernel : public OpKernel<ProcSparseMatMulKernel> {
   // X, row_ptr, block_idx, deltas, [block_mask]
   static constexpr IoSpec kInputs[] = {{kF32}, {kI32}, {kI32}, {kF32}, {kF32, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}};
-  static constexpr AttrSpec kAttrs[] = {
-      attr_required("shape", AttrType::Ints),
-      attr_required("block", AttrType::Int),
-      attr_required("seed", AttrType::Int),
-      attr_required("base_scale", AttrType::Float),
-      attr_int("fanout", 0),
-      attr_int("watermark", 0),
-      attr_float("shed_eps", 0.0f),
-      attr_int("trims", 0),
-      attr_float("gap", NAN),
-      attr_optional("params_dense", AttrType::Int),
-      attr_optional("params_stored", AttrType::Int),
-      attr_optional("bytes_stored", AttrType::Int),
-      attr_float("speedup", 0.0f),
-      attr_optional("layer", AttrType::String),
-      attr_optional("target", AttrType::String),
-  };
+  static constexpr auto kAttrs = join(
+      {
+          attr_required("shape", AttrType::Ints).range(1, kMaxDim),  // [K, N]
+          attr_required("block", AttrType::Int),                     // 32 | 64
+          attr_required("seed", AttrType::Int),                      // any (used as uint64)
+          attr_required("base_scale", AttrType::Float),              // any finite value
+          attr_int("fanout", 0).at_least(0),                         // <= ceil(K / block); 0: no cap
+          attr_int("watermark", 0).range(0, kMaxDim),                // 0: no cap
+          attr_float("shed_eps", 0.0f).at_least(0),
+          attr_int("trims", 0).at_least(0),
+          attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
+          attr_optional("bytes_stored", AttrType::Int).at_least(0),
+          attr_float("speedup", 0.0f).at_least(0),  // 0: not measured
+      },
+      kLayerMetadata);
 
   explicit ProcSparseMatMulKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
   void Compute(Ort::KernelContext& ctx) const;

@@ -30,18 +30,16 @@ class TTMatMulKernel : public OpKernel<TTMatMulKernel> {
   // X, G1, G2, [G3], [G4], [x_scale]
   static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kF32, kOptional}, {kF32, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}};
-  static constexpr AttrSpec kAttrs[] = {
-      attr_required("modes_k", AttrType::Ints),
-      attr_required("modes_n", AttrType::Ints),
-      attr_required("ranks", AttrType::Ints),
-      attr_optional("method", AttrType::String),
-      attr_float("gap", NAN),
-      attr_optional("params_dense", AttrType::Int),
-      attr_optional("params_stored", AttrType::Int),
-      attr_float("speedup", 0.0f),
-      attr_optional("layer", AttrType::String),
-      attr_optional("target", AttrType::String),
-  };
+  static constexpr auto kAttrs = join(
+      {
+          attr_required("modes_k", AttrType::Ints).range(1, kMaxDim),  // d = 2..4 entries, prod = K
+          attr_required("modes_n", AttrType::Ints).range(1, kMaxDim),  // d entries, prod = N
+          attr_required("ranks", AttrType::Ints).range(1, kMaxDim),    // d + 1 entries, first and last 1
+          attr_optional("method", AttrType::String).one_of("svd|cross"),
+          attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
+          attr_float("speedup", 0.0f).at_least(0),      // 0: not measured
+      },
+      kLayerMetadata);
 
   explicit TTMatMulKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
   void Compute(Ort::KernelContext& ctx) const;
