@@ -319,6 +319,9 @@ int64_t GatingCall::kwta_keep(const float* x, const uint8_t* cand, uint8_t* keep
     }
     return n;
   }
+  // a NaN score (NaN input) ranks last: the orderings below need a strict weak order
+  for (int64_t b = 0; b < nb; ++b)
+    if (std::isnan(bs[b])) bs[b] = -INFINITY;
   int64_t n = 0;
   for (int64_t b = 0; b < nb; ++b)
     if (cand[b]) ord[n++] = static_cast<int32_t>(b);
@@ -461,8 +464,9 @@ int64_t GatingCall::event_order(const float* xt, const uint8_t* cand, const Even
       continue;
     }
     if (!cand[b] || !(bs[b] > thr)) continue;
+    // confidence of the cached block; a NaN age (a malformed state) counts as confidence 1e-30
     const double w = static_cast<double>(a.event_beta) * std::exp(-static_cast<double>(a.event_lambda) * age[b]);
-    prio[b] = static_cast<float>(bs[b] / std::max(w, 1e-30));
+    prio[b] = static_cast<float>(bs[b] / (w > 1e-30 ? w : 1e-30));
     idx[ne++] = static_cast<int32_t>(b);
   }
   auto cmp = [&](int32_t p, int32_t q) { return prio[p] > prio[q] || (prio[p] == prio[q] && p < q); };

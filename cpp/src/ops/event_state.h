@@ -35,8 +35,7 @@ class EventState {
 
   bool initialised() const { return p_[0] == 1.0f; }
   bool disabled() const { return p_[2] != 0.0f; }
-  int64_t step() const { return static_cast<int64_t>(p_[1]); }
-  int64_t advance() { return static_cast<int64_t>(p_[1] += 1.0f); }  // next step number
+  int64_t advance() { return step_of(p_[1] += 1.0f); }  // next step number
   void disable() { p_[2] = 1.0f; }
   void set_last_gap(float g) { p_[3] = g; }
   // A new sequence after its prefill: initialised at step 0, cache = (x, y) of its last token,
@@ -55,6 +54,9 @@ class EventState {
   float* kwta() const { return p_ + L_->kwta(); }
 
  private:
+  // the counter as an integer; a malformed state (negative, NaN, huge) reads as 0 or saturates
+  static int64_t step_of(float f) { return f >= 0.0f ? (f < 9.0e18f ? static_cast<int64_t>(f) : int64_t{1} << 62) : 0; }
+
   float* p_;
   const EventStateLayout* L_;
 };

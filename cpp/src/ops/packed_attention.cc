@@ -102,7 +102,8 @@ void approx_scores(const AttnParams& p, const AttnCall& c, const AttnKernels& ak
   std::memset(w.qp, 0, sizeof(uint32_t) * 2 * 16 * nw);
   int64_t qsum = 0;
   for (int64_t d = 0; d < D; ++d) {
-    const int32_t qi = static_cast<int32_t>(std::nearbyint(qa[d] * inv));
+    const float v = qa[d] * inv;  // in [-L, L], or NaN when q holds NaN / inf
+    const int32_t qi = std::isnan(v) ? 0 : static_cast<int32_t>(std::nearbyint(v));
     qsum += qi;
     const uint32_t mag = static_cast<uint32_t>(qi < 0 ? -qi : qi);
     uint32_t* pl = qi < 0 ? w.qn : w.qp;
@@ -138,7 +139,10 @@ int64_t select_candidates(const AttnParams& p, const AttnCall& c, const float* m
   // index order (no sort) and equals "top k by (score desc, index asc)".
   float* s = w.s;
   float* sc = s + ns;  // s[t] for t in [ns, w0)
-  for (int64_t t = ns; t < w0; ++t) s[t] = w.approx[t] + (mr ? mr[t * c.mst] : 0.0f);
+  for (int64_t t = ns; t < w0; ++t) {
+    const float v = w.approx[t] + (mr ? mr[t * c.mst] : 0.0f);
+    s[t] = std::isnan(v) ? -INFINITY : v;  // NaN ranks last (nth_element needs a strict weak order)
+  }
   if (k >= nr) {
     for (int64_t t = ns; t < w0; ++t) w.idx[n++] = t;
   } else if (k > 0) {
