@@ -1,6 +1,8 @@
 """Kernel construction refuses malformed attributes and initializers, naming the node and the
 attribute (DEVELOPERS.md "Validation" of each op contract), and accepts the boundary values the
-contract allows. The values issue 13's probe saw accepted silently are decided here."""
+contract allows. The values issue 13's probe saw accepted silently are decided here: block 10^9
+is valid (one block over the whole input), keep_ratio 0 / -0.5 / 7 / NaN, kwta_threshold +inf and
+dense_prefill 5 are errors."""
 from __future__ import annotations
 
 import sys
@@ -58,7 +60,7 @@ BAD = [
     (_gate, dict(keep_ratio=-0.5), "keep_ratio must be in (0, 1]"),
     (_gate, dict(keep_ratio=7.0), "keep_ratio must be in (0, 1]"),
     (_gate, dict(keep_ratio=NAN), "keep_ratio must be finite"),
-    (_gate, dict(block=10 ** 9), "block must be <= K = 48"),
+    (_gate, dict(block=2 ** 31), "block must be <= 2147483647"),
     (_gate, dict(kwta=1, kwta_threshold=INF), "kwta_threshold must be finite"),
     (_gate, dict(dense_prefill=5), "dense_prefill must be 0 or 1"),
     # ... and the other classes of the rules
@@ -112,6 +114,7 @@ def test_malformed_attribute_fails_naming_node(build, attrs, msg):
 
 GOOD = [
     (_gate, dict(keep_ratio=1.0)), (_gate, dict(keep_ratio=1e-3)), (_gate, dict(block=48)),
+    (_gate, dict(block=10 ** 9, kwta=1, kwta_select="topk", kwta_k=1)),  # wider than K = 48: one block
     (_gate, dict(kwta_duty=2 ** 24)), (_gate, dict(gap=NAN)), (_gate, dict(dense_prefill=1)),
     (_gate, dict(kwta=1, kwta_select="topk", kwta_k=48)), (_gate, dict(event=1, event_topk=1.0, event_quorum=1.0)),
     (_tt, dict(gap=NAN)), (_tt, dict(speedup=0.0)),
@@ -159,3 +162,22 @@ def test_initializer_type_and_shape_errors_name_the_input():
                       (np.ones((0, 4), np.float32), "input W must be 2-D")):
         err = _error(with_w(arr, "w_bad"))
         assert err is not None and "w_bad" in err and want in err, err
+
+
+@pytest.mark.parametrize("attrs", [dict(kwta=1, kwta_select="threshold", kwta_threshold=2.0),
+                                   dict(kwta=1, kwta_select="topk", kwta_k=1, pack="binary", pack_eps=0.5)])
+def test_block_wider_than_layer_is_one_block(attrs):
+    """block > K is the decided-valid case: the same as block = K (one block of all inputs) and as
+    the numpy reference."""
+    from custom_ops.reference.gating import event_gated_matmul
+
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((48, 16)).astype(np.float32)
+    X = rng.standard_normal((4, 48)).astype(np.float32) * np.array([[0.1], [1.0], [0.05], [2.0]], np.float32)
+    wide = custom_ops.session(gate_model(W, dict(attrs, block=10 ** 9), name="wide", xshape=["M", 48]), threads=1)
+    exact = custom_ops.session(gate_model(W, dict(attrs, block=48), name="exact", xshape=["M", 48]), threads=1)
+    y_wide, y_exact = wide.run(None, {"X": X})[0], exact.run(None, {"X": X})[0]
+    assert np.array_equal(y_wide, y_exact)
+    ref = event_gated_matmul(X.astype(np.float64), W, None, **dict(attrs, block=10 ** 9))[0]
+    np.testing.assert_allclose(y_wide, ref, rtol=1e-4, atol=1e-4)
+    assert (y_wide == 0).all(axis=1).any() and not (y_wide == 0).all()  # the one block is dropped for some rows

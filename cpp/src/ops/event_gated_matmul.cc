@@ -729,9 +729,9 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info)
   K_ = shp[0];
   N_ = shp[1];
   W_ = wv.GetTensorData<float>();
-  if (a.block > K_)
-    fail("attribute block must be <= K = " + std::to_string(K_) + " (the input features), got " +
-         std::to_string(a.block));
+  // a block wider than the layer is one block over all K inputs (the rewriter's --kwta-block may
+  // exceed a small layer); beyond 2^31 - 1 the block count arithmetic would overflow
+  if (a.block > kMaxDim) fail("attribute block must be <= 2147483647, got " + std::to_string(a.block));
   nb_ = (K_ + a.block - 1) / a.block;
   if (a.kwta_k > nb_ || (a.kwta && a.kwta_select == 1 && a.kwta_k < 1))
     fail("attribute kwta_k must be <= the number of blocks (" + std::to_string(nb_) + ") and >= 1 for kwta_select " +

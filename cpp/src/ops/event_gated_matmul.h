@@ -43,7 +43,7 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
   // Every attribute and its default (custom_ops/reference/gating.py DEFAULTS must agree:
   // ortlean_op_schema_json exports these).
   static constexpr auto kAttrs = join({
-      attr_int("block", 1).at_least(1),  // <= K
+      attr_int("block", 1).at_least(1),  // <= 2^31 - 1; > K: one block
       attr_string("pack", "none").one_of("none|binary|ternary"),
       attr_float("pack_eps", 0.0f).at_least(0),
       attr_float("pack_rho", 1.0f).fraction(),
