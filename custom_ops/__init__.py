@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .schema import DOMAIN
+DOMAIN = "ai.ortlean"
 LIB_NAME = "libortlean_ops.so"
 
 __all__ = [
@@ -91,8 +91,6 @@ def load_library() -> ctypes.CDLL:
         lib.ortlean_metrics_reset.argtypes = []
         lib.ortlean_isa.restype = ctypes.c_char_p
         lib.ortlean_isa.argtypes = []
-        lib.ortlean_op_schema_json.restype = ctypes.c_char_p
-        lib.ortlean_op_schema_json.argtypes = []
         _LIB = lib
     return _LIB
 
@@ -175,4 +173,7 @@ def isa() -> str:
 def op_schema() -> dict[str, dict]:
     """The attribute defaults the native kernels use: {op_type: {attr: default}} (attributes
     without a default are omitted; a float default of NaN, "not measured", is None)."""
-    return json.loads(load_library().ortlean_op_schema_json().decode())
+    fn = load_library().ortlean_op_schema_json  # bound here: a library older than this call still loads
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    return json.loads(fn().decode())

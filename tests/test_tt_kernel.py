@@ -473,4 +473,5 @@ def test_library_exports_only_api():
     assert "RegisterCustomOps" in exported
     extra = {s for s in exported if s != "RegisterCustomOps" and not s.startswith("ortlean_")}
     assert not extra, sorted(extra)
-    assert {"ortlean_metrics_json", "ortlean_metrics_reset", "ortlean_isa", "ortlean_version"} <= exported
+    assert {"ortlean_metrics_json", "ortlean_metrics_reset", "ortlean_isa", "ortlean_version",
+            "ortlean_op_schema_json"} <= exported

@@ -18,14 +18,6 @@ Isa detect() {
   return Isa::Scalar;
 }
 
-const char* name_of(Isa i) {
-  switch (i) {
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
 Isa choose() {
   const Isa hw = detect();
   const char* env = std::getenv("ORTLEAN_ISA");
@@ -39,33 +31,50 @@ Isa choose() {
     want = Isa::Avx512;
   else {
     std::fprintf(stderr, "ortlean: ORTLEAN_ISA=%s not understood (scalar|avx2|avx512); using %s\n", env,
-                 name_of(hw));
+                 isa_name(hw));
     return hw;
   }
   if (static_cast<int>(want) > static_cast<int>(hw)) {
-    std::fprintf(stderr, "ortlean: ORTLEAN_ISA=%s is not supported by this CPU; using %s\n", env, name_of(hw));
+    std::fprintf(stderr, "ortlean: ORTLEAN_ISA=%s is not supported by this CPU; using %s\n", env, isa_name(hw));
     return hw;
   }
   return want;
 }
 
-struct Choice {
-  Isa isa;
-  const Kernels* k;
-  Choice() : isa(choose()) {
-    k = isa == Isa::Avx512 ? kernels_avx512() : isa == Isa::Avx2 ? kernels_avx2() : kernels_scalar();
+bool has(CpuFeature f) {
+  __builtin_cpu_init();
+  switch (f) {
+    case CpuFeature::Popcnt: return __builtin_cpu_supports("popcnt");
+    case CpuFeature::Avx512Vpopcntdq: return __builtin_cpu_supports("avx512vpopcntdq");
+    default: return true;
   }
-};
-
-const Choice& choice() {
-  static const Choice c;  // thread-safe, once per process
-  return c;
 }
 
 }  // namespace
 
-Isa isa() { return choice().isa; }
-const char* isa_name() { return name_of(choice().isa); }
-const Kernels& kernels() { return *choice().k; }
+Isa isa() {
+  static const Isa chosen = choose();  // thread-safe, once per process
+  return chosen;
+}
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Isa isa_level(CpuFeature avx2_needs, CpuFeature avx512_needs, Isa cap) {
+  Isa l = static_cast<int>(cap) < static_cast<int>(isa()) ? cap : isa();
+  if (l == Isa::Avx512 && !has(avx512_needs)) l = Isa::Avx2;
+  if (l == Isa::Avx2 && !has(avx2_needs)) l = Isa::Scalar;
+  return l;
+}
+
+const GemmKernels& gemm_kernels() {
+  static const GemmKernels& k = pick(IsaTables<GemmKernels>{gemm_kernels_scalar, gemm_kernels_avx2, gemm_kernels_avx512});
+  return k;
+}
 
 }  // namespace ortlean

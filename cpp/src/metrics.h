@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstddef>
 #include <deque>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 
@@ -32,6 +33,26 @@ class Node {
   // The metric `key` of this node, created (value 0) if absent; the pointer stays valid for the
   // life of the process. Call at kernel construction, then use set()/add() lock-free.
   Value* metric(const std::string& key, bool counter);
+
+  // A kernel's metrics at construction: static values, and the slots of the values it updates per
+  // call (counters are summed over calls and zeroed by reset; gauges hold the last value).
+  struct Static {
+    const char* key;
+    double value;
+  };
+  struct Slot {
+    Value** slot;
+    const char* key;
+  };
+  void set(std::initializer_list<Static> values) {
+    for (const Static& v : values) metrics::set(metric(v.key, false), v.value);
+  }
+  void counters(std::initializer_list<Slot> slots) {
+    for (const Slot& s : slots) *s.slot = metric(s.key, true);
+  }
+  void gauges(std::initializer_list<Slot> slots) {
+    for (const Slot& s : slots) *s.slot = metric(s.key, false);
+  }
 
  private:
   friend std::string to_json();

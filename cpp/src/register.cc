@@ -1,18 +1,18 @@
 // Library entry points: RegisterCustomOps (called by ORT's register_custom_ops_library) and the
-// small ortlean_* C API read by custom_ops/__init__.py through ctypes.
+// small ortlean_* C API read by custom_ops/__init__.py through ctypes. The ops of the library are
+// the list kOps below: adding an op is one line here.
 #include <cstring>
-#include <mutex>
-#include <vector>
+#include <string>
 
 #include "attrs.h"
 #include "blas.h"
 #include "isa.h"
 #include "metrics.h"
-#include "ort_common.h"
-#include "proc_sparse.h"
-#include "tt_matmul.h"
-#include "event_gated_matmul.h"
-#include "packed_attention.h"
+#include "op.h"
+#include "ops/event_gated_matmul.h"
+#include "ops/packed_attention.h"
+#include "ops/proc_sparse.h"
+#include "ops/tt_matmul.h"
 
 #define ORTLEAN_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -21,60 +21,34 @@
 #endif
 
 namespace ortlean {
-
-Scratch& outer_scratch() {
-  thread_local Scratch s;
-  return s;
-}
-Scratch& task_scratch() {
-  thread_local Scratch s;
-  return s;
-}
-Scratch& gemm_scratch() {
-  thread_local Scratch s;
-  return s;
-}
-
 namespace {
 
-// One instance of each op for the life of the process (ORT keeps pointers to them).
-TTMatMulOp& tt_matmul_op() {
-  static TTMatMulOp* op = [] {
-    auto* o = new TTMatMulOp();
-    o->version = kOrtApiVersion;  // newer headers would announce a newer struct; ask for 1.21's
-    return o;
-  }();
-  return *op;
-}
-
-ProcSparseMatMulOp& proc_sparse_matmul_op() {
-  static ProcSparseMatMulOp* op = [] {
-    auto* o = new ProcSparseMatMulOp();
-    o->version = kOrtApiVersion;
-    return o;
-  }();
-  return *op;
-}
-
-EventGatedMatMulOp& event_gated_matmul_op() {
-  static EventGatedMatMulOp* op = [] {
-    auto* o = new EventGatedMatMulOp();
-    o->version = kOrtApiVersion;
-    return o;
-  }();
-  return *op;
-}
-
-PackedAttentionOp& packed_attention_op() {
-  static PackedAttentionOp* op = [] {
-    auto* o = new PackedAttentionOp();
-    o->version = kOrtApiVersion;
-    return o;
-  }();
-  return *op;
-}
-
 constexpr const char* kDomain = "ai.ortlean";
+
+struct OpEntry {
+  const char* type;
+  AttrTable attrs;
+  OrtCustomOp* (*instance)();
+};
+
+// One OrtCustomOp per op for the life of the process (ORT keeps pointers to it).
+template <class Kernel>
+OrtCustomOp* op_instance() {
+  static OpDef<Kernel>* op = new OpDef<Kernel>();
+  return op;
+}
+
+template <class Kernel>
+constexpr OpEntry op_entry() {
+  return {Kernel::kOpType, AttrTable(Kernel::kAttrs), &op_instance<Kernel>};
+}
+
+constexpr OpEntry kOps[] = {
+    op_entry<TTMatMulKernel>(),
+    op_entry<ProcSparseMatMulKernel>(),
+    op_entry<EventGatedMatMulKernel>(),
+    op_entry<PackedAttentionKernel>(),
+};
 
 }  // namespace
 }  // namespace ortlean
@@ -92,14 +66,11 @@ ORTLEAN_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* opti
   Ort::InitApi(api);
   return status_guard("ortlean: RegisterCustomOps: ", [&] {
     blas::init();
-    (void)kernels();  // pick the ISA now (ORTLEAN_ISA is read once per process)
+    (void)isa();  // pick the ISA now (ORTLEAN_ISA is read once per process)
     // A domain per session options; never released (it must outlive every session using it).
     OrtCustomOpDomain* domain = nullptr;
     Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
-    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &tt_matmul_op()));
-    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &proc_sparse_matmul_op()));
-    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &event_gated_matmul_op()));
-    Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &packed_attention_op()));
+    for (const OpEntry& op : kOps) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, op.instance()));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   });
 }
@@ -133,18 +104,11 @@ ORTLEAN_EXPORT void ortlean_metrics_reset(void) {
 ORTLEAN_EXPORT const char* ortlean_op_schema_json(void) {
   using namespace ortlean;
   static const std::string* json = [] {
-    const struct {
-      const char* op;
-      AttrTable attrs;
-    } ops[] = {{"TTMatMul", TTMatMulKernel::kAttrs},
-               {"ProcSparseMatMul", ProcSparseMatMulKernel::kAttrs},
-               {"EventGatedMatMul", EventGatedMatMulKernel::kAttrs},
-               {"PackedAttention", PackedAttentionKernel::kAttrs}};
     auto* s = new std::string("{");
     try {
-      for (const auto& o : ops) {
+      for (const OpEntry& op : kOps) {
         if (s->size() > 1) *s += ", ";
-        *s += std::string("\"") + o.op + "\": " + attr_defaults_json(o.attrs);
+        *s += std::string("\"") + op.type + "\": " + attr_defaults_json(op.attrs);
       }
       *s += "}";
     } catch (...) {

@@ -33,8 +33,9 @@ def main():
         raise SystemExit("no C++ compiler found")
     with tempfile.TemporaryDirectory() as d:
         exe = Path(d) / "gather_dram"
-        defs = [f"-DORTLEAN_KERNELS_{a.isa.upper()}=1", f"-DORTLEAN_KERNELS_NS=g_{a.isa}",
-                f'-DORTLEAN_KERNELS_NAME="{a.isa}"']
+        # the defines ortlean_isa_kernels() in cpp/CMakeLists.txt gives each per-ISA copy
+        defs = [f"-DORTLEAN_ISA_{a.isa.upper()}=1", f"-DORTLEAN_ISA_NS=g_{a.isa}", f'-DORTLEAN_ISA_NAME="{a.isa}"',
+                f"-DORTLEAN_ISA_TABLE(name)=name##_{a.isa}"]
         subprocess.run([cxx, "-O3", "-fno-math-errno", "-std=c++17", *FLAGS[a.isa], *defs,
                         f"-I{ROOT / 'cpp' / 'src'}", str(ROOT / "tests" / "bench" / "gather_dram.cc"), "-o", str(exe)],
                        check=True)

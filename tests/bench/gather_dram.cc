@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]);
   const double keep = std::atof(argv[3]);
   const int copies = std::atoi(argv[4]), reps = std::atoi(argv[5]);
-  const ortlean::GatingKernels& gk = ortlean::ORTLEAN_KERNELS_NS::table;
+  const ortlean::GatingKernels& gk = ortlean::ORTLEAN_ISA_TABLE(gating_kernels);
   std::vector<float*> Ws;
   for (int c = 0; c < copies; ++c) {
     float* w = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(K * N * 4 + 63) / 64 * 64));

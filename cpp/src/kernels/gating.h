@@ -1,4 +1,4 @@
-// Per-ISA kernels of EventGatedMatMul (row-skipping matvec). Same rules as kernels.h: plain
+// Per-ISA kernels of EventGatedMatMul (row-skipping matvec). Same rules as gemm.h: plain
 // C-like, included by -mavx* translation units.
 #pragma once
 #include <cstddef>
@@ -22,8 +22,7 @@ struct GatingKernels {
   int64_t (*threshold_mask)(const float* x, const float* norm, float thr, int64_t n, float* xt);
 };
 
-const GatingKernels* gating_kernels_scalar();
-const GatingKernels* gating_kernels_avx2();
-const GatingKernels* gating_kernels_avx512();
+// kernels/gating_impl.inc per ISA (picked by isa.h pick())
+extern const GatingKernels gating_kernels_scalar, gating_kernels_avx2, gating_kernels_avx512;
 
 }  // namespace ortlean

@@ -1,5 +1,7 @@
-// Table of the per-ISA compute kernels. Each kernels/gemm_<isa>.cc compiles kernels/gemm_impl.inc
-// with its own -m flags and returns one of these tables; isa.cc picks one at load time.
+// The shared GEMM / elementwise kernel table (used by every op). kernels/gemm_impl.inc is compiled
+// once per ISA with its own -m flags (CMake ortlean_isa_kernels) into gemm_kernels_<isa>;
+// isa.h gemm_kernels() returns the one of the process ISA. Each other kernel family
+// (proc.h, gating.h, attn.h) follows the same pattern.
 //
 // This header must stay plain C-like (no std:: templates, no inline functions): it is included by
 // translation units built with -mavx2/-mavx512*, and an inline function emitted there could be
@@ -10,7 +12,7 @@
 
 namespace ortlean {
 
-struct Kernels {
+struct GemmKernels {
   const char* name;
   // C[M,N] = A[M,K] . B[K,N] (row-major, leading dimensions lda/ldb/ldc; C is overwritten).
   // Register-blocked broadcast-FMA kernel for the small / thin products of the TT chain and the
@@ -26,8 +28,7 @@ struct Kernels {
   int (*all_finite)(const float* x, int64_t n);
 };
 
-const Kernels* kernels_scalar();
-const Kernels* kernels_avx2();
-const Kernels* kernels_avx512();
+// kernels/gemm_impl.inc per ISA
+extern const GemmKernels gemm_kernels_scalar, gemm_kernels_avx2, gemm_kernels_avx512;
 
 }  // namespace ortlean

@@ -1,5 +1,4 @@
-// Per-ISA kernels of PackedAttention (plain C-like, see kernels.h for why). Compiled from
-// attn_impl.inc by attn_{scalar,avx2,avx512}.cc; the avx512 table also needs AVX512_VPOPCNTDQ.
+// Per-ISA kernels of PackedAttention (plain C-like, see gemm.h for why), from attn_impl.inc.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -7,7 +6,7 @@
 namespace ortlean {
 
 struct AttnKernels {
-  const char* name;     // popcount path: "scalar" (SWAR), "avx2" (POPCNT), "vpopcntdq"
+  const char* name;  // ISA of this copy; popcount: scalar SWAR, avx2 POPCNT, avx512 VPOPCNTDQ
   // sum_i a[i] * b[i]
   float (*dot)(const float* a, const float* b, int64_t n);
   // y[i] += a * x[i]
@@ -24,8 +23,7 @@ struct AttnKernels {
   float (*maxv)(const float* x, int64_t n);
 };
 
-const AttnKernels* attn_kernels_scalar();
-const AttnKernels* attn_kernels_avx2();
-const AttnKernels* attn_kernels_avx512();
+// kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ)
+extern const AttnKernels attn_kernels_scalar, attn_kernels_avx2, attn_kernels_avx512;
 
 }  // namespace ortlean

@@ -1,9 +1,11 @@
 // TTMatMul (domain ai.ortlean, opset 1): Y = (X * x_scale) . W(G1..Gd), W given by TT-matrix cores
 // G_i [r_{i-1}, k_i, n_i, r_i]. Contract: DEVELOPERS.md; semantics: custom_ops/reference/tt.py.
 #pragma once
-#include "attrs.h"
+#include <cmath>
+
 #include "metrics.h"
-#include "ort_common.h"
+#include "op.h"
+#include "scratch.h"
 
 namespace ortlean {
 
@@ -22,12 +24,25 @@ struct TTPlan {
   int64_t core_size(int i) const { return ranks[i] * mk[i] * mn[i] * ranks[i + 1]; }
 };
 
-class TTMatMulKernel {
+class TTMatMulKernel : public OpKernel<TTMatMulKernel> {
  public:
-  TTMatMulKernel(const OrtApi& api, const OrtKernelInfo* info);  // throws on invalid node
-  OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept;
-  const std::string& name() const { return name_; }
-  static const AttrTable kAttrs;  // attribute names, types, defaults (ortlean_op_schema_json)
+  static constexpr const char* kOpType = "TTMatMul";
+  // X, G1, G2, [G3], [G4], [x_scale]
+  static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kF32, kOptional}, {kF32, kOptional}};
+  static constexpr IoSpec kOutputs[] = {{kF32}};
+  static constexpr auto kAttrs = join(
+      {
+          attr_required("modes_k", AttrType::Ints).range(1, kMaxDim),  // d = 2..4 entries, prod = K
+          attr_required("modes_n", AttrType::Ints).range(1, kMaxDim),  // d entries, prod = N
+          attr_required("ranks", AttrType::Ints).range(1, kMaxDim),    // d + 1 entries, first and last 1
+          attr_optional("method", AttrType::String).one_of("svd|cross"),
+          attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
+          attr_float("speedup", 0.0f).at_least(0),      // 0: not measured
+      },
+      kLayerMetadata);
+
+  explicit TTMatMulKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
+  void Compute(Ort::KernelContext& ctx) const;
 
   struct CoreRef {
     const float* cm;   // [(r0 k), (n r1)] = the core as stored
@@ -35,11 +50,6 @@ class TTMatMulKernel {
   };
 
  private:
-  void Compute(OrtKernelContext* context) const;
-
-  std::string name_;
-
-  std::string err_prefix_;  // "ortlean TTMatMul node '<name>': " (built once: Compute allocates nothing for it)
   TTPlan plan_;
   bool has_scale_ = false;
   // constant initializers, packed at construction (empty when the input is not constant)
@@ -50,20 +60,6 @@ class TTMatMulKernel {
   metrics::Value* m_calls_ = nullptr;
   metrics::Value* m_rows_ = nullptr;
   metrics::Value* m_nonfinite_ = nullptr;
-};
-
-struct TTMatMulOp : Ort::CustomOpBase<TTMatMulOp, TTMatMulKernel, true> {
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const;
-  const char* GetName() const { return "TTMatMul"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 6; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i < 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED
-                 : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL;
-  }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
 }  // namespace ortlean

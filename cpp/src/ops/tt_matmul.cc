@@ -1,4 +1,4 @@
-#include "tt_matmul.h"
+#include "ops/tt_matmul.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,19 +9,11 @@
 
 #include "blas.h"
 #include "isa.h"
+#include "parallel.h"
 
 namespace ortlean {
 namespace {
 
-constexpr AttrSpec kAttrSpecs[] = {
-    attr_required("modes_k", AttrType::Ints), attr_required("modes_n", AttrType::Ints),
-    attr_required("ranks", AttrType::Ints),   attr_optional("method", AttrType::String),
-    attr_float("gap", NAN),                   attr_optional("params_dense", AttrType::Int),
-    attr_optional("params_stored", AttrType::Int), attr_float("speedup", 0.0f),
-    attr_optional("layer", AttrType::String), attr_optional("target", AttrType::String),
-};
-
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // BLAS takes 32-bit ints
 // Work (multiply-adds) per ParallelFor task: a task should run a few microseconds so ORT's
 // dispatch cost stays small. Matvec steps are memory-bound: ~64K weights per task.
 constexpr int64_t kGrainMatvec = 64 * 1024;
@@ -51,10 +43,6 @@ TTPlan make_plan(std::vector<int64_t> mk, std::vector<int64_t> mn, std::vector<i
   if (ranks.size() != d + 1)
     fail("ranks must have d+1 = " + std::to_string(d + 1) + " entries, got " + std::to_string(ranks.size()) + " " +
          shape_str(ranks));
-  for (size_t i = 0; i < d; ++i)
-    if (mk[i] < 1 || mn[i] < 1) fail("modes must be positive: modes_k=" + shape_str(mk) + " modes_n=" + shape_str(mn));
-  for (auto r : ranks)
-    if (r < 1) fail("ranks must be positive, got " + shape_str(ranks));
   if (ranks.front() != 1 || ranks.back() != 1) fail("ranks must start and end with 1, got " + shape_str(ranks));
   p.d = static_cast<int>(d);
   p.K = 1;
@@ -93,7 +81,7 @@ TTPlan make_plan(std::vector<int64_t> mk, std::vector<int64_t> mn, std::vector<i
 // ------------------------------------------------------------------ per-call compute pieces
 struct Call {
   const TTPlan* plan;
-  const Kernels* kr;
+  const GemmKernels* kr;
   TTMatMulKernel::CoreRef cores[4];
   const float* scale;  // nullptr when absent
   bool blas;           // products go to OpenBLAS when big enough (only with the scalar kernels)
@@ -235,23 +223,113 @@ int64_t guard_rows(const Call& c, const float* X, float* Y, int64_t m0, int64_t 
   return n;
 }
 
+// One row: the chain step by step, each step's matvec split over the pool (memory-bound). work:
+// 2 * max_state + kMaxTasks * max(rows) floats. Returns the rows recomputed by the guard.
+int64_t matvec_chain(const Ort::KernelContext& ctx, const Call& c, const float* X, float* Y, float* work,
+                     bool scale_finite) {
+  const TTPlan& p = *c.plan;
+  float* bufs[2] = {work, work + p.max_state};
+  float* partial = work + round_up16(static_cast<size_t>(2 * p.max_state));
+  const float* in = X;
+  if (c.scale) {
+    c.kr->scale(X, c.scale, bufs[0], p.K);
+    in = bufs[0];
+  }
+  int cur = 1;
+  for (int s = 0; s < p.d; ++s) {
+    const TTPlan::Step& st = p.steps[static_cast<size_t>(s)];
+    float* out = s == p.d - 1 ? Y : bufs[cur];
+    const int64_t work = st.P * st.rows * st.inner * st.jr;
+    const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrainMatvec));
+    if (ntasks > 1 && st.P == 1 && st.jr == 1 && st.rows < ntasks * kMatvecMinCols) {
+      // tall-skinny matvec (K large, few outputs): split the reduction, sum the partials
+      const int64_t kchunk = static_cast<int64_t>(round_up16(static_cast<size_t>((st.inner + ntasks - 1) / ntasks)));
+      const int64_t nt = (st.inner + kchunk - 1) / kchunk;
+      const float* cm = c.cores[s].cm;
+      auto task = [&](size_t t) noexcept {
+        const int64_t k0 = static_cast<int64_t>(t) * kchunk;
+        const int64_t kl = std::min(kchunk, st.inner - k0);
+        c.kr->sgemm_nn(1, st.rows, kl, in + k0, st.inner, cm + k0 * st.rows, st.rows, partial + t * st.rows, st.rows);
+      };
+      parallel_for(ctx, static_cast<size_t>(nt), task);
+      for (int64_t q = 0; q < st.rows; ++q) {
+        float acc = partial[q];
+        for (int64_t t = 1; t < nt; ++t) acc += partial[t * st.rows + q];
+        out[q] = acc;
+      }
+    } else {
+      // split P when there are enough blocks, else the (n, r1) outputs in wide column blocks
+      const bool split_p = st.P >= ntasks;
+      const int64_t qchunk =
+          split_p ? st.rows : std::max<int64_t>(kMatvecMinCols, ((st.rows + ntasks - 1) / ntasks + 63) / 64 * 64);
+      const int64_t pchunk = split_p ? (st.P + ntasks - 1) / ntasks : st.P;
+      const int64_t nt = split_p ? (st.P + pchunk - 1) / pchunk : (st.rows + qchunk - 1) / qchunk;
+      auto task = [&](size_t t) noexcept {
+        const int64_t ti = static_cast<int64_t>(t);
+        if (split_p)
+          step_region(c, s, in, out, 1, ti * pchunk, std::min(st.P, (ti + 1) * pchunk), 0, st.rows);
+        else
+          step_region(c, s, in, out, 1, 0, st.P, ti * qchunk, std::min(st.rows, (ti + 1) * qchunk));
+      };
+      parallel_for(ctx, static_cast<size_t>(nt), task);
+    }
+    in = out;
+    cur ^= 1;
+  }
+  return guard_rows(c, X, Y, 0, 1, scale_finite);
+}
+
+// Several rows: chunks of rows across the pool, each chunk runs the whole chain. Returns the rows
+// recomputed by the guard.
+int64_t row_chunks(const Ort::KernelContext& ctx, const Call& c, const float* X, float* Y, int64_t M,
+                   bool scale_finite) {
+  const TTPlan& p = *c.plan;
+  int64_t per_row = 0;
+  for (const auto& st : p.steps) per_row += st.P * st.rows * st.inner * st.jr;
+  const int64_t ntasks0 = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, M, M * per_row / kGrainRows}));
+  // chunks of a multiple of 6 rows (the register block height of the kernels)
+  // (capped: bounded scratch and cache-resident blocks for long prefills; more tasks is fine)
+  int64_t mb = std::min<int64_t>(((M + ntasks0 - 1) / ntasks0 + 5) / 6 * 6, kMaxChunkRows);
+  if (c.blas) mb = std::max<int64_t>(mb, 48);  // OpenBLAS wants taller blocks
+  mb = std::min(M, mb);
+  const int64_t nt = (M + mb - 1) / mb;
+  const int64_t r = p.ranks[1];
+  std::atomic<int64_t> recomputed{0};
+  std::atomic<bool> oom{false};
+  auto task = [&](size_t t) noexcept {
+    const int64_t m0 = static_cast<int64_t>(t) * mb;
+    const int64_t rows = std::min(mb, M - m0);
+    float* scratch;
+    try {
+      scratch = task_scratch().get(p.lowrank ? round_up16(static_cast<size_t>(rows * r)) +
+                                                   (c.scale ? static_cast<size_t>(rows * p.K) : 0)
+                                             : static_cast<size_t>(2 * p.max_state * rows));
+    } catch (...) {
+      oom = true;
+      return;
+    }
+    if (p.lowrank)
+      run_lowrank_chunk(c, X + m0 * p.K, Y + m0 * p.N, rows, scratch);
+    else
+      run_chunk(c, X + m0 * p.K, Y + m0 * p.N, rows, scratch);
+    const int64_t n = guard_rows(c, X, Y, m0, m0 + rows, scale_finite);
+    if (n) recomputed += n;
+  };
+  parallel_for(ctx, static_cast<size_t>(nt), task);
+  if (oom) throw std::bad_alloc();
+  return recomputed.load();
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ construction
-const AttrTable TTMatMulKernel::kAttrs{kAttrSpecs};
-
-TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
-  Ort::ConstKernelInfo info{info_ptr};
-  name_ = info.GetNodeName();
-  err_prefix_ = "ortlean TTMatMul node '" + name_ + "': ";
-
+TTMatMulKernel::TTMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
   plan_ = make_plan(at.ints("modes_k"), at.ints("modes_n"), at.ints("ranks"));
   const TTPlan& p = plan_;
 
   // inputs: X, G1..G4 (G_{d+1}.. absent), x_scale
-  const size_t n_in = info.GetInputCount();
-  auto present = [&](size_t i) { return i < n_in && !info.GetInputName(i).empty(); };
+  auto present = [&](size_t i) { return input_present(info, i); };
   for (int i = 0; i < 4; ++i) {
     const bool want = i < p.d;
     if (want && !present(1 + i))
@@ -318,59 +396,35 @@ TTMatMulKernel::TTMatMulKernel(const OrtApi&, const OrtKernelInfo* info_ptr) {
   }
 
   // metadata attributes (optional for the kernel)
-  const std::string& method = at.s("method");
-  const std::string& target = at.s("target");
   const float gap = at.f("gap"), speedup = at.f("speedup");
   int64_t params_stored = 0;
   for (int i = 0; i < p.d; ++i) params_stored += p.core_size(i);
-  const int64_t params_dense = at.given("params_dense") ? at.i("params_dense") : p.K * p.N;
-  if (at.given("params_stored")) params_stored = at.i("params_stored");
-  if (!method.empty() && method != "svd" && method != "cross")
-    fail("attribute method must be 'svd' or 'cross', got '" + method + "'");
-  if (!target.empty() && target != "mlp" && target != "attn" && target != "head")
-    fail("attribute target must be 'mlp', 'attn' or 'head', got '" + target + "'");
+  int64_t params_dense = p.K * p.N;  // derived defaults when absent
+  at.read({{"params_dense", &params_dense}, {"params_stored", &params_stored}});
 
   metrics::Node* m = metrics::node(name_);
-  metrics::set(m->metric("tt.enabled", false), 1.0);
-  metrics::set(m->metric("tt.rank", false), static_cast<double>(*std::max_element(p.ranks.begin(), p.ranks.end())));
-  metrics::set(m->metric("tt.gap", false), float_attr_value(gap));
-  metrics::set(m->metric("tt.speedup", false), float_attr_value(speedup));
-  metrics::set(m->metric("tt.mem_saved", false),
-               params_dense > 0 ? 1.0 - static_cast<double>(params_stored) / static_cast<double>(params_dense) : 0.0);
-  m_calls_ = m->metric("tt.calls", true);
-  m_rows_ = m->metric("tt.rows", true);
-  m_nonfinite_ = m->metric("tt.nonfinite_recomputes", true);
-}
-
-OrtStatusPtr TTMatMulOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
-  return create_kernel_guarded<TTMatMulKernel>("TTMatMul", api, info, op_kernel);
+  const double mem_saved =
+      params_dense > 0 ? 1.0 - static_cast<double>(params_stored) / static_cast<double>(params_dense) : 0.0;
+  m->set({{"tt.enabled", 1.0},
+          {"tt.rank", static_cast<double>(*std::max_element(p.ranks.begin(), p.ranks.end()))},
+          {"tt.gap", float_attr_value(gap)},
+          {"tt.speedup", float_attr_value(speedup)},
+          {"tt.mem_saved", mem_saved}});
+  m->counters({{&m_calls_, "tt.calls"}, {&m_rows_, "tt.rows"}, {&m_nonfinite_, "tt.nonfinite_recomputes"}});
 }
 
 // ------------------------------------------------------------------ compute
-OrtStatusPtr TTMatMulKernel::ComputeV2(OrtKernelContext* context) noexcept {
-  return status_guard(err_prefix_, [&] { Compute(context); });
-}
-
-void TTMatMulKernel::Compute(OrtKernelContext* context) const {
-  Ort::KernelContext ctx(context);
+void TTMatMulKernel::Compute(Ort::KernelContext& ctx) const {
   const TTPlan& p = plan_;
   Call c;
   c.plan = &p;
-  c.kr = &kernels();
+  c.kr = &gemm_kernels();
   c.blas = isa() == Isa::Scalar;
 
-  Ort::ConstValue xv = ctx.GetInput(0);
-  auto xinfo = xv.GetTensorTypeAndShapeInfo();
-  std::vector<int64_t> yshape = xinfo.GetShape();
-  if (yshape.empty()) fail("input X must have rank >= 1, got a scalar");
-  if (yshape.back() != p.K)
-    fail("input X has shape " + shape_str(yshape) + ": last dim must be prod(modes_k) = " + std::to_string(p.K));
-  int64_t M = 1;
-  for (size_t i = 0; i + 1 < yshape.size(); ++i) M *= yshape[i];
-  yshape.back() = p.N;
-  Ort::UnownedValue yv = ctx.GetOutput(0, yshape);
-  const float* X = xv.GetTensorData<float>();
-  float* Y = yv.GetTensorMutableData<float>();
+  const RowsIO io = rows_io(ctx, p.K, p.N);
+  const int64_t M = io.M;
+  const float* X = io.X;
+  float* Y = io.Y;
 
   // cores / scale: prepacked constants, or read from the inputs (validated, packed per call)
   size_t outer_need = 0;
@@ -426,98 +480,12 @@ void TTMatMulKernel::Compute(OrtKernelContext* context) const {
 
   bool scale_finite = true;
   if (c.scale) scale_finite = c.kr->all_finite(c.scale, p.K) != 0;
-  std::atomic<int64_t> recomputed{0};
-
-  if (matvec) {
-    // one row: parallelize inside each step of the chain (memory-bound matvecs)
-    float* bufs[2] = {op, op + p.max_state};
-    float* partial = op + round_up16(static_cast<size_t>(2 * p.max_state));
-    const float* in = X;
-    if (c.scale) {
-      c.kr->scale(X, c.scale, bufs[0], p.K);
-      in = bufs[0];
-    }
-    int cur = 1;
-    for (int s = 0; s < p.d; ++s) {
-      const TTPlan::Step& st = p.steps[static_cast<size_t>(s)];
-      float* out = s == p.d - 1 ? Y : bufs[cur];
-      const int64_t work = st.P * st.rows * st.inner * st.jr;
-      const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrainMatvec));
-      if (ntasks > 1 && st.P == 1 && st.jr == 1 && st.rows < ntasks * kMatvecMinCols) {
-        // tall-skinny matvec (K large, few outputs): split the reduction, sum the partials
-        const int64_t kchunk = static_cast<int64_t>(round_up16(static_cast<size_t>((st.inner + ntasks - 1) / ntasks)));
-        const int64_t nt = (st.inner + kchunk - 1) / kchunk;
-        const float* cm = c.cores[s].cm;
-        auto task = [&](size_t t) noexcept {
-          const int64_t k0 = static_cast<int64_t>(t) * kchunk;
-          const int64_t kl = std::min(kchunk, st.inner - k0);
-          c.kr->sgemm_nn(1, st.rows, kl, in + k0, st.inner, cm + k0 * st.rows, st.rows, partial + t * st.rows, st.rows);
-        };
-        parallel_for(ctx, static_cast<size_t>(nt), task);
-        for (int64_t q = 0; q < st.rows; ++q) {
-          float acc = partial[q];
-          for (int64_t t = 1; t < nt; ++t) acc += partial[t * st.rows + q];
-          out[q] = acc;
-        }
-      } else {
-        // split P when there are enough blocks, else the (n, r1) outputs in wide column blocks
-        const bool split_p = st.P >= ntasks;
-        const int64_t qchunk =
-            split_p ? st.rows : std::max<int64_t>(kMatvecMinCols, ((st.rows + ntasks - 1) / ntasks + 63) / 64 * 64);
-        const int64_t pchunk = split_p ? (st.P + ntasks - 1) / ntasks : st.P;
-        const int64_t nt = split_p ? (st.P + pchunk - 1) / pchunk : (st.rows + qchunk - 1) / qchunk;
-        auto task = [&](size_t t) noexcept {
-          const int64_t ti = static_cast<int64_t>(t);
-          if (split_p)
-            step_region(c, s, in, out, 1, ti * pchunk, std::min(st.P, (ti + 1) * pchunk), 0, st.rows);
-          else
-            step_region(c, s, in, out, 1, 0, st.P, ti * qchunk, std::min(st.rows, (ti + 1) * qchunk));
-        };
-        parallel_for(ctx, static_cast<size_t>(nt), task);
-      }
-      in = out;
-      cur ^= 1;
-    }
-    recomputed += guard_rows(c, X, Y, 0, 1, scale_finite);
-  } else {
-    // several rows: chunks of rows across the pool, each chunk runs the whole chain
-    int64_t per_row = 0;
-    for (const auto& st : p.steps) per_row += st.P * st.rows * st.inner * st.jr;
-    const int64_t ntasks0 = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, M, M * per_row / kGrainRows}));
-    // chunks of a multiple of 6 rows (the register block height of the kernels)
-    // (capped: bounded scratch and cache-resident blocks for long prefills; more tasks is fine)
-    int64_t mb = std::min<int64_t>(((M + ntasks0 - 1) / ntasks0 + 5) / 6 * 6, kMaxChunkRows);
-    if (c.blas) mb = std::max<int64_t>(mb, 48);  // OpenBLAS wants taller blocks
-    mb = std::min(M, mb);
-    const int64_t nt = (M + mb - 1) / mb;
-    const int64_t r = p.ranks[1];
-    std::atomic<bool> oom{false};
-    auto task = [&](size_t t) noexcept {
-      const int64_t m0 = static_cast<int64_t>(t) * mb;
-      const int64_t rows = std::min(mb, M - m0);
-      float* scratch;
-      try {
-        scratch = task_scratch().get(p.lowrank ? round_up16(static_cast<size_t>(rows * r)) +
-                                                     (c.scale ? static_cast<size_t>(rows * p.K) : 0)
-                                               : static_cast<size_t>(2 * p.max_state * rows));
-      } catch (...) {
-        oom = true;
-        return;
-      }
-      if (p.lowrank)
-        run_lowrank_chunk(c, X + m0 * p.K, Y + m0 * p.N, rows, scratch);
-      else
-        run_chunk(c, X + m0 * p.K, Y + m0 * p.N, rows, scratch);
-      const int64_t n = guard_rows(c, X, Y, m0, m0 + rows, scale_finite);
-      if (n) recomputed += n;
-    };
-    parallel_for(ctx, static_cast<size_t>(nt), task);
-    if (oom) throw std::bad_alloc();
-  }
+  const int64_t recomputed = matvec ? matvec_chain(ctx, c, X, Y, op, scale_finite)
+                                    : row_chunks(ctx, c, X, Y, M, scale_finite);
 
   metrics::add(m_calls_, 1.0);
   metrics::add(m_rows_, static_cast<double>(M));
-  if (const int64_t n = recomputed.load()) metrics::add(m_nonfinite_, static_cast<double>(n));
+  if (recomputed) metrics::add(m_nonfinite_, static_cast<double>(recomputed));
 }
 
 }  // namespace ortlean

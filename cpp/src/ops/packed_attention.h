@@ -1,0 +1,73 @@
+// PackedAttention (domain ai.ortlean, opset 1): attention over a bit-packed key cache, with
+// popcount candidate search and exact refinement. Contract: DEVELOPERS.md; semantics:
+// custom_ops/reference/attn.py. Key format: packed_keys.h.
+#pragma once
+#include <vector>
+
+#include "kernels/attn.h"
+#include "kernels/gemm.h"
+#include "metrics.h"
+#include "op.h"
+#include "ops/packed_keys.h"
+
+namespace ortlean {
+
+struct AttnCall;
+
+// The node's attribute values (names and defaults: PackedAttentionKernel::kAttrs).
+struct AttnParams {
+  float scale, eps, budget, rho, mix;
+  int64_t approx_prefill, min_candidates, sinks, window, min_context, qbits;
+  KeyMode mode;
+  bool oracle;                   // select = "exact": candidates by exact scores (measurement only)
+  bool k_bhdt;                   // K is [B, Hkv, D, T]
+  std::vector<float> kscale;     // [Hkv * D] per-channel key scale folded into q for the popcount score
+  std::vector<float> eps_heads;  // per KV head (eps modes), empty = eps for all
+};
+
+class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
+ public:
+  static constexpr const char* kOpType = "PackedAttention";
+  // Q, K, V, [mask], [past_bits] -> Y, [present_bits]
+  static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kI32, kOptional}};
+  static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}};
+  static constexpr AttrSpec kAttrs[] = {
+      attr_float("scale", 1.0f),  // any finite value
+      attr_string("mode", "sign").one_of("sign|ternary|binary"),
+      attr_float("eps", 0.0f).at_least(0),
+      attr_float("budget", 0.0f).range(0, 1),  // 0 or 1: exact
+      attr_int("min_candidates", 64).range(0, kMaxDim),
+      attr_int("sinks", 4).range(0, kMaxDim),
+      attr_int("window", 64).range(0, kMaxDim),
+      attr_int("min_context", 256).range(0, kMaxDim),
+      attr_float("rho", 0.15f).range(0, 1),
+      attr_int("qbits", 8).range(2, 16),
+      attr_float("mix", 0.0f).range(0, 1),
+      attr_string("popcnt", "auto").one_of("auto|vpopcntdq|avx2|scalar"),
+      attr_string("k_layout", "bhtd").one_of("bhtd|bhdt"),
+      attr_int("approx_prefill", 0).flag(),
+      attr_list("eps_heads", AttrType::Floats).at_least(0),  // one per KV head
+      attr_list("kscale", AttrType::Floats).at_least(0),     // KV heads x head dim
+      attr_string("select", "popcount").one_of("popcount|exact"),
+      attr_optional("layer", AttrType::String),
+  };
+
+  explicit PackedAttentionKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
+  void Compute(Ort::KernelContext& ctx) const;
+
+ private:
+  void check_list_lengths(const Ort::ConstKernelInfo& info) const;
+  void check_list_lengths(int64_t Hkv, int64_t D) const;
+  AttnCall read_inputs(Ort::KernelContext& ctx) const;
+  void pack_keys(AttnCall& c, Ort::KernelContext& ctx) const;
+  void attend_rows(AttnCall& c, Ort::KernelContext& ctx) const;
+  void attend_blocked(const AttnCall& c, Ort::KernelContext& ctx) const;
+
+  AttnParams p_{};
+  const AttnKernels* ak_ = nullptr;
+  const GemmKernels* gemm_ = nullptr;
+  metrics::Value *m_density_ = nullptr, *m_active_ = nullptr, *m_calls_ = nullptr, *m_cands_ = nullptr,
+                 *m_keys_ = nullptr, *m_packed_ = nullptr;
+};
+
+}  // namespace ortlean

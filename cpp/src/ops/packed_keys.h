@@ -1,0 +1,66 @@
+// The packed key format of PackedAttention (DEVELOPERS.md; custom_ops/reference/attn.py): one row
+// of `words` uint32 per key, the graph I/O past_bits / present_bits (int32 [B, Hkv, T, words]).
+//   plane words [planes * nw]: bit d of plane p is bit (d % 32) of word p*nw + d/32
+//                              (sign: 1 plane, bit = k > 0; binary: 1 plane, |k| > eps;
+//                               ternary: 2 planes, k > eps / k < -eps)
+//   gamma [1]:                 float32 bits of the key's scale (mean |k| over the set bits, or
+//                              over all d in sign mode; eps when no bit is set)
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace ortlean {
+
+enum class KeyMode { Sign = 0, Ternary = 1, Binary = 2 };
+
+struct PackedKeyFormat {
+  KeyMode mode;
+  int64_t D;       // head dim
+  int planes;      // 2 for ternary, else 1
+  int64_t nw;      // words per plane, ceil(D / 32)
+  int64_t words;   // per key: planes * nw + 1
+  int64_t gamma;   // index of the gamma word
+
+  PackedKeyFormat(KeyMode m, int64_t d)
+      : mode(m), D(d), planes(m == KeyMode::Ternary ? 2 : 1), nw((d + 31) / 32), words(planes * nw + 1),
+        gamma(planes * nw) {}
+
+  float gamma_of(const uint32_t* row) const {
+    float g;
+    std::memcpy(&g, row + gamma, 4);
+    return g;
+  }
+
+  // Packs key k (element d at k[d * ldd]) into row (words uint32); eps: the eps modes' threshold.
+  void pack(const float* k, int64_t ldd, float eps, uint32_t* row) const {
+    std::memset(row, 0, sizeof(uint32_t) * static_cast<size_t>(words));
+    double asum = 0.0;
+    int64_t cnt = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = k[d * ldd];
+      const float ax = std::fabs(x);
+      const uint32_t bit = 1u << (d & 31);
+      if (mode == KeyMode::Sign) {
+        if (x > 0) row[d >> 5] |= bit;
+        asum += ax;
+      } else {
+        if (ax > eps) {
+          asum += ax;
+          ++cnt;
+        }
+        if (mode == KeyMode::Ternary) {
+          if (x > eps) row[d >> 5] |= bit;
+          if (x < -eps) row[nw + (d >> 5)] |= bit;
+        } else if (ax > eps) {
+          row[d >> 5] |= bit;
+        }
+      }
+    }
+    const float g = mode == KeyMode::Sign ? static_cast<float>(asum / static_cast<double>(D))
+                                          : (cnt ? static_cast<float>(asum / static_cast<double>(cnt)) : eps);
+    std::memcpy(row + gamma, &g, 4);
+  }
+};
+
+}  // namespace ortlean
