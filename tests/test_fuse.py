@@ -159,3 +159,29 @@ def test_quantize_excludes_and_rejects(fused):
         quantize_weights(m, "int2")
     with pytest.raises(ValueError, match="not in the model"):
         quantize_weights(m, "int8", exclude=["/nope"])
+
+
+def test_shared_kv_loop_matches_the_plain_loop(tiny, fused):
+    from rewriter.shared_kv import SharedKV, SharedKVError
+
+    s0, s1 = _sess(tiny["qwen2"] / "model.onnx"), _sess(fused["qwen2"][0])
+    io = runner.ModelIO.from_session(s1)
+    kv = SharedKV(s1, io, max_len=20)
+    ids = np.random.default_rng(5).integers(3, 250, (1, 9))
+    o = runner.run(s0, io, runner.feeds(io, ids))
+    assert _rel(o["logits"], kv.prefill(ids)) < 1e-4
+    past, plen = io.next_state(o), 9
+    for t in (17, 99, 4):
+        step = np.array([[t]])
+        o = runner.run(s0, io, runner.feeds(io, step, past, plen))
+        assert _rel(o["logits"], kv.step(step)) < 1e-4
+        past, plen = io.next_state(o), plen + 1
+    assert kv.length == 12
+    kv2 = SharedKV(s1, io, max_len=20)        # a cache computed elsewhere
+    kv2.fill(plen, past)
+    assert _rel(runner.run(s0, io, runner.feeds(io, np.array([[8]]), past, plen))["logits"],
+                kv2.step(np.array([[8]]))) < 1e-4
+    with pytest.raises(SharedKVError, match="exceed max_len"):
+        kv2.step(np.zeros((1, 10), np.int64))
+    with pytest.raises(SharedKVError, match="not a GroupQueryAttention graph"):
+        SharedKV(s0, io, max_len=20).prefill(ids)
