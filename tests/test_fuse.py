@@ -185,3 +185,35 @@ def test_shared_kv_loop_matches_the_plain_loop(tiny, fused):
         kv2.step(np.zeros((1, 10), np.int64))
     with pytest.raises(SharedKVError, match="not a GroupQueryAttention graph"):
         SharedKV(s0, io, max_len=20).prefill(ids)
+
+
+def test_rotary_cache_trim(tiny, tmp_path):
+    m, report = fuse_decoder(ir.load(tiny["llama"] / "model.onnx"), max_positions=64)
+    assert m.graph.initializers["cos_cache"].const_value.shape[0] == 64
+    p = tmp_path / "m.onnx"
+    ir.save(m, p)
+    s0, s1 = _sess(tiny["llama"] / "model.onnx"), _sess(p)
+    io = runner.ModelIO.from_session(s0)
+    ids = np.arange(3, 40)[None]
+    assert _rel(runner.run(s0, io, runner.feeds(io, ids))["logits"], runner.run(s1, io, runner.feeds(io, ids))["logits"]) < 1e-4
+
+
+def test_fuse_reads_external_data(tiny, tmp_path):
+    import onnx
+
+    src = tmp_path / "ext" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save_model(onnx.load(str(tiny["llama"] / "model.onnx")), str(src), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=128)
+    m = ir.load(src)
+    before = (len(m.graph.inputs), len(m.graph.initializers))
+    fused_m, report = fuse_decoder(m)
+    assert (len(m.graph.inputs), len(m.graph.initializers)) == before      # the input is left as it was
+    assert report.fusions["GroupQueryAttention"] == 2 and report.fusions["ort:SkipSimplifiedLayerNormalization"] == 4
+    out = tmp_path / "out" / "model.onnx"
+    out.parent.mkdir()
+    ir.save(fused_m, out, external_data="model.onnx.data")
+    s0, s1 = _sess(src), _sess(out)
+    io = runner.ModelIO.from_session(s0)
+    ids = np.arange(3, 12)[None]
+    assert _rel(runner.run(s0, io, runner.feeds(io, ids))["logits"], runner.run(s1, io, runner.feeds(io, ids))["logits"]) < 1e-4

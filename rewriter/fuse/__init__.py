@@ -37,6 +37,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
@@ -92,6 +93,21 @@ def _check_input(model: ir.Model) -> list[int]:
     return layers
 
 
+def _weights_as_inputs(model: ir.Model) -> dict[str, ir.Value]:
+    """The weights (B of MatMul/Gemm, data of Gather): ORT's optimizer never needs their values,
+    so they are handed to it as typed graph inputs instead of initializers — the ModelProto stays
+    small (no 2 GB protobuf limit, less to copy)."""
+    out = {}
+    for name, v in model.graph.initializers.items():
+        t = v.const_value
+        if t is None or t.nbytes < 1024 or not v.uses():
+            continue
+        if all(u.node.domain == "" and ((u.node.op_type in ("MatMul", "Gemm") and u.idx == 1)
+                                        or (u.node.op_type == "Gather" and u.idx == 0)) for u in v.uses()):
+            out[name] = v
+    return out
+
+
 def _ort_normalization_and_rotary(model: ir.Model) -> tuple[ir.Model, dict]:
     """Step 1: ORT's own fusions on the ModelProto (only RMSNorm, skip-RMSNorm and rotary)."""
     from onnxruntime.transformers import optimizer
@@ -104,7 +120,24 @@ def _ort_normalization_and_rotary(model: ir.Model) -> tuple[ir.Model, dict]:
     opts.enable_layer_norm = True        # includes SimplifiedLayerNormalization (RMSNorm)
     opts.enable_skip_layer_norm = True   # includes SkipSimplifiedLayerNormalization
     opts.enable_rotary_embeddings = True
-    proto = ir.serde.serialize_model(model)
+    weights = _weights_as_inputs(model)
+    # the other initializers go in with their data in memory: ORT's shape inference resolves
+    # external-data paths against the working directory
+    external = {n: v.const_value for n, v in model.graph.initializers.items()
+                if n not in weights and isinstance(v.const_value, ir.ExternalTensor)}
+    for name, v in weights.items():          # the input model is restored below
+        del model.graph.initializers[name]
+        model.graph.inputs.append(v)
+    for name, t in external.items():
+        model.graph.initializers[name].const_value = ir.tensor(t.numpy(), name=name)
+    try:
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for name, v in weights.items():
+            model.graph.inputs.remove(v)
+            model.graph.initializers[name] = v
+        for name, t in external.items():
+            model.graph.initializers[name].const_value = t
     quiet = [logging.getLogger(n) for n in ("onnxruntime.transformers", "fusion_base", "onnx_model",
                                             "onnx_model_bert", "optimizer", "fusion_utils")]
     levels = [lg.level for lg in quiet]
@@ -118,6 +151,14 @@ def _ort_normalization_and_rotary(model: ir.Model) -> tuple[ir.Model, dict]:
             lg.setLevel(lv)
     counts = collections.Counter(n.op_type for n in om.model.graph.node)
     out = ir.serde.deserialize_model(om.model)
+    by_name = {v.name: v for v in out.graph.inputs}
+    for name, v in weights.items():
+        nv = by_name.get(name)
+        if nv is None:
+            raise FuseError(f"fuse: weight {name} disappeared in ORT's optimizer")
+        out.graph.inputs.remove(nv)
+        nv.const_value = v.const_value
+        out.graph.initializers[name] = nv
     return out, {k: counts.get(k, 0) for k in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
                                                "RotaryEmbedding")}
 
@@ -150,10 +191,32 @@ def _explain_unfused(model: ir.Model, rule) -> str:
     return f"{s.name}: not fused: {reason or 'no o_proj input Reshape after it (not an attention core)'}"
 
 
-def fuse_decoder(model: ir.Model, *, pack_qkv: bool = True) -> tuple[ir.Model, FuseReport]:
+def _trim_rotary_caches(model: ir.Model, rows: int) -> int:
+    seen = set()
+    for node in model.graph:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        for v in node.inputs[7:9]:
+            if v is None or id(v) in seen or v.const_value is None:
+                continue
+            seen.add(id(v))
+            a = v.const_value.numpy()
+            if a.shape[0] > rows:
+                v.const_value = ir.tensor(np.ascontiguousarray(a[:rows]), name=v.name)
+                v.shape = ir.Shape(v.const_value.shape)
+    return rows
+
+
+def fuse_decoder(model: ir.Model, *, pack_qkv: bool = True, max_positions: int | None = None
+                 ) -> tuple[ir.Model, FuseReport]:
     """Rewrite an optimum Llama-family decoder with past into ORT's fused ops (a new model; the input
     is not changed). Raises :class:`FuseError` naming the node and the reason when an attention core
-    does not match; a model that is already fused comes back unchanged with a note."""
+    does not match; a model that is already fused comes back unchanged with a note.
+
+    ``max_positions``: rows kept in the rotary cos/sin caches (ORT's rotary fusion writes 131072;
+    e.g. the config's ``max_position_embeddings``, as the genai builder does — positions beyond it
+    then fail in GroupQueryAttention instead of extrapolating). Measured: the cache length does not
+    change GQA's speed, only the model's size."""
     layers = _check_input(model)
     nodes_before = sum(1 for _ in model.graph)
     if is_fused(model):
@@ -171,6 +234,8 @@ def fuse_decoder(model: ir.Model, *, pack_qkv: bool = True) -> tuple[ir.Model, F
     common_passes.RemoveUnusedNodesPass()(fused)   # the unfused K/V path, dead since the reroute
     if pack_qkv:
         fusions["packed_qkv"] = _rule_set([rules.PackQKV.rule()]).apply_to_model(fused)
+    if max_positions:
+        fusions["rotary_cache_rows"] = _trim_rotary_caches(fused, int(max_positions))
     common_passes.CommonSubexpressionEliminationPass()(fused)
     common_passes.RemoveUnusedNodesPass()(fused)
     common_passes.RemoveUnusedFunctionsPass()(fused)
