@@ -765,25 +765,13 @@ def quantize_matmul_nbits(dense_model_path, bits: int, out_path, block_size: int
     builder uses for CPU). The lm_head is quantized too unless listed in ``nodes_to_exclude``. Writes ``out_path`` (weights inline, or external
     data ``<out>.data`` when over 2 GB) and returns it. Caching is the caller's business."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    if bits not in (2, 4, 8):
-        raise ValueError(f"MatMulNBits supports 2, 4 or 8 bits, not {bits}")
-    import logging
+    from .quantize import QuantConfig, matmul_nbits_proto
 
-    model = onnx.load(str(dense_model_path))
-    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
-                             accuracy_level=accuracy_level, nodes_to_exclude=list(nodes_to_exclude))
-    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = qlog.level
-    qlog.setLevel(logging.WARNING)  # it logs one INFO line per node
-    try:
-        q.process()
-    finally:
-        qlog.setLevel(level)
+    qm = matmul_nbits_proto(onnx.load(str(dense_model_path)),
+                            QuantConfig(bits, block_size, symmetric, accuracy_level), nodes_to_exclude)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    qm = q.model.model
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     big = qm.ByteSize() > 1_900_000_000
     if big:
