@@ -175,8 +175,10 @@ class OptimumAttentionToGQA(pattern.RewriteRuleClassBase):
                      rotary_interleaved=self._interleaved)
         if not math.isclose(self._scale, 1.0 / math.sqrt(self._head_dim), rel_tol=1e-6):
             attrs["scale"] = float(self._scale)
+        scope = (attn.producer().name or "").rsplit("/", 1)[0]
         out, _present_key, _present_value = op.GroupQueryAttention(
-            q_bsd, k_bsd, v_bsd, past_key, past_value, seqlens, total, cos, sin, _domain=MS, _outputs=3, **attrs)
+            q_bsd, k_bsd, v_bsd, past_key, past_value, seqlens, total, cos, sin, _domain=MS, _outputs=3,
+            _name=f"{scope}/GroupQueryAttention" if scope else None, **attrs)
         return out
 
 
@@ -271,18 +273,24 @@ class PackQKV(pattern.RewriteRuleClassBase):
     def rewrite(self, op, past_key, past_value, seqlens_k, total_len, cos, sin, attn, **_):
         projs = self._projs
         x = projs[0][0]
-        names = [p[1].name for p in projs]
+        node_name, w_name = _packed_names(projs[0][1].uses()[0].node.name or "", projs[0][1].name)
         w = np.concatenate([p[1].const_value.numpy() for p in projs], axis=1)
-        wv = op.initializer(ir.tensor(w, name=_packed_name(names, "qkv_proj.weight")))
-        qkv = op.MatMul(x, wv)
+        wv = op.initializer(ir.tensor(w, name=f"{w_name}.weight"))
+        qkv = op.MatMul(x, wv, _name=node_name)
         if projs[0][2] is not None:
             b = np.concatenate([p[2].const_value.numpy() for p in projs])
-            qkv = op.Add(qkv, op.initializer(ir.tensor(b, name=_packed_name(names, "qkv_proj.bias"))))
+            qkv = op.Add(qkv, op.initializer(ir.tensor(b, name=f"{w_name}.bias")),
+                         _name=node_name.rsplit("/", 1)[0] + "/Add" if node_name else None)
         node = attn.producer()
         return op.GroupQueryAttention(qkv, None, None, past_key, past_value, seqlens_k, total_len, cos, sin,
-                                      _domain=MS, _outputs=3,
+                                      _domain=MS, _outputs=3, _name=node.name,
                                       **{a.name: a.value for a in node.attributes.values()})
 
 
-def _packed_name(names: list[str], suffix: str) -> str:
-    return f"{names[0]}.{suffix}"
+def _packed_names(q_node: str, q_weight: str) -> tuple[str | None, str]:
+    """Node and weight names of the packed projection, from the q projection's node name
+    ("/model/layers.0/self_attn/q_proj/MatMul" -> ".../qkv_proj/MatMul", "model.layers.0.self_attn.qkv_proj")."""
+    if "q_proj" in q_node:
+        node = q_node.replace("q_proj", "qkv_proj")
+        return node, node.strip("/").rsplit("/", 1)[0].replace("/", ".")
+    return (f"{q_node}_qkv" if q_node else None), f"{q_weight}.qkv_proj"
