@@ -9,7 +9,8 @@ inputs and outputs:
 - ``generate``: greedy decoding with the KV cache;
 - ``bench``: whole-model prefill/decode timing (``bench_sessions``) and interleaved op timing;
 - ``profile``: ONNX Runtime's per-node profile, summarised;
-- ``weights``: stored weight bytes, ORT's own MatMulNBits quantization (the int8/int4 baseline).
+- ``weights``: stored weight bytes, ORT's own MatMulNBits quantization (the int8/int4 baseline);
+- ``shared_kv``: the decode loop for GroupQueryAttention graphs with one K/V buffer per layer (IOBinding).
 
     from custom_ops import runtime
     io = runtime.ModelIO.from_session(sess)
@@ -22,11 +23,12 @@ from .bench import bench_sessions, time_cpu, time_sessions
 from .generate import EOS_TOKENS, generate
 from .io import ModelIO, feeds, load_tokenizer, run, tokenize
 from .profile import ProfileSummary, profile_summary
+from .shared_kv import SharedKV, SharedKVError
 from .quality import embeddings, perplexity, sentences_from_text
 from .weights import quantize_matmul_nbits, weight_bytes
 
 __all__ = [
     "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "embeddings",
     "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary",
-    "ProfileSummary", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
+    "ProfileSummary", "SharedKV", "SharedKVError", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
 ]

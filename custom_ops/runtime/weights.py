@@ -3,10 +3,41 @@ quantization (the int8/int4 baseline a user would pick instead of ortlean)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One MatMulNBits setting: bits per weight, block length along K, symmetric or with zero
+    points, and ``accuracy_level`` (4 = int8 activations in MLAS)."""
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int
+
+
+def matmul_nbits_proto(proto, cfg: QuantConfig, nodes_to_exclude: Iterable[str] = ()):
+    """ORT's ``MatMulNBitsQuantizer`` (QOperator format) on a ModelProto; returns the new ModelProto."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if cfg.bits not in (2, 4, 8):
+        raise ValueError(f"MatMulNBits supports 2, 4 or 8 bits, not {cfg.bits}")
+    q = MatMulNBitsQuantizer(proto, bits=cfg.bits, block_size=cfg.block_size, is_symmetric=cfg.symmetric,
+                             accuracy_level=cfg.accuracy_level, nodes_to_exclude=list(nodes_to_exclude))
+    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = qlog.level
+    qlog.setLevel(logging.WARNING)  # it logs one INFO line per node
+    try:
+        q.process()
+    finally:
+        qlog.setLevel(level)
+    return q.model.model
+
 
 # sizes and the MatMulNBits baseline
 def _tensor_nbytes(t, base_dir: Path) -> int:
@@ -69,25 +100,11 @@ def quantize_matmul_nbits(dense_model_path, bits: int, out_path, block_size: int
     builder uses for CPU). The lm_head is quantized too unless listed in ``nodes_to_exclude``. Writes ``out_path`` (weights inline, or external
     data ``<out>.data`` when over 2 GB) and returns it. Caching is the caller's business."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    if bits not in (2, 4, 8):
-        raise ValueError(f"MatMulNBits supports 2, 4 or 8 bits, not {bits}")
-    import logging
-
-    model = onnx.load(str(dense_model_path))
-    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
-                             accuracy_level=accuracy_level, nodes_to_exclude=list(nodes_to_exclude))
-    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = qlog.level
-    qlog.setLevel(logging.WARNING)  # it logs one INFO line per node
-    try:
-        q.process()
-    finally:
-        qlog.setLevel(level)
+    qm = matmul_nbits_proto(onnx.load(str(dense_model_path)),
+                            QuantConfig(bits, block_size, symmetric, accuracy_level), nodes_to_exclude)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    qm = q.model.model
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     big = qm.ByteSize() > 1_900_000_000
     if big:

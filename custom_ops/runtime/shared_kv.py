@@ -1,0 +1,114 @@
+"""A decode loop for GroupQueryAttention graphs (the fused form, onnxruntime-genai builder models)
+with each layer's past and present K/V bound to ONE preallocated buffer through ONNX Runtime's
+IOBinding: GQA's shared-buffer mode writes only the new tokens, so a step does not copy the whole
+cache into a new ``present`` array (at a past of 4096 tokens that copy is about half of a SmolLM2
+decode step). onnxruntime-genai's generator runs these graphs the same way
+(``past_present_share_buffer``).
+
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+    io = runtime.ModelIO.from_session(sess)
+    kv = SharedKV(sess, io, max_len=4096 + 64)
+    logits = kv.prefill(prompt_ids)            # [B, T, V]
+    logits = kv.step(next_ids)                 # [B, 1, V]; kv.length grows by one
+
+The graph contract is ``runtime.io``'s (``input_ids``, ``attention_mask``, optional ``position_ids``,
+``past_key_values.N.*`` → ``present.N.*`` in ``[batch, kv_heads, seq, head_dim]``); the buffers are
+``[batch, kv_heads, max_len, head_dim]``. A graph that concatenates its cache (an unfused export)
+cannot use the shared buffer: the first run fails and :class:`SharedKVError` says so.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+__all__ = ["SharedKV", "SharedKVError"]
+
+
+class SharedKVError(RuntimeError):
+    """The graph cannot run with one shared K/V buffer per layer (the message says why)."""
+
+
+class SharedKV:
+    def __init__(self, sess, io, max_len: int, batch: int = 1):
+        import onnxruntime as ort
+
+        if not io.past_to_present:
+            raise SharedKVError("shared KV: the model has no past_key_values inputs")
+        self.sess, self.io, self.max_len, self.batch = sess, io, int(max_len), int(batch)
+        self.binding = sess.io_binding()
+        self.buffers: dict[str, ort.OrtValue] = {}
+        self.arrays: dict[str, np.ndarray] = {}  # the buffers' memory (an OrtValue from numpy does not own it)
+        for past, present in io.past_to_present.items():
+            shape = list(io.state_shapes[past])
+            ax = io.state_seq_axis[past]
+            dims = []
+            for i, d in enumerate(shape):
+                if i == ax:
+                    dims.append(self.max_len)
+                elif i == 0:
+                    dims.append(self.batch)
+                elif isinstance(d, int) and d > 0:
+                    dims.append(d)
+                else:
+                    raise SharedKVError(f"shared KV: state input {past} dimension {i} is symbolic ({d!r})")
+            arr = np.zeros(dims, dtype=io.state_types[past])
+            buf = ort.OrtValue.ortvalue_from_numpy(arr)
+            self.arrays[past], self.buffers[past] = arr, buf
+            self.binding.bind_ortvalue_input(past, buf)
+            self.binding.bind_ortvalue_output(present, buf)
+        others = self._others = [o for o in io.outputs if o not in io.present_to_past]
+        # get_outputs() lists outputs in binding order: the presents first, then these
+        n_present = len(io.past_to_present)
+        self._out_index = {o: n_present + i for i, o in enumerate(others)}
+        self.length = 0
+
+    def _run(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        ids = np.asarray(ids)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        b, t = ids.shape
+        if b != self.batch:
+            raise SharedKVError(f"shared KV: batch {b}, buffers were made for {self.batch}")
+        if self.length + t > self.max_len:
+            raise SharedKVError(f"shared KV: {self.length} + {t} tokens exceed max_len {self.max_len}")
+        io = self.io
+        total = self.length + t
+        feeds = {"input_ids": ids.astype(io.input_types.get("input_ids", np.int64), copy=False)}
+        if io.has_attention_mask:
+            feeds["attention_mask"] = np.ones((b, total), dtype=io.input_types["attention_mask"])
+        if io.has_position_ids:
+            feeds["position_ids"] = np.broadcast_to(
+                np.arange(self.length, total, dtype=io.input_types["position_ids"]), (b, t)).copy()
+        for k, v in feeds.items():
+            self.binding.bind_cpu_input(k, v)
+        for o in self._others:  # rebound every run: their shape changes with the number of new tokens
+            self.binding.bind_output(o)
+        try:
+            self.sess.run_with_iobinding(self.binding)
+        except Exception as e:
+            if self.length == 0:
+                raise SharedKVError("shared KV: the graph cannot write its present K/V into the past buffer "
+                                    f"(not a GroupQueryAttention graph?): {e}") from None
+            raise
+        self.length = total
+        outs = self.binding.get_outputs()
+        return {o: outs[i].numpy() for o, i in self._out_index.items()}
+
+    def prefill(self, ids) -> np.ndarray:
+        """Run the prompt from an empty cache (resets the length); returns the logits."""
+        self.length = 0
+        return self._run(ids)[self.io.logits_name]
+
+    def step(self, ids) -> np.ndarray:
+        """Append tokens (usually one per row) after the cached ones; returns their logits."""
+        return self._run(ids)[self.io.logits_name]
+
+    def fill(self, length: int, past: dict[str, np.ndarray]) -> None:
+        """Load a cache computed elsewhere (``past_key_values.*`` arrays of ``length`` tokens)."""
+        for name, arr in self.arrays.items():
+            ax = self.io.state_seq_axis[name]
+            idx = [slice(None)] * arr.ndim
+            idx[ax] = slice(0, length)
+            arr[tuple(idx)] = past[name]
+        self.length = int(length)

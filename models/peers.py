@@ -1,0 +1,221 @@
+"""Peers a user compares ortlean with, built from the same weights and cached:
+
+* the onnxruntime-genai model builder's ONNX models (fp32, int4) of a causal LM, built from the
+  same fp32 Hugging Face checkpoint :mod:`models.prepare` exports with optimum;
+* llama.cpp's ``llama-bench`` on the GGUF the weight package ships (through the shared anchors
+  script, which fetches Debian's llama.cpp build on first use).
+
+    from models import peers
+    d = peers.genai_model("smollm2", "int4")     # dir: model.onnx(.data), genai_config.json, tokenizer
+    io = peers.genai_io(sess, d)                  # runtime.ModelIO for a plain InferenceSession loop
+    rows, note = peers.llama_bench("smollm2", threads=(1, 2), prompt=128, gen=64, depths=(128,))
+
+Cache layout (``models.cache.cache_root()``): ``hf/<name>-<key>`` (the fp32 checkpoint, rebuilt
+exactly as ``models/_build.py`` does before its export), ``peers/genai-<name>-<precision>-<key>``.
+Keys cover the weight package, torch/transformers/gguf (checkpoint) and onnxruntime-genai /
+onnxruntime / onnx (builder) versions plus :data:`RECIPE`. Heavy work runs in child processes
+(torch is never imported here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
+from .prepare import MODELS, RECIPE as PREPARE_RECIPE, PrepareError, _spec, source_dir
+
+__all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "genai_available",
+           "anchors_script", "llama_bench", "GENAI_PRECISIONS"]
+
+RECIPE = 1
+GENAI_PRECISIONS = ("fp32", "int4")
+HF_TOOLS = ("torch", "transformers", "gguf")
+GENAI_TOOLS = ("onnxruntime-genai", "onnxruntime", "onnx", "transformers")
+
+
+class PeerError(PrepareError):
+    pass
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _run(cmd: list[str], log: Path, cwd: Path, what: str) -> None:
+    with open(log, "wb") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=str(cwd)).returncode
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise PeerError(f"{what} failed (exit {rc}):\n{tail}")
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[ortlean] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fp32 Hugging Face checkpoint
+def _hf_key(name: str) -> str:
+    spec = _spec(name)
+    return artifact_key(f"{name}-hf", {"recipe": [PREPARE_RECIPE, RECIPE],
+                                       "package": {spec.package: pkg_version(spec.package)},
+                                       "tools": versions(HF_TOOLS)})
+
+
+def hf_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
+    """The fp32 HF checkpoint (``config.json``, ``model.safetensors``, tokenizer) of a GGUF-packaged
+    causal LM: ``models._build.dequantize_gguf`` — the step before optimum's export in
+    :func:`models.prepare.prepare` — run once and kept."""
+    spec = _spec(name)
+    if spec.kind != "causal-lm" or not spec.gguf:
+        raise PeerError(f"{name}: peers are built for the GGUF-packaged causal LMs "
+                        f"({[m for m, s in MODELS.items() if s.gguf]})")
+    target = cache_root() / "hf" / _hf_key(name)
+    if (target / "config.json").is_file():
+        return target
+    src = source_dir(name)
+    _say(progress, f"{name}: fp32 checkpoint from {spec.gguf} -> {target} (one-time, ~30 s)")
+    with atomic_dir(target) as tmp:
+        if tmp is None:
+            return target
+        work = tmp / "_work"
+        work.mkdir()
+        _run([sys.executable, "-m", "models.peers", "_hf", str(src), spec.gguf, str(tmp)],
+             tmp.parent / f".{target.name}.log", work, f"{name}: dequantizing {spec.gguf}")
+        shutil.rmtree(work)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# onnxruntime-genai builder models
+def genai_available() -> str | None:
+    """None when onnxruntime-genai is importable, else the reason (one line, with the fix)."""
+    if pkg_version("onnxruntime-genai") is None:
+        return ("onnxruntime-genai is not installed: `pip install 'ortlean[peers]'` "
+                "(onnxruntime-genai==0.15.2, whose builder works with transformers 4.57)")
+    return None
+
+
+def genai_model(name: str = "smollm2", precision: str = "int4", progress: bool = True) -> Path:
+    """Directory with the genai builder's ``model.onnx`` (+ ``.data``), ``genai_config.json`` and
+    tokenizer for ``precision`` in :data:`GENAI_PRECISIONS`, built with
+    ``python -m onnxruntime_genai.models.builder -m HF -i HF -o OUT -p PRECISION -e cpu``."""
+    if precision not in GENAI_PRECISIONS:
+        raise PeerError(f"genai precision {precision!r}: one of {GENAI_PRECISIONS}")
+    why = genai_available()
+    if why:
+        raise PeerError(why)
+    hf_key = _hf_key(name)
+    key = artifact_key(f"genai-{name}-{precision}", {"recipe": RECIPE, "hf": hf_key, "tools": versions(GENAI_TOOLS)})
+    target = cache_root() / "peers" / key
+    if (target / "genai_config.json").is_file():
+        return target
+    hf = hf_checkpoint(name, progress=progress)
+    _say(progress, f"{name}: onnxruntime-genai builder, {precision} -> {target}")
+    t0 = time.monotonic()
+    with atomic_dir(target) as tmp:
+        if tmp is None:
+            return target
+        work = tmp / "_work"
+        work.mkdir()
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-i", str(hf),
+               "-o", str(tmp), "-p", precision, "-e", "cpu", "-c", str(work / "hf_cache")]
+        _run(cmd, tmp.parent / f".{target.name}.log", work, f"onnxruntime-genai builder ({precision})")
+        shutil.rmtree(work)
+        meta = {"name": name, "precision": precision, "command": " ".join(cmd[1:]).replace(str(tmp), "OUT"),
+                "hf_checkpoint": hf.name, "tools": versions(GENAI_TOOLS),
+                "build_seconds": round(time.monotonic() - t0, 1)}
+        (tmp / "ortlean_peer.json").write_text(json.dumps(meta, indent=1))
+    return target
+
+
+def genai_io(sess, model_dir):
+    """``runtime.ModelIO`` of a genai builder model for a plain InferenceSession loop: its KV inputs
+    declare the head size as a symbolic ``kv_cache_dim``; the value comes from genai_config.json."""
+    from custom_ops import runtime
+
+    io = runtime.ModelIO.from_session(sess)
+    cfg = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]["decoder"]
+    for n, shape in io.state_shapes.items():
+        if len(shape) == 4 and not isinstance(shape[3], int):
+            shape[3] = int(cfg["head_size"])
+        if len(shape) == 4 and not isinstance(shape[1], int):
+            shape[1] = int(cfg["num_key_value_heads"])
+    io.kv_heads, io.head_dim = int(cfg["num_key_value_heads"]), int(cfg["head_size"])
+    return io
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp
+def anchors_script() -> Path | None:
+    """``$ORTLEAN_ANCHORS_SCRIPT``, else ``<repo>/../shared/anchors/llama-cpp.sh``; None if absent."""
+    env = os.environ.get("ORTLEAN_ANCHORS_SCRIPT")
+    cands = [Path(env).expanduser()] if env else []
+    cands.append(Path(__file__).resolve().parent.parent.parent / "shared" / "anchors" / "llama-cpp.sh")
+    return next((p for p in cands if p.is_file()), None)
+
+
+def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: int = 64,
+                depths=(), repetitions: int = 5, timeout: float = 1800) -> tuple[list[dict], str]:
+    """Run ``llama-bench -m GGUF -t T.. -p P -n N [-d D..] -r R -o json`` on the package's GGUF.
+    Returns (rows, note): rows are dicts with ``test`` ("pp128", "tg64", "tg64@d4096"),
+    ``threads``, ``tok_s`` (mean), ``tok_s_std``, ``depth``; rows == [] and a note when the anchors
+    script is missing or fails."""
+    spec = _spec(name)
+    if not spec.gguf:
+        return [], f"{name}: no GGUF in its package"
+    script = anchors_script()
+    if script is None:
+        return [], ("llama.cpp row skipped: no anchors script (set ORTLEAN_ANCHORS_SCRIPT or keep "
+                    "<repo>/../shared/anchors/llama-cpp.sh)")
+    gguf = source_dir(name) / spec.gguf
+    cmd = ["bash", str(script), "llama-bench", "-m", str(gguf), "-t", ",".join(map(str, threads)),
+           "-p", str(prompt), "-n", str(gen), "-r", str(repetitions), "-o", "json"]
+    if depths:
+        cmd += ["-d", ",".join(map(str, depths))]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], f"llama.cpp row skipped: llama-bench did not finish in {timeout:.0f} s"
+    if res.returncode != 0:
+        tail = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
+        return [], f"llama.cpp row skipped: {script.name} exited {res.returncode}: {tail[0]}"
+    try:
+        data = json.loads(res.stdout)
+    except json.JSONDecodeError:
+        return [], "llama.cpp row skipped: llama-bench printed no JSON"
+    rows = []
+    for r in data:
+        test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
+        if r.get("n_depth"):
+            test += f"@d{r['n_depth']}"
+        rows.append({"test": test, "threads": int(r["n_threads"]), "tok_s": float(r["avg_ts"]),
+                     "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
+                     "model_type": r.get("model_type"), "build": f"{r.get('build_commit')} {r.get('build_number')}"})
+    return rows, " ".join(["llama-bench"] + cmd[4:]).replace(str(gguf), spec.gguf)
+
+
+def _child(argv: list[str]) -> int:
+    """``python -m models.peers _hf SRC GGUF OUT``: the checkpoint half of models._build."""
+    if len(argv) != 4 or argv[0] != "_hf":
+        print("usage: python -m models.peers _hf SRC_DIR GGUF_FILE OUT_DIR", file=sys.stderr)
+        return 2
+    from ._build import dequantize_gguf
+
+    dequantize_gguf(Path(argv[1]), argv[2], Path(argv[3]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

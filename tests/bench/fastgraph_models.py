@@ -1,0 +1,90 @@
+"""Cached fast-form models for the benchmarks: the fused graph of a prepared optimum export
+(rewriter.fuse) and its MatMulNBits quantizations (rewriter.quantize), under
+``~/.cache/ortlean/fastgraph/<key>/``. Keys cover the source export, the fusion/quantization code
+(hash of its files) and the onnxruntime / onnxscript / onnx-ir / onnx versions."""
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from models.cache import artifact_key, atomic_dir, cache_root, versions  # noqa: E402
+
+TOOLS = ("onnxruntime", "onnxscript", "onnx-ir", "onnx")
+
+
+def _code_hash(*rel: str) -> str:
+    h = hashlib.sha256()
+    for r in rel:
+        for p in sorted((ROOT / r).rglob("*.py")) if (ROOT / r).is_dir() else [ROOT / r]:
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _build(target: Path, make) -> Path:
+    out = target / "model.onnx"
+    if out.is_file():
+        return out
+    with atomic_dir(target) as tmp:
+        if tmp is not None:
+            make(tmp / "model.onnx")
+    return out
+
+
+def fused_model(name: str = "smollm2", progress: bool = True) -> Path:
+    from models import prepare
+
+    src = prepare.prepare(name) / "model.onnx"
+    key = artifact_key(f"{name}-fused", {"src": src.parent.name, "code": _code_hash("rewriter/fuse"),
+                                         "tools": versions(TOOLS)})
+
+    def make(out: Path):
+        import shutil
+
+        import onnx_ir as ir
+
+        from rewriter.fuse import fuse_decoder
+
+        t0 = time.monotonic()
+        model, report = fuse_decoder(ir.load(src))
+        ir.save(model, out)
+        shutil.copy(src.parent / "tokenizer.json", out.parent / "tokenizer.json")
+        (out.parent / "fuse.txt").write_text(report.summary() + "\n")
+        if progress:
+            print(f"[bench] {report.summary()} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    return _build(cache_root() / "fastgraph" / key, make)
+
+
+def quantized_model(fp32: Path, bits: int, block_size: int, symmetric: bool, accuracy_level: int) -> Path:
+    key = artifact_key(f"{fp32.parent.name}-q{bits}", {"code": _code_hash("rewriter/quantize.py"),
+                                                      "cfg": [bits, block_size, symmetric, accuracy_level],
+                                                      "tools": versions(TOOLS)})
+
+    def make(out: Path):
+        import shutil
+
+        import onnx_ir as ir
+
+        from rewriter.quantize import quantize_weights
+
+        q, _ = quantize_weights(ir.load(fp32), f"int{bits}", block_size=block_size, symmetric=symmetric,
+                                accuracy_level=accuracy_level)
+        ir.save(q, out)
+        shutil.copy(fp32.parent / "tokenizer.json", out.parent / "tokenizer.json")
+
+    return _build(cache_root() / "fastgraph" / key, make)
+
+
+def ort_session(path, threads: int):
+    """A plain CPU InferenceSession with ``threads`` intra-op threads (no ortlean ops involved)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

@@ -1,0 +1,219 @@
+"""The fusion pass (optimum decoder → GroupQueryAttention / SkipSimplifiedLayerNormalization graph)
+and --weights quantization, on tiny random-weight decoders exported by optimum (tests/tiny_hf.py)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import tiny_hf
+from custom_ops import runtime
+from rewriter.fuse import FuseError, fuse_decoder, is_fused
+from rewriter.quantize import quantize_weights
+
+FAMILIES = sorted(tiny_hf.FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_hf.models()
+
+
+@pytest.fixture(scope="session")
+def fused(tiny, tmp_path_factory):
+    out = {}
+    for fam, d in tiny.items():
+        model, report = fuse_decoder(ir.load(d / "model.onnx"))
+        p = tmp_path_factory.mktemp(f"fused-{fam}") / "model.onnx"
+        ir.save(model, p)
+        out[fam] = (p, report)
+    return out
+
+
+def _sess(path):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12))
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_matches_unfused_prefill_and_decode(tiny, fused, fam, batch):
+    s0, s1 = _sess(tiny[fam] / "model.onnx"), _sess(fused[fam][0])
+    io0, io1 = runtime.ModelIO.from_session(s0), runtime.ModelIO.from_session(s1)
+    assert io1.inputs == io0.inputs and io1.outputs == io0.outputs and io1.past_to_present == io0.past_to_present
+    rng = np.random.default_rng(batch)
+    ids = rng.integers(3, 250, (batch, 9))
+    o0, o1 = runtime.run(s0, io0, runtime.feeds(io0, ids)), runtime.run(s1, io1, runtime.feeds(io1, ids))
+    for name in o0:
+        assert _rel(o0[name], o1[name]) < 1e-4, (name, "prefill")
+    p0, p1, plen = io0.next_state(o0), io1.next_state(o1), ids.shape[1]
+    for step in range(4):
+        nid = rng.integers(3, 250, (batch, 1))
+        o0 = runtime.run(s0, io0, runtime.feeds(io0, nid, p0, plen))
+        o1 = runtime.run(s1, io1, runtime.feeds(io1, nid, p1, plen))
+        for name in o0:
+            assert _rel(o0[name], o1[name]) < 1e-4, (name, f"decode step {step}")
+        p0, p1, plen = io0.next_state(o0), io1.next_state(o1), plen + 1
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_fused_right_padded_batch(tiny, fused, fam):
+    """GQA's padding contract: right-padded rows, positions = count of valid tokens before."""
+    s0, s1 = _sess(tiny[fam] / "model.onnx"), _sess(fused[fam][0])
+    io = runtime.ModelIO.from_session(s0)
+    rng = np.random.default_rng(7)
+    ids = rng.integers(3, 250, (2, 8))
+    mask = np.ones((2, 8), np.int64)
+    mask[0, -3:] = 0
+    f = runtime.feeds(io, ids, attention_mask=mask)
+    o0, o1 = runtime.run(s0, io, f), runtime.run(s1, io, f)
+    valid = mask.astype(bool)
+    assert _rel(o0["logits"][valid], o1["logits"][valid]) < 1e-4
+    p0, p1 = io.next_state(o0), io.next_state(o1)
+    for _ in range(3):
+        nid = rng.integers(3, 250, (2, 1))
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        f0, f1 = runtime.feeds(io, nid, p0, attention_mask=mask), runtime.feeds(io, nid, p1, attention_mask=mask)
+        f0["position_ids"] = f1["position_ids"] = mask.sum(axis=1, keepdims=True) - 1
+        o0, o1 = runtime.run(s0, io, f0), runtime.run(s1, io, f1)
+        assert _rel(o0["logits"], o1["logits"]) < 1e-4
+        p0, p1 = io.next_state(o0), io.next_state(o1)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_fused_graph_shape(tiny, fused, fam):
+    path, report = fused[fam]
+    m = ir.load(path)
+    ops = [n.op_type for n in m.graph]
+    layers = report.layers
+    assert ops.count("GroupQueryAttention") == layers == 2
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers
+    assert ops.count("SimplifiedLayerNormalization") == 1
+    for gone in ("Softmax", "RotaryEmbedding", "Pow", "Sqrt", "Expand", "Where", "Concat", "Transpose"):
+        assert gone not in ops, gone
+    # q/k/v packed into one MatMul per layer: qkv, o, gate, up, down per layer + the head
+    assert ops.count("MatMul") == 5 * layers + 1
+    gqa = next(n for n in m.graph if n.op_type == "GroupQueryAttention")
+    assert gqa.inputs[1] is None and gqa.inputs[2] is None
+    assert gqa.attributes["do_rotary"].value == 1
+    assert report.nodes_after < report.nodes_before / 8
+    assert report.fusions["GroupQueryAttention"] == layers and report.fusions["packed_qkv"] == layers
+
+
+def test_fuse_is_idempotent(fused):
+    m = ir.load(fused["llama"][0])
+    assert is_fused(m)
+    again, report = fuse_decoder(m)
+    assert again is m and "already fused" in report.note
+
+
+def test_fuse_refuses_a_model_without_kv_cache(toy_model):
+    with pytest.raises(FuseError, match="not an optimum text-generation-with-past decoder"):
+        fuse_decoder(ir.load(toy_model))
+
+
+def test_fuse_names_the_attention_it_cannot_match(tiny):
+    m = ir.load(tiny["llama"] / "model.onnx")
+    sm = [n for n in m.graph if n.op_type == "Softmax"][1]
+    sm.attributes["axis"] = ir.AttrInt64("axis", 1)          # not attention over the keys any more
+    with pytest.raises(FuseError) as e:
+        fuse_decoder(m)
+    msg = str(e.value)
+    assert "1 of 2 attention layers matched" in msg and sm.name in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_fused_model_runs(tiny, fused, weights, tmp_path):
+    m = ir.load(fused["qwen2"][0])
+    q, info = quantize_weights(m, weights)
+    n_mm = sum(1 for n in m.graph if n.op_type == "MatMul")
+    assert len(info["quantized"]) == n_mm and not info["kept"]
+    assert "/lm_head/MatMul" in info["quantized"]
+    ops = [n.op_type for n in q.graph]
+    assert ops.count("MatMulNBits") == n_mm and "MatMul" not in ops
+    bits = {n.attributes["bits"].value for n in q.graph if n.op_type == "MatMulNBits"}
+    assert bits == {int(weights[3:])}
+    p = tmp_path / "q.onnx"
+    ir.save(q, p)
+    s0, s1 = _sess(tiny["qwen2"] / "model.onnx"), _sess(p)
+    io = runtime.ModelIO.from_session(s0)
+    ids = np.random.default_rng(3).integers(3, 250, 64)
+    ppl0 = runtime.perplexity(s0, io, ids, window=32)["ppl"]
+    ppl1 = runtime.perplexity(s1, io, ids, window=32)["ppl"]
+    assert abs(ppl1 / ppl0 - 1) < (0.01 if weights == "int8" else 0.05)
+
+
+def test_quantize_excludes_and_rejects(fused):
+    m = ir.load(fused["llama"][0])
+    q, info = quantize_weights(m, "int4", exclude=["/lm_head/MatMul"])
+    assert info["kept"] == ["/lm_head/MatMul"]
+    assert any(n.op_type == "MatMul" and n.name == "/lm_head/MatMul" for n in q.graph)
+    assert quantize_weights(m, "fp32")[0] is m
+    with pytest.raises(ValueError, match="int2"):
+        quantize_weights(m, "int2")
+    with pytest.raises(ValueError, match="not in the model"):
+        quantize_weights(m, "int8", exclude=["/nope"])
+
+
+def test_shared_kv_loop_matches_the_plain_loop(tiny, fused):
+    from custom_ops.runtime.shared_kv import SharedKV, SharedKVError
+
+    s0, s1 = _sess(tiny["qwen2"] / "model.onnx"), _sess(fused["qwen2"][0])
+    io = runtime.ModelIO.from_session(s1)
+    kv = SharedKV(s1, io, max_len=20)
+    ids = np.random.default_rng(5).integers(3, 250, (1, 9))
+    o = runtime.run(s0, io, runtime.feeds(io, ids))
+    assert _rel(o["logits"], kv.prefill(ids)) < 1e-4
+    past, plen = io.next_state(o), 9
+    for t in (17, 99, 4):
+        step = np.array([[t]])
+        o = runtime.run(s0, io, runtime.feeds(io, step, past, plen))
+        assert _rel(o["logits"], kv.step(step)) < 1e-4
+        past, plen = io.next_state(o), plen + 1
+    assert kv.length == 12
+    kv2 = SharedKV(s1, io, max_len=20)        # a cache computed elsewhere
+    kv2.fill(plen, past)
+    assert _rel(runtime.run(s0, io, runtime.feeds(io, np.array([[8]]), past, plen))["logits"],
+                kv2.step(np.array([[8]]))) < 1e-4
+    with pytest.raises(SharedKVError, match="exceed max_len"):
+        kv2.step(np.zeros((1, 10), np.int64))
+    with pytest.raises(SharedKVError, match="not a GroupQueryAttention graph"):
+        SharedKV(s0, io, max_len=20).prefill(ids)
+
+
+def test_rotary_cache_trim(tiny, tmp_path):
+    m, report = fuse_decoder(ir.load(tiny["llama"] / "model.onnx"), max_positions=64)
+    assert m.graph.initializers["cos_cache"].const_value.shape[0] == 64
+    p = tmp_path / "m.onnx"
+    ir.save(m, p)
+    s0, s1 = _sess(tiny["llama"] / "model.onnx"), _sess(p)
+    io = runtime.ModelIO.from_session(s0)
+    ids = np.arange(3, 40)[None]
+    assert _rel(runtime.run(s0, io, runtime.feeds(io, ids))["logits"], runtime.run(s1, io, runtime.feeds(io, ids))["logits"]) < 1e-4
+
+
+def test_fuse_reads_external_data(tiny, tmp_path):
+    import onnx
+
+    src = tmp_path / "ext" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save_model(onnx.load(str(tiny["llama"] / "model.onnx")), str(src), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=128)
+    m = ir.load(src)
+    before = (len(m.graph.inputs), len(m.graph.initializers))
+    fused_m, report = fuse_decoder(m)
+    assert (len(m.graph.inputs), len(m.graph.initializers)) == before      # the input is left as it was
+    assert report.fusions["GroupQueryAttention"] == 2 and report.fusions["ort:SkipSimplifiedLayerNormalization"] == 4
+    out = tmp_path / "out" / "model.onnx"
+    out.parent.mkdir()
+    ir.save(fused_m, out, external_data="model.onnx.data")
+    s0, s1 = _sess(src), _sess(out)
+    io = runtime.ModelIO.from_session(s0)
+    ids = np.arange(3, 12)[None]
+    assert _rel(runtime.run(s0, io, runtime.feeds(io, ids))["logits"], runtime.run(s1, io, runtime.feeds(io, ids))["logits"]) < 1e-4
