@@ -59,14 +59,15 @@ STRINGS = ["", "bogus", "sign", "ternary", "binary", "topk", "mass", "x", "xw", 
 
 # --------------------------------------------------------------------------- base models
 def _attention_model(path: Path) -> Path:
-    from rewriter import attn, graph as g
+    from rewriter.backends import packed_attention as attn
+    from rewriter.kit import modelfile
     from test_packed_attention import optimum_block
 
-    model = g.load_model(optimum_block(path.with_name("blk.onnx")))
+    model = modelfile.load_model(optimum_block(path.with_name("blk.onnx")))
     cfg = attn.AttnConfig(enabled=True, mode="ternary", eps=0.1, budget=0.5, min_context=8, window=4, sinks=2,
                           min_candidates=4)
     attn.apply(model, cfg, eps_heads={0: [0.1, 0.2]}, kscale={0: [1.0] * 32})
-    g.save_model_atomic(model, path)
+    modelfile.save_model_atomic(model, path)
     return path
 
 
