@@ -24,7 +24,7 @@ from typing import Any, Callable
 DOMAIN = "ai.ortlean"
 OPSET = 1
 ATTR_TYPES = ("int", "float", "string", "ints", "floats")
-TENSOR_TYPES = ("float32", "int32")
+TENSOR_TYPES = ("float32", "int32", "uint8")
 
 
 @dataclass(frozen=True)
@@ -211,10 +211,18 @@ SCHEMAS: tuple[OpSchema, ...] = (
     ),
     OpSchema(
         "EventGatedMatMul",
-        inputs=(Port("X"), Port("W"), Port("state", optional=True)),
+        inputs=(Port("X"), Port("W", optional=True), Port("state", optional=True),
+                Port("Wq", "uint8", optional=True), Port("scales", optional=True),
+                Port("zero_points", "uint8", optional=True)),
         outputs=(Port("Y"), Port("state_out", optional=True)),
         attrs=(
             Attr("block", "int", default=1, valid=Valid(lo=1)),
+            Attr("weight_format", "string", default="f32", valid=Valid(choices=("f32", "int8", "int4")),
+                 doc="f32: W; int8 | int4: Wq, scales, [zero_points] (custom_ops/reference/gating_quant.py)"),
+            Attr("weight_group", "int", default=32, valid=Valid(choices=(16, 32, 64, 128, 256, 512, 1024)),
+                 doc="outputs per scale within a row (quantized formats)"),
+            Attr("weight_shape", "ints", valid=Valid(lo=1, hi=2**31 - 1, length=(2, 2)),
+                 doc="[K, N]; required with a quantized format"),
             Attr("pack", "string", default="none", valid=Valid(choices=("none", "binary", "ternary"))),
             Attr("pack_eps", "float", default=0.0, valid=NONNEG),
             Attr("pack_rho", "float", default=1.0, valid=UNIT_OPEN_LO),
@@ -248,7 +256,9 @@ SCHEMAS: tuple[OpSchema, ...] = (
         rules=(Rule("kwta_select 'mass' needs kwta_temp > 0",
                     lambda a: not (a["kwta"] and a["kwta_select"] == "mass") or a["kwta_temp"] > 0),
                Rule("kwta_select 'topk' needs kwta_k >= 1",
-                    lambda a: not (a["kwta"] and a["kwta_select"] == "topk") or a["kwta_k"] >= 1)),
+                    lambda a: not (a["kwta"] and a["kwta_select"] == "topk") or a["kwta_k"] >= 1),
+               Rule("weight_format int8 | int4 needs weight_shape [K, N]",
+                    lambda a: a["weight_format"] == "f32" or len(a.get("weight_shape") or ()) == 2)),
     ),
     OpSchema(
         "PackedAttention",

@@ -16,7 +16,7 @@ from custom_ops import schema
 
 _PROTO_ATTR = {"int": AttributeProto.INT, "float": AttributeProto.FLOAT, "string": AttributeProto.STRING,
                "ints": AttributeProto.INTS, "floats": AttributeProto.FLOATS}
-_PROTO_TENSOR = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32}
+_PROTO_TENSOR = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8}
 
 # a node of each op that its kernel accepts: constant inputs and the required attributes
 _OK = {
@@ -30,7 +30,8 @@ _OK = {
 }
 # attributes whose other valid values need other constant inputs (shapes follow from them)
 _LAYOUT = {("TTMatMul", "modes_k"), ("TTMatMul", "modes_n"), ("TTMatMul", "ranks"),
-           ("ProcSparseMatMul", "shape"), ("ProcSparseMatMul", "block")}
+           ("ProcSparseMatMul", "shape"), ("ProcSparseMatMul", "block"),
+           ("EventGatedMatMul", "weight_format"), ("EventGatedMatMul", "weight_shape")}
 
 
 def op_model(op_type: str, attrs: dict, name: str = "node") -> bytes:

@@ -9,6 +9,7 @@ const char* type_name(ONNXTensorElementDataType t) {
   switch (t) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
     default: return "of another type";
   }
 }

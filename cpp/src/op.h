@@ -31,6 +31,7 @@ constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 
 constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kI32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr ONNXTensorElementDataType kU8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 constexpr bool kOptional = true;
 
 struct IoSpec {

@@ -1,8 +1,11 @@
 """Numpy reference of EventGatedMatMul: the normative definition of the op (see DEVELOPERS.md).
 
-    Y, state_out = EventGatedMatMul(X, W, state_in)
+    Y, state_out = EventGatedMatMul(X, W, state_in, Wq, scales, zero_points)
 
-W [K, N] is the layer's dense weight. Per row x (one token of one sequence) the op decides which
+W [K, N] is the layer's dense weight (`weight_format` = f32, the default), or, for the quantized
+formats (`weight_format` = int8 | int4), W is absent and the weight is Ŵ = dequantize(Wq, scales,
+zero_points) as defined in custom_ops/reference/gating_quant.py (input-channel-major rows, scales per
+`weight_group` outputs of a row); everything below then reads Ŵ for W. Per row x (one token of one sequence) the op decides which
 input channels — rows of W, in blocks of `block` channels (block = 1: single channels; the last
 block may be shorter) — take part, in one ordering:
 
@@ -45,6 +48,7 @@ import math
 import numpy as np
 
 from ..schema import get as _schema
+from . import gating_quant as _q
 
 HDR = 8
 
@@ -109,14 +113,32 @@ def _gate(x, norms, a, blocks, st_mask):
     return xt, keep, cand
 
 
-def event_gated_matmul(x, w, state=None, **attrs):
-    """Returns (Y [..., N] float32, state_out [B, S] float32 or None when the node is stateless)."""
+def weights(w, wq, scales, zero_points, a: dict) -> np.ndarray:
+    """The float32 [K, N] weight the op multiplies: W (f32) or Ŵ = dequantize(...) (int8 | int4,
+    shape from the `weight_shape` attribute [K, N]: int4 rows are padded to 16 outputs)."""
+    fmt = a["weight_format"]
+    if fmt == "f32":
+        if w is None:
+            raise ValueError("EventGatedMatMul: weight_format f32 needs W")
+        return np.asarray(w, np.float32)
+    if wq is None or scales is None:
+        raise ValueError(f"EventGatedMatMul: weight_format {fmt} needs Wq and scales")
+    K, N = (int(v) for v in a["weight_shape"])
+    W = _q.dequantize(wq, scales, fmt, int(a["weight_group"]), N, zero_points)
+    if W.shape != (K, N):
+        raise ValueError(f"EventGatedMatMul: weight_shape {[K, N]} does not match Wq/scales")
+    return W
+
+
+def event_gated_matmul(x, w, state=None, wq=None, scales=None, zero_points=None, **attrs):
+    """Returns (Y [..., N] float32, state_out [B, S] float32 or None when the node is stateless).
+    Quantized formats: w is None, the weight is wq, scales, [zero_points] and attribute weight_shape."""
     a = _SCHEMA.resolve(attrs)
-    for k in ("pack", "kwta_select", "kwta_score"):
+    for k in ("pack", "kwta_select", "kwta_score", "weight_format"):
         if isinstance(a[k], bytes):
             a[k] = a[k].decode()
     x = np.asarray(x, np.float32)
-    W = np.asarray(w, np.float32)
+    W = weights(w, wq, scales, zero_points, a)
     K, N = W.shape
     if x.shape[-1] != K:
         raise ValueError(f"EventGatedMatMul: X last dim {x.shape[-1]} != K {K}")
@@ -225,10 +247,10 @@ def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step):
     return y
 
 
-def op(x, w, state=None, **attrs):
+def op(x, w=None, state=None, wq=None, scales=None, zero_points=None, **attrs):
     """The op as ONNX Runtime calls it (custom_ops.schema: EventGatedMatMul.reference): the state
     output is an empty [B, 0] tensor for a stateless node."""
-    y, st = event_gated_matmul(x, w, state, **attrs)
+    y, st = event_gated_matmul(x, w, state, wq, scales, zero_points, **attrs)
     if st is None:
         b = int(np.prod(x.shape[:-2])) if x.ndim >= 3 else int(np.prod(x.shape[:-1]))
         st = np.zeros((b, 0), np.float32)

@@ -12,7 +12,19 @@ what that many layers cost inside a graph: ORT's fixed Run() overhead (~3.5 µs 
 Run whatever the graph) is spread over the copies instead of being charged to one 40 µs op, and
 the weights come from DRAM as in a real model's decode step (SmolLM2: 540 MB of weights): default
 `--copies` 0 = enough layers for ≥ 96 MB per model, and the caches are flushed before each timed
-Run (see _time_cold). `--copies 1` = one node per model (Run() overhead included)."""
+Run (see _time_cold). `--copies 1` = one node per model (Run() overhead included).
+
+Quantized weights (issue 11):
+
+    python tests/bench/bench_gating_op.py --weights int4,int8 [--threads 1,2] [--M 1] [--json out.json]
+
+For each shape and bits: the gated op with weight_format int4|int8 (group 32, threshold KWTA at
+keep 1.0, 0.75, 0.5) against ORT's MatMulNBits of the same bits (block 32, symmetric,
+accuracy_level 4) on the same shape, and against the memory bound: bytes the gated op reads
+(kept rows' bytes + their scales) ÷ the streaming read bandwidth measured in the same run
+(numpy reductions over a 64 MB buffer, one slice per thread, timed between the model runs).
+`bound_x` = gated time / that bound (acceptance ≤ 1.2 at keep 0.5 and 0.75); `vs_mnb` = gated
+time / MatMulNBits time. Weights are random bytes (timing does not depend on their values)."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +142,133 @@ def run(threads=(1, 2), Ms=(1,), min_time=0.4, select="threshold", copies=8) -> 
     return rows
 
 
+def _quant_model(K, N, copies, fmt, thresholds, rng):
+    """`copies` gated layers of weight_format fmt (random bytes, group 32) on one input, with the
+    KWTA thresholds given (one per copy; None: no gating); returns (model bytes, norms per copy)."""
+    from onnx import helper, numpy_helper, TensorProto
+
+    from custom_ops.reference import gating_quant as gq
+    from rewriter.kit import timing
+
+    nodes, inits, outs, norms = [], [], [], []
+    rb, ng = gq.row_bytes(fmt, N), -(-N // 32)
+    for i in range(copies):
+        wq = rng.integers(0, 256, (K, rb), dtype=np.uint8)
+        sc = rng.uniform(0.001, 0.01, (K, ng)).astype(np.float32)
+        if thresholds is None:
+            norms.append(np.linalg.norm(gq.dequantize(wq, sc, fmt, 32, N), axis=1))
+        inits += [numpy_helper.from_array(wq, f"Wq{i}"), numpy_helper.from_array(sc, f"S{i}")]
+        a = dict(weight_format=fmt, weight_group=32, weight_shape=[K, N])
+        if thresholds is not None:
+            a.update(kwta=1, kwta_threshold=float(thresholds[i]))
+        nodes.append(helper.make_node("EventGatedMatMul", ["X", "", "", f"Wq{i}", f"S{i}"], [f"Y{i}"],
+                                      name=f"q{fmt}{K}x{N}_{i}_{id(thresholds)}", domain="ai.ortlean", **a))
+        outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
+    g = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])], outs,
+                          initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", timing.OPSET), helper.make_opsetid("ai.ortlean", 1)])
+    m.ir_version = timing.IR_VERSION
+    return m.SerializeToString(), norms
+
+
+def _mnb_model(K, N, copies, bits, rng) -> bytes:
+    """`copies` com.microsoft.MatMulNBits layers (block 32, symmetric, accuracy_level 4), random bytes."""
+    from onnx import helper, numpy_helper, TensorProto
+
+    from rewriter.kit import timing
+
+    blk = 32
+    nblk = -(-K // blk)
+    nodes, inits, outs = [], [], []
+    for i in range(copies):
+        B = rng.integers(0, 256, (N, nblk, blk * bits // 8), dtype=np.uint8)
+        sc = rng.uniform(0.001, 0.01, (N * nblk,)).astype(np.float32)
+        inits += [numpy_helper.from_array(B, f"B{i}"), numpy_helper.from_array(sc, f"S{i}")]
+        nodes.append(helper.make_node("MatMulNBits", ["X", f"B{i}", f"S{i}"], [f"Y{i}"], name=f"mnb{i}",
+                                      domain="com.microsoft", K=K, N=N, bits=bits, block_size=blk, accuracy_level=4))
+        outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
+    g = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])], outs,
+                          initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", timing.OPSET), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = timing.IR_VERSION
+    return m.SerializeToString()
+
+
+def stream_bandwidth(buf: np.ndarray, threads: int, reps: int = 5) -> float:
+    """Bytes/s of reading `buf` once (np.max over one slice per thread; numpy releases the GIL)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts = np.array_split(buf, threads)
+    ts = []
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(ex.map(np.max, parts))
+            ts.append(time.perf_counter() - t0)
+    return buf.nbytes / float(np.median(ts))
+
+
+QKEEPS = [1.0, 0.75, 0.5]
+
+
+def run_quant(weights=("int4", "int8"), threads=(1, 2), Ms=(1,), min_time=0.4, copies=0) -> list[dict]:
+    import onnxruntime as ort
+
+    import custom_ops
+    from custom_ops.reference import gating_quant as gq
+
+    rows = []
+    rng = np.random.default_rng(0)
+    flush = np.ones(16 << 20, np.float32)  # 64 MB
+    for K, N in SHAPES:
+        for fmt in weights:
+            bits = 4 if fmt == "int4" else 8
+            layer_bytes = gq.stored_bytes(fmt, K, N, 32)
+            n_copies = copies or -(-WEIGHT_BYTES // layer_bytes)
+            # norms of the layers (same seed: the gated models below rebuild the same bytes)
+            seed = int(rng.integers(1 << 30))
+            _, norms = _quant_model(K, N, n_copies, fmt, None, np.random.default_rng(seed))
+            mnb = _mnb_model(K, N, n_copies, bits, rng)
+            for th in threads:
+                so = ort.SessionOptions()
+                so.intra_op_num_threads = th
+                so.inter_op_num_threads = 1
+                s_m = ort.InferenceSession(mnb, so, providers=["CPUExecutionProvider"])
+                for M in Ms:
+                    x = rng.standard_normal((M, K)).astype(np.float32)
+                    sess = {"dense": s_m}
+                    for keep in QKEEPS:
+                        thr = [0.0 if keep >= 1.0 else float(np.quantile(np.abs(x[0]) * nrm, 1 - keep)) for nrm in norms]
+                        model, _ = _quant_model(K, N, n_copies, fmt, thr, np.random.default_rng(seed))
+                        sess[f"keep{keep}"] = custom_ops.session(model, threads=th)
+                    bws = [stream_bandwidth(flush, th)]
+                    med = _time_cold(sess, {"X": x}, {"X": x}, min_time, flush)
+                    bws.append(stream_bandwidth(flush, th))
+                    bw = float(np.median(bws))
+                    for keep in QKEEPS:
+                        kept = keep if keep < 1.0 else 1.0
+                        nbytes = M * kept * layer_bytes if M == 1 else layer_bytes
+                        t = med[f"keep{keep}"] / n_copies
+                        rows.append({"K": K, "N": N, "M": M, "threads": th, "weights": fmt, "keep": keep,
+                                     "copies": n_copies, "isa": custom_ops.isa(), "stream_GBps": bw / 1e9,
+                                     "bytes": nbytes, "bound_us": nbytes / bw * 1e6, "gated_us": t * 1e6,
+                                     "bound_x": t / (nbytes / bw), "mnb_us": med["dense"] / n_copies * 1e6,
+                                     "vs_mnb": med[f"keep{keep}"] / med["dense"]})
+    return rows
+
+
+def fmt_quant(rows) -> str:
+    out = ["µs per layer = Run time / layers in the model; bound = bytes read / streaming bandwidth (same run)",
+           f"{'K x N':>11} {'w':>4} {'layers':>6} {'M':>3} {'thr':>3} {'keep':>5} {'GB/s':>5} {'bound us':>8} "
+           f"{'gated us':>8} {'bound_x':>7} {'MNB us':>7} {'vs_MNB':>6}"]
+    for r in rows:
+        out.append(f"{r['K']:>5}x{r['N']:<5} {r['weights']:>4} {r['copies']:>6} {r['M']:>3} {r['threads']:>3} "
+                   f"{r['keep']:>5} {r['stream_GBps']:>5.1f} {r['bound_us']:>8.1f} {r['gated_us']:>8.1f} "
+                   f"{r['bound_x']:>7.2f} {r['mnb_us']:>7.1f} {r['vs_mnb']:>6.3f}")
+    return "\n".join(out)
+
+
 def fmt(rows) -> str:
     out = ["µs per layer = Run time / layers in the model",
            f"{'K x N':>11} {'layers':>6} {'M':>3} {'thr':>3} {'keep':>5} {'dense us':>9} {'gated us':>9} {'ratio':>6} {'eff':>5}"]
@@ -147,9 +286,20 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.4)
     ap.add_argument("--copies", type=int, default=0,
                     help="independent layers per model (default 0: enough for >= 96 MB of weights)")
+    ap.add_argument("--weights", default="",
+                    help="int4,int8: the quantized formats against MatMulNBits and the memory bound")
     ap.add_argument("--json")
     a = ap.parse_args()
     import custom_ops
+
+    if a.weights:
+        rows = run_quant(tuple(a.weights.split(",")), tuple(int(t) for t in a.threads.split(",")),
+                         tuple(int(m) for m in a.M.split(",")), a.min_time, a.copies)
+        print(f"isa {custom_ops.isa()}, threads {a.threads}")
+        print(fmt_quant(rows))
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=1))
+        return
 
     rows = run(tuple(int(t) for t in a.threads.split(",")), tuple(int(m) for m in a.M.split(",")), a.min_time, a.select, a.copies)
     print(f"isa {custom_ops.isa()}")

@@ -19,6 +19,7 @@ constexpr int64_t kMaxTasks = 16;
 constexpr int64_t kMinCols = 384;
 constexpr int64_t kBlasMinRows = 16;
 constexpr int64_t kEventChunk = 256;  // event rows applied per step between budget checks
+constexpr int64_t kQTile = 64;        // quantized dense product: columns dequantized per tile
 
 // per-thread scratch of this op (grows only)
 struct RowScratch {
@@ -33,13 +34,20 @@ RowScratch& row_scratch() {
 }
 
 // Per-row gated matvecs or one dense product for m rows keeping `kept_frac_sum` (sum over the rows
-// of each row's kept fraction)? Memory-bound matvecs cost ~kept bytes of W at ~0.87 of the dense
-// streaming rate (scattered rows, measured from DRAM); the dense product reads W once and does
-// m*K*N multiply-adds at ~11x the streaming rate (AVX-512: ~100 G FMA/s vs ~9 G floats/s from
-// DRAM on this machine, tests/bench/bench_gating_op.py). So per-row wins while
-// 1.15 * sum(kept) < 1 + 0.09 * m: e.g. m = 2 at keep <= 0.5, m = 8 at keep <= 0.19; never at m = 128.
-inline bool per_row_wins(double kept_frac_sum, int64_t m) {
-  return 1.15 * kept_frac_sum < 1.0 + 0.09 * static_cast<double>(m);
+// of each row's kept fraction)? In units of one dense matvec of the format: per-row costs
+// ~row_cost * kept; the dense product costs `fixed` (reading / dequantizing W once) plus m times
+// `per_row` (the GEMM's multiply-adds). f32: memory-bound matvecs read kept rows of W at ~0.87 of the
+// dense streaming rate, the dense product does m*K*N multiply-adds at ~11x that rate
+// (tests/bench/bench_gating_op.py): 1.15 * sum(kept) < 1 + 0.09 * m, e.g. m = 2 at keep <= 0.5,
+// m = 8 at keep <= 0.19; never at m = 128. Quantized rows: see kQuantCost.
+constexpr RowCost kF32Cost{1.15, 1.0, 0.09};
+// Quantized rows: the row matvec is compute-bound (dequantize + FMA, ~1.2x the f32 matvec over
+// cached rows, /tmp timing on the loaded 2-core machine) and the dense product dequantizes W once
+// per task then runs the same f32 GEMM, so the f32 balance is kept; not re-measured on a quiet
+// machine (the decision only picks between two exact paths: it affects speed, not results).
+constexpr RowCost kQuantCost = kF32Cost;
+inline bool per_row_wins(const RowCost& c, double kept_frac_sum, int64_t m) {
+  return c.row_cost * kept_frac_sum < c.fixed + c.per_row * static_cast<double>(m);
 }
 
 // X [..., T, K] (rank >= 3): B = prod(leading) sequences of T tokens; X [M, K]: M sequences of one.
@@ -83,6 +91,8 @@ class GatingCall {
   uint8_t* cand_of(int64_t r) const { return masks + 2 * r * k.nb_ + k.nb_; }
 
   void matvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const;
+  // The one format-dependent step of a matvec: y[0:ncols] (+)= sum_j v[j] * W[rows[j], c0 : c0 + ncols].
+  void axpy_rows(const int32_t* rows, const float* v, int64_t n, int64_t c0, int64_t ncols, float* y, bool acc) const;
   void dense_product(const float* A, int64_t m, float* C) const;
   // gating of one row: candidates (zero-skip) -> kept blocks (KWTA) -> x~
   int64_t gate(const float* x, float* xt, uint8_t* keep, uint8_t* cand, const float* reuse, bool dense_row);
@@ -159,7 +169,7 @@ void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int
   int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrain));
   if (k.pool_.width() == 1) nt = 1;  // one thread: one pass over the kept rows, no partial sums
   if (nt == 1) {
-    gk.gather_axpy(rows, v, n, k.W_, N, y, N, acc ? 1 : 0);
+    axpy_rows(rows, v, n, 0, N, y, acc);
     return;
   }
   if (N / nt >= kMinCols) {
@@ -167,7 +177,7 @@ void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int
     nt = (N + chunk - 1) / chunk;
     auto task = [&](size_t t) noexcept {
       const int64_t c0 = static_cast<int64_t>(t) * chunk;
-      gk.gather_axpy(rows, v, n, k.W_ + c0, N, y + c0, std::min(chunk, N - c0), acc ? 1 : 0);
+      axpy_rows(rows, v, n, c0, std::min(chunk, N - c0), y + c0, acc);
     };
     k.pool_.run(ctx, static_cast<size_t>(nt), task);
     return;
@@ -177,7 +187,7 @@ void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int
   nt = (n + rchunk - 1) / rchunk;
   auto task = [&](size_t t) noexcept {
     const int64_t r0 = static_cast<int64_t>(t) * rchunk;
-    gk.gather_axpy(rows + r0, v + r0, std::min(rchunk, n - r0), k.W_, N, ptmp + t * N, N, 0);
+    axpy_rows(rows + r0, v + r0, std::min(rchunk, n - r0), 0, N, ptmp + t * N, false);
   };
   k.pool_.run(ctx, static_cast<size_t>(nt), task);
   for (int64_t o = 0; o < N; ++o) {
@@ -185,6 +195,14 @@ void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int
     for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];
     y[o] = s;
   }
+}
+
+void GatingCall::axpy_rows(const int32_t* rows, const float* v, int64_t n, int64_t c0, int64_t ncols, float* y,
+                           bool acc) const {
+  if (k.format_ == kWeightF32)
+    gk.gather_axpy(rows, v, n, k.W_ + c0, k.N_, y, ncols, acc ? 1 : 0);
+  else
+    k.qk_->gather_axpy(rows, v, n, &k.q_, c0, ncols, y, acc ? 1 : 0);
 }
 
 // C[m, N] = A[m, K] . W on the pool: about one task per 4 M multiply-adds (at most kMaxTasks),
@@ -219,6 +237,20 @@ void GatingCall::dense_product(const float* A, int64_t m, float* C) const {
     const int64_t m0 = row_at(rb), rows = row_at(rb + 1) - m0;
     const int64_t c0 = col_at(cb), cols = col_at(cb + 1) - c0;
     if (rows <= 0 || cols <= 0) return;
+    if (k.format_ != kWeightF32) {
+      // quantized: dequantize kQTile columns of every row into this thread's tile, multiply, next
+      // (OpenBLAS on the tile measured 1.2x slower than the register kernel at M = 128, AVX2)
+      float* tile = task_scratch().get(static_cast<size_t>(K * kQTile));
+      for (int64_t q0 = c0; q0 < c0 + cols; q0 += kQTile) {
+        const int64_t w = std::min(kQTile, c0 + cols - q0);
+        k.qk_->dequant(&k.q_, 0, K, q0, w, tile, w);
+        if (blas)
+          blas::sgemm(false, false, rows, w, K, 1.0f, A + m0 * K, K, tile, w, 0.0f, C + m0 * N + q0, N);
+        else
+          kr.sgemm_nn(rows, w, K, A + m0 * K, K, tile, w, C + m0 * N + q0, N);
+      }
+      return;
+    }
     if (blas)
       blas::sgemm(false, false, rows, cols, K, 1.0f, A + m0 * K, K, W + c0, N, 0.0f, C + m0 * N + c0, N);
     else
@@ -581,7 +613,7 @@ bool GatingCall::threshold_fast_path() {
     n_kept = n;
   } else {
     for (int64_t r = 0; r < M; ++r) n_kept += gk.threshold_mask(X + r * K, nrm, a.kwta_threshold, K, XT + r * K);
-    if (per_row_wins(static_cast<double>(n_kept) / static_cast<double>(K), M)) {
+    if (per_row_wins(k.cost_, static_cast<double>(n_kept) / static_cast<double>(K), M)) {
       for (int64_t r = 0; r < M; ++r) {
         const int64_t n = gk.threshold_compress(X + r * K, nrm, a.kwta_threshold, K, idx, vals);
         if (n == 0)
@@ -643,7 +675,7 @@ void GatingCall::product_pending() {
   const int64_t M = io.M, K = k.K_, N = k.N_;
   // Row-skipping matvecs (read only each row's kept rows of W) when they cost less than one dense
   // product over x~ (same result: dropped channels are 0), see per_row_wins.
-  if (npending == 1 || per_row_wins(kept_frac_pending, npending)) {
+  if (npending == 1 || per_row_wins(k.cost_, kept_frac_pending, npending)) {
     for (int64_t r = 0; r < M; ++r)
       if (pending[r]) gated_row(XT + r * K, keep_of(r), nkeep[r], io.Y + r * N);
     return;
@@ -703,6 +735,75 @@ void GatingCall::publish_metrics() const {
 }
 
 // ------------------------------------------------------------------ construction
+namespace {
+
+// A constant initializer input's shape, or an error when it is absent.
+std::vector<int64_t> const_shape(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+
+std::string dims_str(int64_t a, int64_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
+
+}  // namespace
+
+// The weight inputs of the node's weight_format: W (f32) or Wq, scales, [zero_points] (int8 | int4,
+// kernels/qgating.h), all constant initializers; sets K_, N_, format_, W_ / q_ and the cost model.
+void EventGatedMatMulKernel::read_weights(const Ort::ConstKernelInfo& info, const Attrs& at) {
+  std::string fmt;
+  int64_t group = 32;
+  at.read({{"weight_format", &fmt}, {"weight_group", &group}});
+  format_ = fmt == "int8" ? kWeightInt8 : fmt == "int4" ? kWeightInt4 : kWeightF32;
+  if (group & (group - 1)) fail("attribute weight_group must be a power of two in [16, 1024], got " + std::to_string(group));
+  if (format_ == kWeightF32) {
+    if (input_present(info, 3) || input_present(info, 4) || input_present(info, 5))
+      fail("inputs Wq, scales, zero_points are for weight_format int8 | int4; this node is f32 (input W)");
+    Ort::ConstValue wv = const_input(info, 1, "W", kF32);
+    const auto shp = const_shape(wv);
+    if (shp.size() != 2 || shp[0] < 1 || shp[1] < 1) fail("input W must be 2-D [K, N], got " + shape_str(shp));
+    if (shp[0] > kMaxDim || shp[1] > kMaxDim) fail("input W too large " + shape_str(shp));
+    K_ = shp[0];
+    N_ = shp[1];
+    W_ = wv.GetTensorData<float>();
+    cost_ = kF32Cost;
+    return;
+  }
+  if (input_present(info, 1)) fail("weight_format " + fmt + " takes Wq, scales, [zero_points], not input W");
+  if (!at.given("weight_shape")) fail("weight_format " + fmt + " needs attribute weight_shape [K, N]");
+  const std::vector<int64_t>& ws = at.ints("weight_shape");
+  if (ws.size() != 2) fail("attribute weight_shape must be [K, N], got " + shape_str(ws));
+  K_ = ws[0];
+  N_ = ws[1];
+  QuantRows& q = q_;
+  q.format = format_;
+  q.N = N_;
+  q.group = group;
+  q.group_shift = 0;
+  while ((int64_t{1} << q.group_shift) < group) ++q.group_shift;
+  q.groups = (N_ + group - 1) / group;
+  q.row_bytes = format_ == kWeightInt8 ? N_ : Int4Rows::kBytesPerChunk * ((N_ + Int4Rows::kOutputsPerChunk - 1) / Int4Rows::kOutputsPerChunk);
+  Ort::ConstValue dv = const_input(info, 3, "Wq", kU8);
+  if (const_shape(dv) != std::vector<int64_t>{K_, q.row_bytes})
+    fail("input Wq has shape " + shape_str(const_shape(dv)) + ", expected " + dims_str(K_, q.row_bytes) + " for " + fmt +
+         " weight_shape " + dims_str(K_, N_));
+  q.data = dv.GetTensorData<uint8_t>();
+  Ort::ConstValue sv = const_input(info, 4, "scales", kF32);
+  if (const_shape(sv) != std::vector<int64_t>{K_, q.groups})
+    fail("input scales has shape " + shape_str(const_shape(sv)) + ", expected " + dims_str(K_, q.groups) +
+         " (ceil(N / weight_group))");
+  q.scales = sv.GetTensorData<float>();
+  for (int64_t i = 0; i < K_ * q.groups; ++i)
+    if (!std::isfinite(q.scales[i])) fail("input scales holds a non-finite value at " + std::to_string(i));
+  q.zeros = nullptr;
+  if (input_present(info, 5)) {
+    if (format_ != kWeightInt4) fail("input zero_points is for weight_format int4 only (int8 is symmetric)");
+    Ort::ConstValue zv = const_input(info, 5, "zero_points", kU8);
+    if (const_shape(zv) != std::vector<int64_t>{K_, q.groups})
+      fail("input zero_points has shape " + shape_str(const_shape(zv)) + ", expected " + dims_str(K_, q.groups));
+    q.zeros = zv.GetTensorData<uint8_t>();
+    for (int64_t i = 0; i < K_ * q.groups; ++i)
+      if (q.zeros[i] > 15) fail("input zero_points must be in [0, 15], got " + std::to_string(q.zeros[i]));
+  }
+  cost_ = kQuantCost;
+}
+
 EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
   GatingAttrs& a = a_;
@@ -721,14 +822,7 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info)
   a.score_xw = score == "xw";
   if (a.kwta && a.kwta_select == 2 && !(a.kwta_temp > 0.0f)) fail("kwta_select 'mass' needs kwta_temp > 0");
 
-  Ort::ConstValue wv = const_input(info, 1, "W", kF32);
-  auto tsi = wv.GetTensorTypeAndShapeInfo();
-  const auto shp = tsi.GetShape();
-  if (shp.size() != 2 || shp[0] < 1 || shp[1] < 1) fail("input W must be 2-D [K, N], got " + shape_str(shp));
-  if (shp[0] > kMaxDim || shp[1] > kMaxDim) fail("input W too large " + shape_str(shp));
-  K_ = shp[0];
-  N_ = shp[1];
-  W_ = wv.GetTensorData<float>();
+  read_weights(info, at);
   // a block wider than the layer is one block over all K inputs (the rewriter's --kwta-block may
   // exceed a small layer); beyond 2^31 - 1 the block count arithmetic would overflow
   if (a.block > kMaxDim) fail("attribute block must be <= 2147483647, got " + std::to_string(a.block));
@@ -740,12 +834,16 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info)
   stateful_ = a.event || a.kwta_duty > 1;
   gemm_ = &gemm_kernels();
   gk_ = &pick(IsaTables<GatingKernels>{gating_kernels_scalar, gating_kernels_avx2, gating_kernels_avx512});
+  qk_ = &pick(IsaTables<QGatingKernels>{qgating_kernels_scalar, qgating_kernels_avx2, qgating_kernels_avx512});
   iota_.resize(static_cast<size_t>(K_));
   for (int64_t j = 0; j < K_; ++j) iota_[static_cast<size_t>(j)] = static_cast<int32_t>(j);
+  // ||W_k|| per row (of the dequantized rows for a quantized format: the weights the op multiplies)
   norms_.resize(static_cast<size_t>(K_));
+  std::vector<float> deq(format_ == kWeightF32 ? 0 : static_cast<size_t>(N_));
   for (int64_t j = 0; j < K_; ++j) {
     double s = 0;
-    const float* r = W_ + j * N_;
+    const float* r = W_ ? W_ + j * N_ : deq.data();
+    if (!W_) qk_->dequant(&q_, j, 1, 0, N_, deq.data(), N_);
     for (int64_t o = 0; o < N_; ++o) s += static_cast<double>(r[o]) * r[o];
     norms_.data()[j] = static_cast<float>(std::sqrt(s));
   }

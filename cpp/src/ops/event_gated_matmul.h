@@ -8,6 +8,7 @@
 
 #include "kernels/gating.h"
 #include "kernels/gemm.h"
+#include "kernels/qgating.h"
 #include "metrics.h"
 #include "op.h"
 #include "ops/event_state.h"
@@ -34,16 +35,27 @@ struct GatingAttrs {
   bool dense_prefill;
 };
 
+// Cost model of several rows: per-row gated matvecs (row_cost * sum of kept fractions) against one
+// dense product (fixed + per_row * rows), in units of one dense matvec of the weight format.
+struct RowCost {
+  double row_cost, fixed, per_row;
+};
+
 class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
  public:
   static constexpr const char* kOpType = "EventGatedMatMul";
-  // X, W, [state_in] -> Y, [state_out]
-  static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32, kOptional}};
+  // X, [W], [state_in], [Wq], [scales], [zero_points] -> Y, [state_out]
+  // (W with weight_format f32; Wq, scales, [zero_points] with int8 | int4: kernels/qgating.h)
+  static constexpr IoSpec kInputs[] = {{kF32},           {kF32, kOptional}, {kF32, kOptional},
+                                       {kU8, kOptional}, {kF32, kOptional}, {kU8, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}, {kF32, kOptional}};
   // Every attribute and its default (custom_ops/reference/gating.py DEFAULTS must agree:
   // ortlean_op_schema_json exports these).
   static constexpr auto kAttrs = join({
       attr_int("block", 1).at_least(1),  // <= 2^31 - 1; > K: one block
+      attr_string("weight_format", "f32").one_of("f32|int8|int4"),
+      attr_int("weight_group", 32).range(16, 1024),  // a power of two
+      attr_optional("weight_shape", AttrType::Ints).range(1, kMaxDim),  // [K, N], quantized formats
       attr_string("pack", "none").one_of("none|binary|ternary"),
       attr_float("pack_eps", 0.0f).at_least(0),
       attr_float("pack_rho", 1.0f).fraction(),
@@ -77,16 +89,21 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
 
  private:
   friend class GatingCall;
+  void read_weights(const Ort::ConstKernelInfo& info, const Attrs& at);
 
   GatingAttrs a_{};
   int64_t K_ = 0, N_ = 0, nb_ = 0;
   EventStateLayout state_;     // state row layout (stateful nodes)
   bool stateful_ = false;
-  const float* W_ = nullptr;   // the constant initializer (owned by the session)
+  const float* W_ = nullptr;   // f32: the constant initializer (owned by the session)
+  int format_ = kWeightF32;    // WeightFormat
+  QuantRows q_{};              // int8 | int4: the constant initializers (owned by the session)
   AlignedBuf norms_;           // ||W_k|| per row
   std::vector<int32_t> iota_;  // 0..K-1 (the dense path is the row kernel over every row)
   const GemmKernels* gemm_ = nullptr;
   const GatingKernels* gk_ = nullptr;
+  const QGatingKernels* qk_ = nullptr;
+  RowCost cost_{};             // per-row matvecs vs one dense product (per_row_wins, .cc)
   mutable PoolProbe pool_;     // is the intra-op pool wider than one thread? (matvec task split)
   metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr, *m_keep_ = nullptr, *m_duty_ = nullptr,
                  *m_density_ = nullptr, *m_active_ = nullptr, *m_pack_dense_ = nullptr, *m_ev_enabled_ = nullptr,
