@@ -2,6 +2,7 @@
 sidecars, the checker, and the I/O signature of a loaded model."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -15,6 +16,8 @@ from ..errors import OrtleanError
 
 # external data is used when the initializers exceed this (protobuf's hard limit is 2 GiB)
 EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 1_800_000_000))
+# with external data, tensors up to this size stay inline in the model file
+INLINE_TENSOR_BYTES = 1024
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -41,6 +44,40 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     except Exception as e:
         raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
     return model
+
+
+def _lazy_bytes(t: ir.ExternalTensor) -> ir.LazyTensor:
+    """`t` as an in-memory tensor for serialization: its bytes are read from its memory map when
+    the proto is written. The map is never released: numpy views the rewrite holds (a planner's
+    weight, a new initializer sharing its data) may point into it, and closing it under them is
+    `BufferError: cannot close exported pointers exist` (onnx-ir's `load_to_model` does that)."""
+    return ir.LazyTensor(lambda: t, dtype=t.dtype, shape=t.shape, name=t.name, doc_string=t.doc_string)
+
+
+@contextlib.contextmanager
+def external_inlined(model: ir.Model, max_bytes: int | None = None):
+    """Within the block, every initializer (all graphs) whose data is in an input's external data
+    file (and has at most `max_bytes`) serializes inline; the model's tensors are restored after,
+    so untouched initializers stay memory-mapped, never loaded into the model."""
+    swapped = []
+    for g in model.graphs():
+        for v in g.initializers.values():
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor) and (max_bytes is None or t.nbytes <= max_bytes):
+                swapped.append((v, t))
+                v.const_value = _lazy_bytes(t)
+    try:
+        yield model
+    finally:
+        for v, t in swapped:
+            v.const_value = t
+
+
+def serialized(model: ir.Model) -> bytes:
+    """The model as a self-contained serialized proto (external data inline) for ORT to run from
+    memory; `model` is not changed."""
+    with external_inlined(model):
+        return ir.serde.serialize_model(model).SerializeToString()
 
 
 def initializer_bytes(model: ir.Model) -> int:
@@ -73,11 +110,13 @@ def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_pat
     written: list[Path] = []
     try:
         tmp_model = tmpdir / out.name
-        if data_name is None:
-            # tensors still memory-mapped from the input's external data go inline: the output
-            # must not point at the input's files
-            ir.external_data.load_to_model(model)
-        ir.save(model, tmp_model, external_data=data_name)
+        # the output must not point at the input's files: tensors still memory-mapped from the
+        # input's external data go inline (or, large, are copied into the output's data file)
+        with external_inlined(model, None if data_name is None else INLINE_TENSOR_BYTES):
+            if data_name is None:
+                ir.save(model, tmp_model)
+            else:
+                ir.save(model, tmp_model, external_data=data_name, size_threshold_bytes=INLINE_TENSOR_BYTES)
         if check is not None:
             check(tmp_model)
         if data_name:
