@@ -35,14 +35,32 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise OrtleanError(f"{p}: not an ONNX model (no graph, nodes or opset imports)")
     for t in proto.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            loc = dict((e.key, e.value) for e in t.external_data).get("location", "")
-            if not (p.parent / loc).is_file():
+            info = dict((e.key, e.value) for e in t.external_data)
+            loc = info.get("location", "")
+            f = p.parent / loc
+            if not f.is_file():
                 raise OrtleanError(f"{p}: external data file {loc!r} of initializer {t.name!r} is missing")
+            try:
+                end = int(info.get("offset", 0)) + int(info["length"]) if "length" in info else None
+            except ValueError:
+                raise OrtleanError(f"{p}: initializer {t.name!r}: bad external data offset/length {info}") from None
+            if end is not None and end > f.stat().st_size:
+                raise OrtleanError(f"{p}: external data file {loc!r} ends at byte {f.stat().st_size}, initializer "
+                                   f"{t.name!r} needs bytes up to {end} (truncated?)")
     try:
         model = ir.serde.deserialize_model(proto)
         ir.external_data.set_base_dir(model.graph, p.parent)
     except Exception as e:
         raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
+    # onnx-ir refuses, when it first reads a tensor, external data outside the model's directory
+    # (a path or a symlink leading out) or hard-linked: ask it now, while the error can name the file
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if isinstance(t, ir.ExternalTensor) and hasattr(t, "_check_path_containment"):
+            try:
+                t._check_path_containment()
+            except ValueError as e:
+                raise OrtleanError(f"{p}: external data of initializer {t.name!r} refused: {e}") from None
     return model
 
 
