@@ -4,18 +4,54 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from .errors import OrtleanError
 from .kit import options
 from .kit.options import RewriteConfig, StatePack, thread_counts
 
-EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1   # a bug in ortlean: traceback + a request to report it
+EXIT_USER_ERROR = 2       # bad input (file, flag, value, name): one line on stderr, nothing written
 EXIT_NOTHING_WRITTEN = 3
 
 
 BENCH_THREADS = [1, 2]     # bench / demo: thread counts compared
 RUN_THREADS = [2]          # eval / generate
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (the flag and the value at fault), exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(least: int):
+    """argparse type: an integer ≥ `least`."""
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be ≥ {least}, got {v!r}")
+        return n
+    parse.__name__ = "count"
+    return parse
+
+
+def _nbits(v: str) -> list[int]:
+    """argparse type for bench --nbits: a comma list of 2 | 4 | 8, or none."""
+    if v.strip().lower() in ("none", ""):
+        return []
+    try:
+        bits = [int(b) for b in v.split(",") if b.strip()]
+    except ValueError:
+        bits = []
+    if not bits or any(b not in (2, 4, 8) for b in bits):
+        raise argparse.ArgumentTypeError(f"expected a comma list of 2, 4, 8 or 'none', got {v!r}")
+    return bits
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
@@ -27,7 +63,7 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ortlean", description="ONNX graph rewriter + ONNX Runtime custom CPU ops")
+    ap = _Parser(prog="ortlean", description="ONNX graph rewriter + ONNX Runtime custom CPU ops")
     ap.add_argument("--version", action="store_true", help="print versions and exit")
     sub = ap.add_subparsers(dest="cmd")
 
@@ -46,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--ref", required=True, help="the dense model")
     p.add_argument("--text", required=True, help="held-out text file")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--windows", type=int, default=8, help="number of windows (causal LM) (default 8)")
-    p.add_argument("--sentences", type=int, default=256, help="sentences (encoder) (default 256)")
+    p.add_argument("--window", type=_count(2), default=512)
+    p.add_argument("--windows", type=_count(1), default=8, help="number of windows (causal LM) (default 8)")
+    p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
     p.add_argument("--json", help="write results as JSON here")
@@ -57,17 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--ref", required=True, help="the dense model")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list (default 1,2)")
-    p.add_argument("--prefill", type=int, default=128, help="prefill tokens (default 128)")
-    p.add_argument("--decode-past", type=int, default=128, help="past length for decode steps (default 128)")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--nbits", default="8,4", help="MatMulNBits comparison rows, comma list of bits, or 'none'")
+    p.add_argument("--prefill", type=_count(1), default=128, help="prefill tokens (default 128)")
+    p.add_argument("--decode-past", type=_count(0), default=128, help="past length for decode steps (default 128)")
+    p.add_argument("--repeats", type=_count(1), default=15)
+    p.add_argument("--nbits", type=_nbits, default=[8, 4],
+                   help="MatMulNBits comparison rows, comma list of bits (2, 4, 8), or 'none'")
     p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile")
     p.add_argument("--json", help="write results as JSON here")
 
     p = sub.add_parser("generate", help="greedy decode with the KV cache")
     p.add_argument("model")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=_count(1), default=32)
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
 
@@ -93,25 +130,44 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean bad input (their message names what is wrong), not a bug."""
+    from models.corpus import CorpusError
+    from models.prepare import PrepareError
+
+    import custom_ops
+
+    return OrtleanError, PrepareError, CorpusError, custom_ops.LibraryNotFoundError
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:   # usage error (one line, see _Parser) or --help
+        return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
     if args.version:
         return _version()
     if not args.cmd:
         ap.print_help()
         return EXIT_USER_ERROR
+    user_errors = _user_errors()
     try:
         return {
             "rewrite": cmd_rewrite, "inspect": cmd_inspect, "eval": cmd_eval, "bench": cmd_bench,
             "generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "demo": cmd_demo,
         }[args.cmd](args)
-    except OrtleanError as e:
+    except user_errors as e:
         print(f"ortlean {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception:  # a bug: the traceback, then what to do with it
+        traceback.print_exc()
+        print(f"ortlean {args.cmd}: internal error (a bug in ortlean, not in your input): please report it as an "
+              "issue with the output of `ortlean --version`, the command line and the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
 
 
 def _version() -> int:
@@ -211,9 +267,8 @@ def cmd_eval(args) -> int:
 def cmd_bench(args) -> int:
     from . import evaluate
 
-    nbits = [] if args.nbits.strip().lower() in ("none", "") else [int(b) for b in args.nbits.split(",")]
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=args.decode_past,
-                         repeats=args.repeats, nbits=nbits, profile=not args.no_profile)
+                         repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile)
     print(evaluate.format_bench(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
@@ -223,13 +278,15 @@ def cmd_bench(args) -> int:
 def cmd_generate(args) -> int:
     from custom_ops import runtime
 
-    from .evaluate import _session
+    from .evaluate import _session, _tokenizer
 
+    if not args.prompt.strip():
+        raise OrtleanError("--prompt: empty prompt")
     sess = _session(args.model, options.one_thread_count(args.threads, "--threads"))
     io = runtime.ModelIO.from_session(sess)
     if io.kind != "causal-lm":
         raise OrtleanError(f"{args.model}: not a causal LM with a KV cache (no past_key_values inputs)")
-    tok = runtime.load_tokenizer(args.model, args.tokenizer)
+    tok = _tokenizer(args.model, args.tokenizer)
     text, ids = runtime.generate(sess, io, tok, args.prompt, args.max_new_tokens)
     print(text)
     return 0

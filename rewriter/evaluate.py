@@ -26,28 +26,45 @@ def _session(path: str, threads: int):
         raise OrtleanError(f"{path}: onnxruntime could not create a session: {e}") from None
 
 
+def _tokenizer(model: str, tokenizer: str | None):
+    """The tokenizer (--tokenizer, else tokenizer.json next to the model), with clear errors."""
+    try:
+        return runtime.load_tokenizer(model, tokenizer)
+    except FileNotFoundError as e:
+        raise OrtleanError(str(e)) from None
+    except Exception as e:  # tokenizers' own parse errors
+        where = f"--tokenizer {tokenizer}" if tokenizer else f"{Path(model).parent / 'tokenizer.json'}"
+        raise OrtleanError(f"{where}: not a readable tokenizer.json ({type(e).__name__}: {e})") from None
+
+
 def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
              sentences: int = 256, tokenizer: str | None = None) -> dict:
     tp = Path(text_path)
     if not tp.is_file():
         raise OrtleanError(f"--text {tp}: no such file")
     text = tp.read_text(encoding="utf-8", errors="replace")
+    modelfile.load_model(model)  # both models named before any work
+    modelfile.load_model(ref)
     s_ref = _session(ref, threads)
     s_lean = _session(model, threads)
     io = runtime.ModelIO.from_session(s_ref)
     io_l = runtime.ModelIO.from_session(s_lean)
     if io.kind != io_l.kind:
         raise OrtleanError(f"{model} ({io_l.kind}) and --ref {ref} ({io.kind}) are not the same kind of model")
-    tok = runtime.load_tokenizer(ref, tokenizer) if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else runtime.load_tokenizer(model, tokenizer)
+    tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else model, tokenizer)
     res = {"model": model, "ref": ref, "text": str(tp), "kind": io.kind}
     if io.kind == "causal-lm":
         ids = np.asarray(tok.encode(text, add_special_tokens=False).ids[: window * windows], dtype=np.int64)
+        if ids.size < 2:
+            raise OrtleanError(f"--text {tp}: {ids.size} tokens, perplexity needs at least 2")
         d = runtime.perplexity(s_ref, io, ids, window=window)
         l = runtime.perplexity(s_lean, io_l, ids, window=window)
         res.update({"tokens": int(d["tokens"]), "window": window, "ppl_ref": float(d["ppl"]), "ppl": float(l["ppl"]),
                     "delta_ppl": float(l["ppl"] / d["ppl"] - 1.0)})
     else:
         sents = runtime.sentences_from_text(text, sentences)
+        if not sents:
+            raise OrtleanError(f"--text {tp}: no sentences in it")
         e_d = runtime.embeddings(s_ref, io, tok, sents)
         e_l = runtime.embeddings(s_lean, io_l, tok, sents)
         cos = np.sum(e_d * e_l, axis=1) / (np.linalg.norm(e_d, axis=1) * np.linalg.norm(e_l, axis=1) + 1e-30)
@@ -79,6 +96,8 @@ def nbits_model(dense: str, bits: int) -> str:
 
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past: int = 128, repeats: int = 15,
           nbits=(8, 4), profile: bool = True) -> dict:
+    modelfile.load_model(model)  # both models named before any work
+    modelfile.load_model(ref)
     variants = {"dense": ref, "lean": model}
     for b in nbits:
         try:

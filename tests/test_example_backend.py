@@ -102,8 +102,7 @@ def _feeds():
 
 
 def test_flags_come_from_the_config(registered, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["rewrite", "--help"])
+    assert cli.main(["rewrite", "--help"]) == 0
     out = capsys.readouterr().out
     assert "int8 weights (test example)" in out and "--int8-gap" in out and "--untranspose" in out
     a = cli.build_parser().parse_args(["rewrite", "m.onnx", "--int8=on", "--int8-target", "both"])

@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from . import options
+from . import modelfile
 from .calib import CalibText, CalibrationHook
 from .candidates import Candidate
 from .options import RewriteConfig, StatePack
@@ -108,9 +109,7 @@ class Context:
         if not self.modified:
             return str(self.model_path)
         if self._source is None:
-            m = self.model.clone()
-            ir.external_data.load_to_model(m)
-            self._source = ir.serde.serialize_model(m).SerializeToString()
+            self._source = modelfile.serialized(self.model)
         return self._source
 
 

@@ -2,6 +2,7 @@
 sidecars, the checker, and the I/O signature of a loaded model."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -15,6 +16,8 @@ from ..errors import OrtleanError
 
 # external data is used when the initializers exceed this (protobuf's hard limit is 2 GiB)
 EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 1_800_000_000))
+# with external data, tensors up to this size stay inline in the model file
+INLINE_TENSOR_BYTES = 1024
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -32,15 +35,67 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise OrtleanError(f"{p}: not an ONNX model (no graph, nodes or opset imports)")
     for t in proto.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            loc = dict((e.key, e.value) for e in t.external_data).get("location", "")
-            if not (p.parent / loc).is_file():
+            info = dict((e.key, e.value) for e in t.external_data)
+            loc = info.get("location", "")
+            f = p.parent / loc
+            if not f.is_file():
                 raise OrtleanError(f"{p}: external data file {loc!r} of initializer {t.name!r} is missing")
+            try:
+                end = int(info.get("offset", 0)) + int(info["length"]) if "length" in info else None
+            except ValueError:
+                raise OrtleanError(f"{p}: initializer {t.name!r}: bad external data offset/length {info}") from None
+            if end is not None and end > f.stat().st_size:
+                raise OrtleanError(f"{p}: external data file {loc!r} ends at byte {f.stat().st_size}, initializer "
+                                   f"{t.name!r} needs bytes up to {end} (truncated?)")
     try:
         model = ir.serde.deserialize_model(proto)
         ir.external_data.set_base_dir(model.graph, p.parent)
     except Exception as e:
         raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
+    # onnx-ir refuses, when it first reads a tensor, external data outside the model's directory
+    # (a path or a symlink leading out) or hard-linked: ask it now, while the error can name the file
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if isinstance(t, ir.ExternalTensor) and hasattr(t, "_check_path_containment"):
+            try:
+                t._check_path_containment()
+            except ValueError as e:
+                raise OrtleanError(f"{p}: external data of initializer {t.name!r} refused: {e}") from None
     return model
+
+
+def _lazy_bytes(t: ir.ExternalTensor) -> ir.LazyTensor:
+    """`t` as an in-memory tensor for serialization: its bytes are read from its memory map when
+    the proto is written. The map is never released: numpy views the rewrite holds (a planner's
+    weight, a new initializer sharing its data) may point into it, and closing it under them is
+    `BufferError: cannot close exported pointers exist` (onnx-ir's `load_to_model` does that)."""
+    return ir.LazyTensor(lambda: t, dtype=t.dtype, shape=t.shape, name=t.name, doc_string=t.doc_string)
+
+
+@contextlib.contextmanager
+def external_inlined(model: ir.Model, max_bytes: int | None = None):
+    """Within the block, every initializer (all graphs) whose data is in an input's external data
+    file (and has at most `max_bytes`) serializes inline; the model's tensors are restored after,
+    so untouched initializers stay memory-mapped, never loaded into the model."""
+    swapped = []
+    for g in model.graphs():
+        for v in g.initializers.values():
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor) and (max_bytes is None or t.nbytes <= max_bytes):
+                swapped.append((v, t))
+                v.const_value = _lazy_bytes(t)
+    try:
+        yield model
+    finally:
+        for v, t in swapped:
+            v.const_value = t
+
+
+def serialized(model: ir.Model) -> bytes:
+    """The model as a self-contained serialized proto (external data inline) for ORT to run from
+    memory; `model` is not changed."""
+    with external_inlined(model):
+        return ir.serde.serialize_model(model).SerializeToString()
 
 
 def initializer_bytes(model: ir.Model) -> int:
@@ -73,11 +128,13 @@ def save_model_atomic(model: ir.Model, out_path: str | os.PathLike, *, input_pat
     written: list[Path] = []
     try:
         tmp_model = tmpdir / out.name
-        if data_name is None:
-            # tensors still memory-mapped from the input's external data go inline: the output
-            # must not point at the input's files
-            ir.external_data.load_to_model(model)
-        ir.save(model, tmp_model, external_data=data_name)
+        # the output must not point at the input's files: tensors still memory-mapped from the
+        # input's external data go inline (or, large, are copied into the output's data file)
+        with external_inlined(model, None if data_name is None else INLINE_TENSOR_BYTES):
+            if data_name is None:
+                ir.save(model, tmp_model)
+            else:
+                ir.save(model, tmp_model, external_data=data_name, size_threshold_bytes=INLINE_TENSOR_BYTES)
         if check is not None:
             check(tmp_model)
         if data_name:

@@ -12,6 +12,7 @@ import onnx_ir as ir
 from custom_ops import runtime
 from custom_ops.schema import DOMAIN
 
+from . import modelfile
 from .calib import CalibText
 
 
@@ -80,8 +81,7 @@ def trial_model(model: ir.Model, chosen, ctx) -> bytes:
     for c, b, plan in chosen:
         b.emit(m.graph, c.rebind(nodes, m.graph), plan, ctx)
     m.opset_imports.setdefault(DOMAIN, 1)
-    ir.external_data.load_to_model(m)
-    return ir.serde.serialize_model(m).SerializeToString()
+    return modelfile.serialized(m)
 
 
 class Quality:
