@@ -33,17 +33,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _rewrite(src: Path, out: Path, calib: Path, a) -> dict:
-    from rewriter import cli
+    """The pass's own steps (rewriter.backends.head) without the pipeline: `ortlean rewrite`'s final
+    onnx.checker refuses the fused graph's ORT contrib ops in the default domain
+    (SimplifiedLayerNormalization), whatever pass runs on it."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from custom_ops import runtime
+    from rewriter.backends.head import HeadConfig, emit
+    from rewriter.builders.head import candidate_recall, find_head, lowrank_head
+    from rewriter.kit import calib as kcalib
 
     rep = out.with_suffix(".report.json")
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        code = cli.main(["rewrite", str(src), "-o", str(out), "--cheap-head=lowrank", "--head-rank", str(a.rank),
-                         "--head-candidates", str(a.candidates), "--head-bits", str(a.bits), "--calib-text", str(calib),
-                         "--calib-tokens", "4096", "--report", str(rep), "-q"])
-        if code != 0:
-            raise SystemExit(f"rewrite of {src} failed ({code})")
-    return json.loads(rep.read_text())["graph_passes"][0]
+        cfg = HeadConfig(mode="lowrank", rank=a.rank, candidates=a.candidates, bits=a.bits)
+        model = ir.load(src)
+        head, why = find_head(model)
+        if head is None:
+            raise SystemExit(f"{src}: no head ({why})")
+        io = runtime.ModelIO.from_session(__import__("fastgraph_models").ort_session(src, 2))
+        text = kcalib.CalibText(src, calib)
+        X = []
+        G = kcalib.collect_grams(str(src), io, [head.x.name], text, 4096, 256, progress=False,
+                                 hook=lambda n, x: X.append(np.array(x, np.float32)))[head.x.name].G
+        f = lowrank_head(head.W, G, cfg.rank, cfg.bits)
+        recall = candidate_recall(np.concatenate(X), head.W, f.A, f.B, min(cfg.candidates, head.V))
+        how = emit(model, head, f.A, f.blob, f.scales, f.rank, cfg)
+        ir.save(model, out)
+        rep.write_text(json.dumps({"gap": f.gap, "rank": f.rank, "calib_recall": recall,
+                                   "decision": f"rank {f.rank} int{cfg.bits}, {cfg.candidates} candidates, gap "
+                                               f"{f.gap:.4f}, calibration recall {recall:.4f}; {how}"}))
+    return json.loads(rep.read_text())
 
 
 def agreement(exact, cheap, tok_ids, positions: int, window: int = 256) -> dict:
