@@ -24,12 +24,13 @@ The CLI flags, calibration, the quality guard, the report, the reference backend
 from __future__ import annotations
 
 from .gating import GatingBackend
+from .head import CheapHeadPass
 from .packed_attention import PackedAttentionPass
 from .procsparse import ProcBackend
 from .tt import TTBackend
 
 WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend]
-GRAPH_PASSES: list = [PackedAttentionPass]
+GRAPH_PASSES: list = [PackedAttentionPass, CheapHeadPass]
 
 
 def all_backends() -> list:

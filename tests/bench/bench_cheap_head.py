@@ -1,0 +1,159 @@
+"""The cheap head (--cheap-head=lowrank, rewriter/backends/head.py) on SmolLM2-135M: greedy agreement
+with the exact head on teacher-forced held-out positions, and whole-model decode speed.
+
+    python tests/bench/bench_cheap_head.py [--models fp32,int4] [--threads 1,2] [--positions 2048]
+                                           [--rank 128] [--candidates 768] [--bits 4] [--repeats 7]
+                                           [--json tests/bench/results/cheap_head.json]
+
+Models: ``fp32`` = the optimum export (``ortlean models path smollm2``), ``int4`` = the fused graph
+quantized with rewriter.quantize.quantize_weights' int4 DEFAULTS (tests/bench/fastgraph_models.py,
+cached). Each is rewritten with ``ortlean rewrite --cheap-head=lowrank`` calibrated on Sense &
+Sensibility (``ortlean corpus --calib``, 4096 tokens).
+
+- Agreement: Persuasion (``ortlean corpus --eval``) in windows of 256 tokens; per window the exact
+  model's prefill logits give the exact greedy token at every position, and the rewritten model runs
+  the window as decode steps through its KV cache (teacher forced: the next input is the text's
+  token), so every position after the first of a window is a decode step of the cheap head. Agreement
+  = share of those positions whose argmax equals the exact one.
+- Speed: runtime.bench_sessions (exact vs cheap interleaved in one process, medians): decode step at
+  past 128 and prefill of 128 tokens, per thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _rewrite(src: Path, out: Path, calib: Path, a) -> dict:
+    """The pass's own steps (rewriter.backends.head) without the pipeline: `ortlean rewrite`'s final
+    onnx.checker refuses the fused graph's ORT contrib ops in the default domain
+    (SimplifiedLayerNormalization), whatever pass runs on it."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from custom_ops import runtime
+    from rewriter.backends.head import HeadConfig, emit
+    from rewriter.builders.head import candidate_recall, find_head, lowrank_head
+    from rewriter.kit import calib as kcalib
+
+    rep = out.with_suffix(".report.json")
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cfg = HeadConfig(mode="lowrank", rank=a.rank, candidates=a.candidates, bits=a.bits)
+        model = ir.load(src)
+        head, why = find_head(model)
+        if head is None:
+            raise SystemExit(f"{src}: no head ({why})")
+        io = runtime.ModelIO.from_session(__import__("fastgraph_models").ort_session(src, 2))
+        text = kcalib.CalibText(src, calib)
+        X = []
+        G = kcalib.collect_grams(str(src), io, [head.x.name], text, 4096, 256, progress=False,
+                                 hook=lambda n, x: X.append(np.array(x, np.float32)))[head.x.name].G
+        f = lowrank_head(head.W, G, cfg.rank, cfg.bits)
+        recall = candidate_recall(np.concatenate(X), head.W, f.A, f.B, min(cfg.candidates, head.V))
+        how = emit(model, head, f.A, f.blob, f.scales, f.rank, cfg)
+        ir.save(model, out)
+        rep.write_text(json.dumps({"gap": f.gap, "rank": f.rank, "calib_recall": recall,
+                                   "decision": f"rank {f.rank} int{cfg.bits}, {cfg.candidates} candidates, gap "
+                                               f"{f.gap:.4f}, calibration recall {recall:.4f}; {how}"}))
+    return json.loads(rep.read_text())
+
+
+def agreement(exact, cheap, tok_ids, positions: int, window: int = 256) -> dict:
+    import numpy as np
+
+    from custom_ops import runtime
+
+    io_e, io_c = runtime.ModelIO.from_session(exact), runtime.ModelIO.from_session(cheap)
+    agree = total = 0
+    for s in range(0, len(tok_ids) - window, window):
+        ids = np.asarray(tok_ids[s:s + window], np.int64)[None]
+        ref = runtime.run(exact, io_e, runtime.feeds(io_e, ids))["logits"][0].argmax(-1)
+        out = runtime.run(cheap, io_c, runtime.feeds(io_c, ids[:, :1]))
+        past = io_c.next_state(out)
+        for t in range(1, window):
+            out = runtime.run(cheap, io_c, runtime.feeds(io_c, ids[:, t:t + 1], past=past, past_len=t))
+            past = io_c.next_state(out)
+            agree += int(out["logits"][0, -1].argmax() == ref[t])
+            total += 1
+            if total >= positions:
+                return {"positions": total, "agree": agree, "agreement": agree / total}
+    return {"positions": total, "agree": agree, "agreement": agree / max(total, 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="fp32,int4")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--positions", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=128)
+    ap.add_argument("--candidates", type=int, default=768)
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--json", default=str(ROOT / "tests/bench/results/cheap_head.json"))
+    a = ap.parse_args()
+
+    import custom_ops
+    from custom_ops import runtime
+    from fastgraph_models import fused_model, ort_session, quantized_model
+    from models import corpus, prepare
+    from models.cache import cache_root
+    from rewriter.quantize import DEFAULTS
+
+    novels = corpus.novels()
+    calib, held = novels[corpus.CALIB_NOVEL], novels[corpus.EVAL_NOVEL]
+    srcs = {}
+    for m in a.models.split(","):
+        if m == "fp32":
+            srcs[m] = prepare.prepare("smollm2") / "model.onnx"
+        elif m == "int4":
+            c = DEFAULTS["int4"]
+            srcs[m] = quantized_model(fused_model("smollm2"), c.bits, c.block_size, c.symmetric, c.accuracy_level)
+        else:
+            raise SystemExit(f"--models: unknown {m!r} (fp32, int4)")
+    tag = f"r{a.rank}-c{a.candidates}-b{a.bits}"
+    res = {"isa": custom_ops.isa(), "cpu": platform.processor() or platform.machine(), "args": vars(a), "models": {}}
+    for m, src in srcs.items():
+        out = cache_root() / "cheap_head" / f"{src.parent.name}-{tag}" / "model.onnx"
+        t0 = time.monotonic()
+        row = _rewrite(src, out, calib, a)
+        (out.parent / "tokenizer.json").write_bytes((src.parent / "tokenizer.json").read_bytes())
+        r = {"source": str(src), "rewritten": str(out), "pass": row, "rewrite_s": round(time.monotonic() - t0, 1)}
+        print(f"[{m}] {row['decision']}", flush=True)
+        if not a.skip_agreement:
+            tok = runtime.load_tokenizer(src)
+            ids = tok.encode(held.read_text(encoding="utf-8"), add_special_tokens=False).ids
+            r["agreement"] = agreement(ort_session(src, 2), ort_session(out, 2), ids, a.positions)
+            print(f"[{m}] greedy agreement {r['agreement']}", flush=True)
+        r["speed"] = {}
+        for th in [int(t) for t in a.threads.split(",")]:
+            sess = {"exact": ort_session(src, th), "cheap": ort_session(out, th)}
+            io = runtime.ModelIO.from_session(sess["exact"])
+            rep = runtime.bench_sessions(sess, io, prefill_len=128, decode_past=128, decode_steps=16,
+                                         repeats=a.repeats, baseline="exact",
+                                         ios={"cheap": runtime.ModelIO.from_session(sess["cheap"])})
+            s = rep["sessions"]
+            r["speed"][str(th)] = {"decode_tok_s": {k: s[k]["decode_tok_s"] for k in s},
+                                   "decode_gain": rep["ratios"]["cheap"]["decode"],
+                                   "prefill_ratio": rep["ratios"]["cheap"]["prefill"], "raw": rep}
+            print(f"[{m}] isa {custom_ops.isa()} threads {th}: decode tok/s exact {s['exact']['decode_tok_s']:.1f} "
+                  f"cheap {s['cheap']['decode_tok_s']:.1f} (x{rep['ratios']['cheap']['decode']:.3f}), prefill "
+                  f"x{rep['ratios']['cheap']['prefill']:.3f}", flush=True)
+        res["models"][m] = r
+    p = Path(a.json)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(res, indent=1, default=float))
+    print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""--cheap-head=lowrank (rewriter/backends/head.py; meaning: custom_ops/reference/head.py) on the toy
+model (fp32 tied head through Transpose), its int4 MatMulNBits quantization, and tiny optimum exports
+(tests/tiny_hf.py: llama with a tied head, qwen2 with an untied one) with the KV cache."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+import tiny_hf
+from custom_ops import runtime
+from custom_ops.reference.head import cheap_head, dequant_nbits, dequant_rows, quant_nbits, topk_indices
+from rewriter import cli
+
+
+def _sess(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _rewrite(model, out, text, *extra, tokenizer=None):
+    rep = out.with_suffix(".json")
+    args = ["rewrite", str(model), "-o", str(out), "--cheap-head=lowrank", "--calib-text", str(text),
+            "--calib-tokens", "1024", "--calib-window", "64", "--report", str(rep), "-q", *extra]
+    if tokenizer:
+        args += ["--tokenizer", str(tokenizer)]
+    code = cli.main(args)
+    return code, json.loads(rep.read_text())
+
+
+def _init(path, suffix):
+    m = onnx.load(str(path))
+    for t in m.graph.initializer:
+        if t.name.endswith(suffix):
+            return onnx.numpy_helper.to_array(t)
+    raise KeyError(suffix)
+
+
+def _head_input(path, feeds):
+    """The head's input in the dense model for `feeds` (as an extra output)."""
+    import onnxruntime as ort
+
+    m = onnx.load(str(path))
+    x = next(n for n in m.graph.node if "logits" in n.output).input[0]
+    m.graph.output.append(onnx.helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None))
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run([x], feeds)[0]
+
+
+# ------------------------------------------------------------------------- reference pieces
+def test_nbits_round_trip_and_topk_order():
+    rng = np.random.default_rng(0)
+    for bits in (4, 8):
+        for K in (7, 32, 45):              # not multiples of the block
+            B = rng.standard_normal((K, 13)).astype(np.float32)
+            blob, sc = quant_nbits(B, bits, 32)
+            D = dequant_nbits(blob, sc, None, K, bits, 32)
+            step = np.abs(B).max() / ((1 << (bits - 1)) - 1)
+            assert D.shape == B.shape and np.abs(D - B).max() <= step / 2 + 1e-6
+            assert np.array_equal(dequant_rows(blob, sc, None, K, bits, 32), D.T)
+    a = np.array([[1.0, 3.0, 3.0, 0.0, 3.0]], np.float32)
+    assert topk_indices(a, 3).tolist() == [[1, 2, 4]]          # ties: lower index first
+
+
+def test_reference_covers_vocab_is_exact_and_fill():
+    rng = np.random.default_rng(1)
+    D, V, r = 16, 40, 4
+    rows = rng.standard_normal((V, D)).astype(np.float32)
+    A, B = rng.standard_normal((D, r)).astype(np.float32), rng.standard_normal((r, V)).astype(np.float32)
+    h = rng.standard_normal((3, 1, D)).astype(np.float32)
+    np.testing.assert_allclose(cheap_head(h, rows, A, B, V), h @ rows.T, rtol=1e-5, atol=1e-5)
+    out = cheap_head(h, rows, A, B, 5)
+    assert (np.isfinite(out).sum(-1) == 5).all()
+    ap = cheap_head(h, rows, A, B, 5, fill="approx")
+    assert np.isfinite(ap).all() and np.array_equal(ap[np.isfinite(out)], out[np.isfinite(out)])
+    hp = rng.standard_normal((2, 4, D)).astype(np.float32)      # prefill: exact
+    np.testing.assert_allclose(cheap_head(hp, rows, A, B, 5), hp @ rows.T, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------- the toy model (no KV cache)
+def test_toy_covering_vocab_equals_exact_head(toy_model, toy_text, tmp_path):
+    V = int(_init(toy_model, "embed_tokens.weight").shape[0])
+    code, rep = _rewrite(toy_model, tmp_path / "c.onnx", toy_text, "--head-rank", "6",
+                         "--head-candidates", str(V + 10))
+    assert code == 0
+    row = rep["graph_passes"][0]
+    assert row["backend"] == "cheap_head" and row["candidates"] == V and row["calib_recall"] == 1.0
+    d, c = _sess(toy_model), _sess(tmp_path / "c.onnx")
+    io = runtime.ModelIO.from_session(d)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        f = runtime.feeds(io, rng.integers(2, V, (2, 1)))
+        a, b = d.run(None, f)[0], c.run(None, f)[0]
+        assert np.isfinite(b).all() and np.array_equal(a.argmax(-1), b.argmax(-1))
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    f = runtime.feeds(io, rng.integers(2, V, (2, 9)))
+    assert np.array_equal(d.run(None, f)[0], c.run(None, f)[0])         # prefill: the same node, bit-exact
+
+
+@pytest.mark.parametrize("fill", ["neginf", "approx"])
+def test_toy_equals_reference(toy_model, toy_text, tmp_path, fill):
+    out = tmp_path / "c.onnx"
+    code, rep = _rewrite(toy_model, out, toy_text, "--head-rank", "5", "--head-candidates", "7",
+                         "--head-accuracy", "0", "--head-fill", fill, "--head-bits", "8")
+    assert code == 0
+    E = _init(toy_model, "embed_tokens.weight")
+    A = _init(out, ".cheap.A")
+    r = A.shape[1]
+    B = dequant_nbits(_init(out, ".cheap.B_q8"), _init(out, ".cheap.B_scales"), None, r, 8, 32)
+    d, c = _sess(toy_model), _sess(out)
+    io = runtime.ModelIO.from_session(d)
+    ids = np.random.default_rng(2).integers(2, E.shape[0], (3, 1))
+    f = runtime.feeds(io, ids)
+    h = _head_input(toy_model, f)
+    ref = cheap_head(h, E, A, B, 7, fill=fill)
+    got = c.run(None, f)[0]
+    assert np.array_equal(np.isfinite(ref), np.isfinite(got))
+    assert np.array_equal(ref.argmax(-1), got.argmax(-1))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    if fill == "neginf":
+        assert (np.isfinite(got).sum(-1) == 7).all()
+
+
+def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path):
+    from rewriter.quantize import quantize_weights
+
+    m = ir.load(toy_model)                 # the head weight as an initializer (what ORT's quantizer takes)
+    t = next(n for n in m.graph if n.op_type == "Transpose" and "lm_head" in n.name)
+    wt = ir.Value(name="lm_head.weight_t", const_value=ir.tensor(t.inputs[0].const_value.numpy().T.copy()))
+    m.graph.register_initializer(wt)
+    t.outputs[0].replace_all_uses_with(wt)
+    m.graph.remove(t, safe=True)
+    q, _ = quantize_weights(m, "int4", accuracy_level=0)
+    qp = tmp_path / "q4" / "model.onnx"
+    qp.parent.mkdir()
+    ir.save(q, qp)
+    (qp.parent / "tokenizer.json").write_bytes((toy_model.parent / "tokenizer.json").read_bytes())
+    qm = onnx.load(str(qp))
+    hn = next(n for n in qm.graph.node if "logits" in n.output)
+    assert hn.op_type == "MatMulNBits"
+    V = int(next(a.i for a in hn.attribute if a.name == "N"))
+    out = tmp_path / "c.onnx"
+    code, rep = _rewrite(qp, out, toy_text, "--head-rank", "5", "--head-candidates", "9", "--head-accuracy", "0")
+    assert code == 0 and "GatherBlockQuantized" in rep["graph_passes"][0]["decision"]
+    d, c = _sess(qp), _sess(out)
+    io = runtime.ModelIO.from_session(d)
+    f = runtime.feeds(io, np.random.default_rng(3).integers(2, V, (4, 1)))
+    a, b = d.run(None, f)[0], c.run(None, f)[0]
+    fin = np.isfinite(b)
+    assert (fin.sum(-1) == 9).all()
+    np.testing.assert_allclose(b[fin], a[fin], rtol=1e-4, atol=1e-4)   # candidates: the int4 head's own logits
+    # the reference, with the head's dequantized rows
+    ins = {t.name: onnx.numpy_helper.to_array(t) for t in qm.graph.initializer}
+    K = int(next(a.i for a in hn.attribute if a.name == "K"))
+    blk = int(next(a.i for a in hn.attribute if a.name == "block_size"))
+    rows = dequant_rows(ins[hn.input[1]], ins[hn.input[2]], ins[hn.input[3]] if len(hn.input) > 3 else None, K, 4, blk)
+    A = _init(out, ".cheap.A")
+    B = dequant_nbits(_init(out, ".cheap.B_q4"), _init(out, ".cheap.B_scales"), None, A.shape[1], 4, 32)
+    ref = cheap_head(_head_input(qp, f), rows, A, B, 9)
+    assert np.array_equal(np.isfinite(ref), fin)
+    np.testing.assert_allclose(b[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+def test_refuses_a_model_without_a_head(toy_model, toy_text, tmp_path):
+    m = onnx.load(str(toy_model))
+    out = m.graph.output[0]
+    out.name = "scores"
+    for n in m.graph.node:
+        n.output[:] = ["scores" if o == "logits" else o for o in n.output]
+    p = tmp_path / "nohead" / "model.onnx"
+    p.parent.mkdir()
+    onnx.save(m, str(p))
+    (p.parent / "tokenizer.json").write_bytes((toy_model.parent / "tokenizer.json").read_bytes())
+    code, rep = _rewrite(p, tmp_path / "c.onnx", toy_text)
+    assert code != 0 and rep["output"] is None
+    row = rep["graph_passes"][0]
+    assert row["backend"] == "dense" and "no recognisable head" in row["decision"] and "logits" in row["decision"]
+
+
+def test_flags_are_validated(toy_model, toy_text, tmp_path, capsys):
+    base = ["rewrite", str(toy_model), "-o", str(tmp_path / "c.onnx"), "--cheap-head=lowrank", "-q"]
+    assert cli.main([*base, "--calib-text", str(toy_text), "--head-rank", "0"]) != 0
+    assert "--head-rank 0: must be ≥ 1" in capsys.readouterr().err
+    assert cli.main(base) != 0
+    assert "--cheap-head=lowrank needs --calib-text" in capsys.readouterr().err
+    assert not (tmp_path / "c.onnx").exists()
+
+
+# ------------------------------------------------------------------------- optimum exports with the KV cache
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_hf.models()
+
+
+def _decode(sess, io, prompt, steps):
+    """Greedy decode through the KV cache: the logits of every decode step."""
+    out = runtime.run(sess, io, runtime.feeds(io, prompt))
+    logits, nxt = [], out["logits"][:, -1].argmax(-1)[:, None]
+    past, n = io.next_state(out), prompt.shape[1]
+    for _ in range(steps):
+        out = runtime.run(sess, io, runtime.feeds(io, nxt, past=past, past_len=n))
+        logits.append(out["logits"])
+        past, n = io.next_state(out), n + 1
+        nxt = out["logits"][:, -1].argmax(-1)[:, None]
+    return out, logits
+
+
+@pytest.mark.parametrize("family", sorted(tiny_hf.FAMILIES))
+def test_tiny_export_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
+    src = tiny[family] / "model.onnx"
+    tok = toy_model.parent / "tokenizer.json"
+    V = tiny_hf.FAMILIES[family]["vocab_size"]
+    prompt = np.random.default_rng(4).integers(3, V, (2, 6))
+    d = _sess(src)
+    io = runtime.ModelIO.from_session(d)
+    _, dense = _decode(d, io, prompt, 5)
+    # candidates cover the vocabulary: the same tokens and logits as the exact head, step by step
+    full = tmp_path / "full.onnx"
+    code, rep = _rewrite(src, full, toy_text, "--head-rank", "8", "--head-candidates", str(V), tokenizer=tok)
+    assert code == 0 and rep["graph_passes"][0]["backend"] == "cheap_head"
+    if family == "qwen2":       # untied: Wᵀ stored instead of W
+        assert "stored transposed" in rep["graph_passes"][0]["decision"]
+    else:
+        assert "tied embedding" in rep["graph_passes"][0]["decision"]
+    c = _sess(full)
+    _, cheap = _decode(c, runtime.ModelIO.from_session(c), prompt, 5)
+    for a, b in zip(dense, cheap):
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+    f = runtime.feeds(io, prompt)
+    np.testing.assert_allclose(c.run(["logits"], f)[0], d.run(["logits"], f)[0], rtol=1e-6, atol=1e-6)  # prefill
+    # few candidates: the candidates' logits are the exact ones, the rest −inf
+    few = tmp_path / "few.onnx"
+    code, _ = _rewrite(src, few, toy_text, "--head-rank", "4", "--head-candidates", "16", tokenizer=tok)
+    c = _sess(few)
+    cio = runtime.ModelIO.from_session(c)
+    out = runtime.run(c, cio, runtime.feeds(cio, prompt))
+    ref = runtime.run(d, io, runtime.feeds(io, prompt))
+    np.testing.assert_allclose(out["logits"], ref["logits"], rtol=1e-6, atol=1e-6)
+    nxt = ref["logits"][:, -1].argmax(-1)[:, None]
+    step_c = runtime.run(c, cio, runtime.feeds(cio, nxt, past=cio.next_state(out), past_len=prompt.shape[1]))["logits"]
+    step_d = runtime.run(d, io, runtime.feeds(io, nxt, past=io.next_state(ref), past_len=prompt.shape[1]))["logits"]
+    fin = np.isfinite(step_c)
+    assert (fin.sum(-1) == 16).all() and np.isneginf(step_c[~fin]).all()
+    np.testing.assert_allclose(step_c[fin], step_d[fin], rtol=1e-4, atol=1e-4)
