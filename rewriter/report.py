@@ -108,7 +108,12 @@ def format_report(summary: dict) -> str:
         lines.append(f"{summary['factored']} layers rewritten{how}, {summary['kept_dense']} kept dense; candidate params "
                      f"{pb:,} → {pa:,} ({100 * (1 - pa / max(pb, 1)):.1f} % saved)")
     else:  # graph passes only
-        lines.append(f"{summary['factored']} attention cores rewritten, {summary['kept_dense']} left as they were")
+        by = {}
+        for r in summary.get("graph_passes") or []:
+            if r["backend"] != "dense":
+                by[r["backend"]] = by.get(r["backend"], 0) + 1
+        how = f" ({', '.join(f'{k}: {v}' for k, v in by.items())})" if by else ""
+        lines.append(f"{summary['factored']} rewritten by graph passes{how}, {summary['kept_dense']} left as they were")
     if summary["output"]:
         lines.append(f"wrote {', '.join(summary['written'])}")
     else:
