@@ -64,7 +64,7 @@ class ProcConfig(Options):
         if not (0 < self.max_bytes <= 1.0):
             raise OrtleanError(f"--proc-max-bytes {self.max_bytes}: must be in (0, 1]")
         if self.refit_iters < 0:
-            raise OrtleanError(f"--proc-refit-iters {self.refit_iters}: must be ≥ 0")
+            raise OrtleanError(f"ProcConfig.refit_iters {self.refit_iters}: must be ≥ 0 (an API setting, no flag)")
         self.fanout_cap(1024)
         self.scale_value()
         if self.min_speedup <= 0:
