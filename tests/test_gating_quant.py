@@ -265,6 +265,17 @@ def test_wide_shapes_split_on_the_pool(fmt, zp, M, group):
 
 
 @requires_native
+@pytest.mark.parametrize("K,N", [(301, 1601), (577, 1001)])  # column tasks (N / 4 >= 384) / pair-row tasks
+def test_int4k_matvec_task_splits(K, N):
+    rng = np.random.default_rng(K)
+    W = rng.standard_normal((K, N)).astype(np.float32) * 0.05
+    for M in (1, 2):  # M = 2: the dense product over dequantized tiles
+        x = relu_x(rng, (M, K), 0.3)
+        _check(W, x, "int4k", False, 32, dict(kwta=1, kwta_threshold=0.02))
+        _check(W, x, "int4k", False, 16, {})
+
+
+@requires_native
 @pytest.mark.parametrize("fmt,zp", FORMATS, ids=FMT_IDS)
 def test_batched_rows_take_both_paths(fmt, zp):
     """Several rows: per-row matvecs over the quantized rows when little is kept, one dense product

@@ -20,6 +20,9 @@ constexpr int64_t kMinCols = 384;
 constexpr int64_t kBlasMinRows = 16;
 constexpr int64_t kEventChunk = 256;  // event rows applied per step between budget checks
 constexpr int64_t kQTile = 64;        // quantized dense product: columns dequantized per tile
+// int4k matvec: at most 4 tasks (768x3072 at 2 threads, cold: 16 tasks of row slices with partial
+// sums took 1.5-1.9x the time of 2-4 column tasks; bench_gating_op.py-style runs, loaded machine)
+constexpr int64_t kKMaxTasks = 4;
 
 // per-thread scratch of this op (grows only)
 struct RowScratch {
@@ -256,7 +259,7 @@ void GatingCall::kmatvec(const float* x, const int32_t* rows, const float* v, in
     np += (xq[2 * p] | xq[2 * p + 1]) != 0;
   }
   const int64_t work = 2 * np * N;
-  int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kMaxTasks, work / kGrain));
+  int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kKMaxTasks, work / kGrain));
   if (k.pool_.width() == 1) nt = 1;
   if (nt == 1 || np < 2) {
     k.qk_->kmatvec(w, xq, pl, np, xs, 0, N, y, acc ? 1 : 0);
