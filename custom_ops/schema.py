@@ -217,10 +217,11 @@ SCHEMAS: tuple[OpSchema, ...] = (
         outputs=(Port("Y"), Port("state_out", optional=True)),
         attrs=(
             Attr("block", "int", default=1, valid=Valid(lo=1)),
-            Attr("weight_format", "string", default="f32", valid=Valid(choices=("f32", "int8", "int4")),
-                 doc="f32: W; int8 | int4: Wq, scales, [zero_points] (custom_ops/reference/gating_quant.py)"),
+            Attr("weight_format", "string", default="f32", valid=Valid(choices=("f32", "int8", "int4", "int4k")),
+                 doc="f32: W; int8 | int4 | int4k: Wq, scales, [zero_points] (custom_ops/reference/gating_quant.py;"
+                     " int4k: scales along K, int8 activations at M = 1)"),
             Attr("weight_group", "int", default=32, valid=Valid(choices=(16, 32, 64, 128, 256, 512, 1024)),
-                 doc="outputs per scale within a row (quantized formats)"),
+                 doc="outputs per scale within a row (int8 | int4); input rows per scale (int4k: 16 | 32)"),
             Attr("weight_shape", "ints", valid=Valid(lo=1, hi=2**31 - 1, length=(2, 2)),
                  doc="[K, N]; required with a quantized format"),
             Attr("pack", "string", default="none", valid=Valid(choices=("none", "binary", "ternary"))),
@@ -258,7 +259,9 @@ SCHEMAS: tuple[OpSchema, ...] = (
                Rule("kwta_select 'topk' needs kwta_k >= 1",
                     lambda a: not (a["kwta"] and a["kwta_select"] == "topk") or a["kwta_k"] >= 1),
                Rule("weight_format int8 | int4 needs weight_shape [K, N]",
-                    lambda a: a["weight_format"] == "f32" or len(a.get("weight_shape") or ()) == 2)),
+                    lambda a: a["weight_format"] == "f32" or len(a.get("weight_shape") or ()) == 2),
+               Rule("weight_format int4k needs weight_group 16 | 32",
+                    lambda a: a["weight_format"] != "int4k" or a["weight_group"] in (16, 32))),
     ),
     OpSchema(
         "PackedAttention",

@@ -25,8 +25,13 @@ from custom_ops.reference.gating import event_gated_matmul, stateful  # noqa: E4
 from conftest import requires_native  # noqa: E402
 
 # (weight_format, zero points)
-FORMATS = [("int8", False), ("int4", False), ("int4", True)]
-FMT_IDS = ["int8", "int4", "int4_zp"]
+FORMATS = [("int8", False), ("int4", False), ("int4", True), ("int4k", False)]
+FMT_IDS = ["int8", "int4", "int4_zp", "int4k"]
+
+
+def grp(fmt, group):
+    """int4k groups input rows in 16 | 32: the other formats' larger groups map to 32."""
+    return min(group, 32) if fmt == "int4k" else group
 
 
 def qmodel(W, fmt, group=32, zp=False, attrs=None, name="gate", with_state=None, extra_inputs=None,
@@ -87,7 +92,7 @@ def relu_x(rng, shape, frac_zero=0.5):
 
 
 # ------------------------------------------------------------------ the format (numpy only)
-@pytest.mark.parametrize("fmt,zp", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("fmt,zp", FORMATS[:3], ids=FMT_IDS[:3])  # row formats (int4k: below)
 @pytest.mark.parametrize("group", [16, 32, 128])
 def test_quantize_error_is_half_a_step(fmt, zp, group):
     rng = np.random.default_rng(group)
@@ -120,12 +125,82 @@ def test_int8_is_twos_complement():
     assert s[0, 0] == np.float32(1.0 / 127) and list(wq[0].view(np.int8)) == [-127, 127, 64, -32]
 
 
+@pytest.mark.parametrize("group", [16, 32])
+def test_int4k_quantize_error_is_half_a_step(group):
+    rng = np.random.default_rng(group)
+    K, N = 71, 45  # odd K (a padded last pair), N not a multiple of the 32-output chunk
+    W = (rng.standard_normal((K, N)) * rng.uniform(0.01, 3, (1, N))).astype(np.float32)
+    W[:group, 5] = 0.0  # an all-zero group keeps scale 1 and dequantizes to 0
+    wq, s, z = gq.quantize(W, "int4k", group)
+    assert z is None and wq.shape == (36, 64) and s.shape == (-(-K // group), N)
+    D = gq.dequantize_k(wq, s, group, K, N)
+    step = np.repeat(s, group, axis=0)[:K].astype(np.float64)
+    assert np.all(np.abs(D.astype(np.float64) - W) <= 0.5 * step * (1 + 1e-5) + 1e-12)
+    assert np.all(D[:group, 5] == 0) and s[0, 5] == 1.0
+    # the weight of D is the reference's weight
+    from custom_ops.reference.gating import weights
+    assert np.array_equal(weights(None, wq, s, None, dict(weight_format="int4k", weight_group=group,
+                                                          weight_shape=[K, N])), D)
+
+
+def test_int4k_pair_layout():
+    """byte (p, n) = u[2p, n] | u[2p+1, n] << 4 with u = q + 8; the missing odd row and outputs past N are 8."""
+    q = (np.arange(3 * 33).reshape(3, 33) % 16 - 8).astype(np.int8)
+    p = gq.pack_int4k(q, 33)
+    q = q.astype(np.int32)
+    assert p.shape == (2, 64)
+    assert p[0, 0] == (q[0, 0] + 8) | ((q[1, 0] + 8) << 4) and p[0, 32] == (q[0, 32] + 8) | ((q[1, 32] + 8) << 4)
+    assert p[1, 3] == (q[2, 3] + 8) | (8 << 4) and np.all(p[:, 33:] == 0x88)
+    assert np.array_equal(gq.unpack_int4k(p, 3, 33).astype(np.int32), q)
+
+
+def test_int4k_activation_product_definition():
+    """quantize_activation: symmetric int8, ties to even; qmatvec_k = the integer sums scaled; it is
+    NOT the f32 product (the tolerance of the kernel tests below tells them apart)."""
+    v = np.array([127.0, 0.5, 1.5, -2.5, 0.0, -127.0], np.float32)
+    xq, xs = gq.quantize_activation(v)
+    assert list(xq) == [127, 0, 2, -2, 0, -127] and xs == np.float32(1.0)
+    assert gq.quantize_activation(np.zeros(4, np.float32))[1] == 0
+    rng = np.random.default_rng(2)
+    K, N, G = 45, 40, 16
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    wq, s, _ = gq.quantize(W, "int4k", G)
+    x = rng.standard_normal(K).astype(np.float32)
+    xq, xs = gq.quantize_activation(x)
+    q = gq.unpack_int4k(wq, K, N).astype(np.int64)
+    want = np.zeros(N)
+    for g in range(-(-K // G)):
+        acc = xq[g * G:(g + 1) * G].astype(np.int64) @ q[g * G:(g + 1) * G]
+        want += float(xs) * acc * s[g].astype(np.float64)
+    y = gq.qmatvec_k(x, wq, s, G, K, N)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+    yf = x.astype(np.float64) @ gq.dequantize_k(wq, s, G, K, N)
+    assert np.abs(y - yf).max() > 1e-3 * np.abs(yf).max()
+    assert np.all(np.isnan(gq.qmatvec_k(np.where(np.arange(K) == 3, np.nan, x), wq, s, G, K, N)))
+    # pair_keep: a pair is read when either channel is nonzero after quantization
+    v = np.zeros(8, np.float32)
+    v[[0, 5]] = 1.0
+    v[2] = 1e-4  # quantizes to 0
+    assert gq.pair_keep(v) == 0.5
+
+
+def test_int4k_refuses_bad_groups_and_zero_points():
+    W = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match="int4k needs one of"):
+        gq.quantize(W, "int4k", 64)
+    with pytest.raises(ValueError, match="no zero points"):
+        gq.quantize(W, "int4k", 32, True)
+
+
 def test_schema_validates_the_format():
     s = schema.get("EventGatedMatMul")
-    assert s.problems({"weight_format": "int3"}) == ["weight_format = 'int3': must be one of f32, int8, int4"]
+    assert s.problems({"weight_format": "int3"}) == ["weight_format = 'int3': must be one of f32, int8, int4, int4k"]
     assert s.problems({"weight_group": 48})
     assert s.problems({"weight_format": "int4"}) == ["weight_format int8 | int4 needs weight_shape [K, N]"]
     assert s.problems({"weight_format": "int4", "weight_shape": [4, 8]}) == []
+    assert s.problems({"weight_format": "int4k", "weight_shape": [4, 8], "weight_group": 64}) == [
+        "weight_format int4k needs weight_group 16 | 32"]
+    assert s.problems({"weight_format": "int4k", "weight_shape": [4, 8], "weight_group": 16}) == []
 
 
 # ------------------------------------------------------------------ kernel vs reference
@@ -161,6 +236,19 @@ def test_stateless_modes_vs_reference(fmt, zp, mode, M):
 
 
 @requires_native
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("M", [1, 3, 128])
+@pytest.mark.parametrize("group", [16, 32])
+def test_int4k_odd_shapes_vs_reference(mode, M, group):
+    """int4k: odd K (a padded last pair), K and N not multiples of the group or the 32-output chunk."""
+    rng = np.random.default_rng(abs(hash((mode, M, group))) % 2**32)
+    K, N = 71, 77
+    W = rng.standard_normal((K, N)).astype(np.float32) * 0.2
+    a = dict(MODES[mode])
+    _check(W, relu_x(rng, (M, K)), "int4k", False, group, a)
+
+
+@requires_native
 @pytest.mark.parametrize("fmt,zp", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("M", [1, 3, 128])
 @pytest.mark.parametrize("group", [32, 128])
@@ -170,21 +258,35 @@ def test_wide_shapes_split_on_the_pool(fmt, zp, M, group):
     K, N = 577, 1001
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.05
     x = rng.standard_normal((M, K)).astype(np.float32)
+    group = grp(fmt, group)
     _check(W, x, fmt, zp, group, dict(kwta=1, kwta_threshold=0.8))
     _check(W, x, fmt, zp, group, dict(kwta=1, kwta_select="topk", kwta_k=200))
     _check(W, x, fmt, zp, group, {})
 
 
 @requires_native
+@pytest.mark.parametrize("K,N", [(301, 1601), (577, 1001)])  # column tasks (N / 4 >= 384) / pair-row tasks
+def test_int4k_matvec_task_splits(K, N):
+    rng = np.random.default_rng(K)
+    W = rng.standard_normal((K, N)).astype(np.float32) * 0.05
+    for M in (1, 2):  # M = 2: the dense product over dequantized tiles
+        x = relu_x(rng, (M, K), 0.3)
+        _check(W, x, "int4k", False, 32, dict(kwta=1, kwta_threshold=0.02))
+        _check(W, x, "int4k", False, 16, {})
+
+
+@requires_native
 @pytest.mark.parametrize("fmt,zp", FORMATS, ids=FMT_IDS)
 def test_batched_rows_take_both_paths(fmt, zp):
     """Several rows: per-row matvecs over the quantized rows when little is kept, one dense product
-    over dequantized tiles when much is kept; both equal the reference."""
+    over dequantized tiles when much is kept; both equal the reference. int4k: several rows are
+    always one dense product (its one-row products quantize the activations)."""
     rng = np.random.default_rng(3)
     K, N = 577, 300
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.05
     wq, sc, z = gq.quantize(W, fmt, 32, zp)
-    norms = np.linalg.norm(gq.dequantize(wq, sc, fmt, 32, N, z), axis=1)
+    D = gq.dequantize_k(wq, sc, 32, K, N) if fmt == "int4k" else gq.dequantize(wq, sc, fmt, 32, N, z)
+    norms = np.linalg.norm(D, axis=1)
     for M in (3, 8):
         x = relu_x(rng, (M, K), 0.2)
         score = np.abs(x) * norms[None, :]
@@ -194,7 +296,7 @@ def test_batched_rows_take_both_paths(fmt, zp):
             _check(W, x, fmt, zp, 32, a)
             m = custom_ops.metrics()["gate"]
             assert m["gate.rows"] == M
-            assert (m["gate.dense_product_rows"] == M) == dense, (M, keep, m)
+            assert (m["gate.dense_product_rows"] == M) == (dense or fmt == "int4k"), (M, keep, m)
 
 
 @requires_native
@@ -266,12 +368,13 @@ import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import custom_ops
-from test_gating_quant import qmodel, ref, run, relu_x, FORMATS, MODES
+from test_gating_quant import qmodel, ref, run, relu_x, grp, FORMATS, MODES
 bad = []
 rng = np.random.default_rng(0)
-for (K, N, group) in ((70, 45, 16), (33, 100, 32), (577, 1001, 64)):
+for (K, N, group0) in ((70, 45, 16), (33, 100, 32), (577, 1001, 64)):
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.1
     for fmt, zp in FORMATS:
+        group = grp(fmt, group0)
         for mode in ("none", "kwta_thr", "kwta_topk", "zero_kwta", "kwta_block16"):
             a = dict(MODES[mode])
             if "kwta_k" in a:
@@ -321,6 +424,24 @@ def test_bad_quantized_nodes_refused_naming_the_node(bad):
     kw, msg = _BAD[bad]
     model, _ = qmodel(W0, "int4", 16, False, {}, name=f"bad_{bad}", **kw)
     with pytest.raises(Exception, match=f"node 'bad_{bad}'.*{msg}"):
+        custom_ops.session(model)
+
+
+_BAD_K = {
+    "group64": (dict(extra_attrs={"weight_group": 64}), "int4k needs attribute weight_group 16 or 32"),
+    "shape_mismatch": (dict(extra_attrs={"weight_shape": [41, 24]}), "input Wq has shape"),
+    "zero_points": (dict(extra_inputs={"zero_points": np.zeros((3, 24), np.uint8)}), "int4k is symmetric"),
+    "scales_rows_major": (dict(extra_inputs={"scales": np.ones((40, 2), np.float32)}), "input scales has shape"),
+    "with_W": (dict(extra_inputs={"W": W0}), "not input W"),
+}
+
+
+@requires_native
+@pytest.mark.parametrize("bad", list(_BAD_K))
+def test_bad_int4k_nodes_refused_naming_the_node(bad):
+    kw, msg = _BAD_K[bad]
+    model, _ = qmodel(W0, "int4k", 16, False, {}, name=f"badk_{bad}", **kw)
+    with pytest.raises(Exception, match=f"node 'badk_{bad}'.*{msg}"):
         custom_ops.session(model)
 
 

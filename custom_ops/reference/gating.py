@@ -124,6 +124,8 @@ def weights(w, wq, scales, zero_points, a: dict) -> np.ndarray:
     if wq is None or scales is None:
         raise ValueError(f"EventGatedMatMul: weight_format {fmt} needs Wq and scales")
     K, N = (int(v) for v in a["weight_shape"])
+    if fmt in _q.KFORMATS:
+        return _q.dequantize_k(wq, scales, int(a["weight_group"]), K, N)
     W = _q.dequantize(wq, scales, fmt, int(a["weight_group"]), N, zero_points)
     if W.shape != (K, N):
         raise ValueError(f"EventGatedMatMul: weight_shape {[K, N]} does not match Wq/scales")
@@ -144,6 +146,11 @@ def event_gated_matmul(x, w, state=None, wq=None, scales=None, zero_points=None,
         raise ValueError(f"EventGatedMatMul: X last dim {x.shape[-1]} != K {K}")
     Wd = W.astype(np.float64)
     norms = np.sqrt(np.sum(Wd * Wd, axis=1))
+    # products of one vector: int8 activations with int4k (gating_quant.py), else v · W
+    if a["weight_format"] in _q.KFORMATS:
+        vec = lambda v: _q.qmatvec_k(v, wq, scales, int(a["weight_group"]), K, N)  # noqa: E731
+    else:
+        vec = lambda v: v @ Wd  # noqa: E731
     bs = int(a["block"])
     blocks = _blocks(K, bs)
     nb = len(blocks)
@@ -164,6 +171,10 @@ def event_gated_matmul(x, w, state=None, wq=None, scales=None, zero_points=None,
     nsl = lambda: (slice(HDR, HDR + K), slice(HDR + K, HDR + K + N), slice(HDR + K + N, HDR + K + N + nb),
                    slice(HDR + K + N + nb, S))
     sx, sy, sa, sm = nsl()
+    # rows left to the batched product (not event rows of running sequences): with int4k a call
+    # with one such row computes it as a one-vector product, several take f32 activations
+    init = [sf and st_in is not None and st_in[b, 0] == 1.0 for b in range(B)]
+    npending = sum(T for b in range(B) if not (a["event"] and init[b]))
     for b in range(B):
         st = st_in[b].copy() if st_in is not None else np.zeros(S)
         was_init = sf and st[0] == 1.0
@@ -184,9 +195,9 @@ def event_gated_matmul(x, w, state=None, wq=None, scales=None, zero_points=None,
             if sf and reuse is None:
                 st[sm] = keep.astype(np.float64)
             if a["event"] and was_init and st[2] == 0.0:
-                y = _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step)
+                y = _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step, vec)
             else:
-                y = xt @ Wd
+                y = vec(xt) if (a["event"] and was_init) or npending == 1 else xt @ Wd
                 if sf and not was_init and t == T - 1:  # a new sequence: state from its last token
                     st[0], st[1] = 1.0, 0.0
                     st[sx] = xt
@@ -198,7 +209,7 @@ def event_gated_matmul(x, w, state=None, wq=None, scales=None, zero_points=None,
     return Yo, (st_out.astype(np.float32) if sf else None)
 
 
-def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step):
+def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step, vec):
     nb = len(blocks)
     xref, ycache, age = st[sx].copy(), st[sy].copy(), st[sa].copy()
     d = xt - xref
@@ -225,9 +236,14 @@ def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step):
         acc += e[i]
     tk = np.zeros(nb, bool)
     tk[taken] = True
+    dt = np.zeros_like(d)  # the deltas of every taken block: one product
     for i, (s, t) in enumerate(blocks):
         if tk[i]:
-            ycache += d[s:t] @ Wd[s:t]
+            dt[s:t] = d[s:t]
+    if tk.any():
+        ycache += vec(dt)
+    for i, (s, t) in enumerate(blocks):
+        if tk[i]:
             xref[s:t] = xt[s:t]
             age[i] = 0.0
         else:
@@ -235,7 +251,7 @@ def _event_row(xt, Wd, norms, a, blocks, cand, st, sx, sy, sa, step):
     y = ycache
     ge = int(a["event_gap_every"])
     if ge > 0 and (step % ge == 0 or (step < ge and step & (step - 1) == 0)):  # 1, 2, 4, … then every ge
-        yf = xt @ Wd
+        yf = vec(xt)
         nf = float(np.linalg.norm(yf))
         gap = float(np.linalg.norm(y - yf)) / nf if nf > 0 else float(np.linalg.norm(y - yf))
         st[3] = gap

@@ -28,12 +28,38 @@ G = 32) they cut the relative Frobenius error from 0.103 to 0.084 at int4 but on
 
 The op's meaning with a quantized format is the f32 op (custom_ops/reference/gating.py) on Ŵ:
 norms ‖Ŵ_k‖ for the `xw` score and the event deltas, every gating mode unchanged.
+
+int4k (`weight_format` = int4k): the integer-activation layout of the M = 1 path. Scales run ALONG K:
+one scale per output n per group of G = `weight_group` consecutive input rows (G ∈ {16, 32}: the
+kernel sums a group's 16-bit products in int16, 16 pairs · 2 · 127 · 8 = 32512 < 2^15), and rows are
+stored in pairs so that a pair of channels the gate drops is a run of bytes never read:
+
+  Wq      uint8   [ceil(K/2), 32·ceil(N/32)]: byte (p, n) = u[2p, n] | u[2p+1, n] << 4, u = q + 8,
+          q ∈ [−8, 7]; a missing row 2p+1 (odd K) and the outputs past N hold u = 8 (q = 0)
+  scales  float32 [ceil(K/G), N]
+  Ŵ[k, n] = scales[k // G, n] · q[k, n]
+  quantize: s = max_{k∈group}|w[k, n]| / 7 (1 when all zero), q = clip(rint(w/s), −8, 7). No zero points.
+
+A product v · Ŵ of ONE vector (the only kind an M = 1 call makes) quantizes v per product to int8,
+symmetric, after gating: a = max|v|, xs = a / 127, xq = clip(rint(v · (127 / a)), −127, 127) (float32
+arithmetic, ties to even; a = 0 gives y = 0); then y[n] = Σ_g xs · scales[g, n] · Σ_{k∈g} xq[k] q[k, n]
+(integer inner sums, exact; the kernel's float32 outer sum differs from this float64 one by rounding
+only). Which products are single-vector (custom_ops/reference/gating.py): the row of a call with one
+pending row (M = 1 decode, threshold fast path at M = 1), each row of a running sequence whose event
+mode is disabled, the event update of a row (the deltas of all its taken blocks, one vector) and the
+gap check's dense row. A call with several pending rows multiplies them with f32 activations on Ŵ (the
+dequantized-tile GEMM of the other formats). A dropped channel is 0 in v, so pairs whose channels are
+both 0 after quantization are skipped: the element-wise mask survives; the bytes read are the pairs
+with a nonzero channel (`pair_keep`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-FORMATS = ("f32", "int8", "int4")
+FORMATS = ("f32", "int8", "int4", "int4k")
+KFORMATS = ("int4k",)  # scales along K, integer activations (M = 1)
+KGROUPS = (16, 32)
+KCOLS = 32  # int4k: outputs per 32-byte chunk of a pair row
 GROUPS = (16, 32, 64, 128, 256, 512, 1024)
 CHUNK = 16  # int4: outputs per 8-byte chunk
 
@@ -43,6 +69,8 @@ def groups_of(N: int, group: int) -> int:
 
 
 def row_bytes(fmt: str, N: int) -> int:
+    if fmt == "int4k":
+        return KCOLS * (-(-N // KCOLS))
     if fmt == "int8":
         return N
     if fmt == "int4":
@@ -78,6 +106,8 @@ def quantize(W: np.ndarray, fmt: str, group: int = 32, zero_points: bool = False
     """W float [K, N] -> (Wq uint8, scales float32 [K, groups], zero_points uint8 [K, groups] or None)."""
     W = np.asarray(W, np.float32)
     K, N = W.shape
+    if fmt == "int4k":
+        return _quantize_k(W, group, zero_points)
     if group not in GROUPS:
         raise ValueError(f"weight_group {group}: must be one of {GROUPS}")
     Wg = _grouped(W.astype(np.float64), group)
@@ -111,6 +141,8 @@ def quantize(W: np.ndarray, fmt: str, group: int = 32, zero_points: bool = False
 def dequantize(wq, scales, fmt: str, group: int, N: int, zero_points=None) -> np.ndarray:
     """The stored format -> Ŵ float32 [K, N] (the weights the op multiplies)."""
     scales = np.asarray(scales, np.float32)
+    if fmt == "int4k":
+        return _dequantize_k(wq, scales, group, N)
     K = scales.shape[0]
     g = groups_of(N, group)
     if scales.shape != (K, g):
@@ -131,5 +163,95 @@ def stored_bytes(fmt: str, K: int, N: int, group: int, zero_points: bool = False
     """Bytes of the stored weights (what a dense matvec reads)."""
     if fmt == "f32":
         return 4 * K * N
+    if fmt == "int4k":
+        return -(-K // 2) * row_bytes(fmt, N) + 4 * groups_of(K, group) * N
     g = groups_of(N, group)
     return K * (row_bytes(fmt, N) + 4 * g + (g if zero_points else 0))
+
+
+# ------------------------------------------------------------------ int4k (scales along K, pairs)
+def _quantize_k(W: np.ndarray, group: int, zero_points: bool):
+    """W float32 [K, N] -> (Wq uint8 [ceil(K/2), 32·ceil(N/32)], scales float32 [ceil(K/G), N], None)."""
+    if zero_points:
+        raise ValueError("int4k has no zero points (symmetric only)")
+    if group not in KGROUPS:
+        raise ValueError(f"weight_group {group}: int4k needs one of {KGROUPS}")
+    K, N = W.shape
+    gk = groups_of(K, group)
+    Wg = np.pad(W.astype(np.float64), ((0, gk * group - K), (0, 0))).reshape(gk, group, N)
+    s = np.abs(Wg).max(1) / 7.0
+    s = np.where(s > 0, s, 1.0).astype(np.float32)
+    q = np.clip(np.rint(Wg / s[:, None, :].astype(np.float64)), -8, 7).reshape(gk * group, N)[:K]
+    return pack_int4k(q.astype(np.int8), N), s, None
+
+
+def pack_int4k(q: np.ndarray, N: int) -> np.ndarray:
+    """q int [K, N] in [-8, 7] -> the int4k pair rows."""
+    K = q.shape[0]
+    u = np.full((2 * (-(-K // 2)), row_bytes("int4k", N)), 8, np.uint8)
+    u[:K, :N] = (np.asarray(q, np.int16) + 8).astype(np.uint8)
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4k(wq: np.ndarray, K: int, N: int) -> np.ndarray:
+    """The int4k pair rows -> q int8 [K, N]."""
+    b = np.asarray(wq, np.uint8)
+    u = np.empty((2 * b.shape[0], b.shape[1]), np.uint8)
+    u[0::2], u[1::2] = b & 0x0F, b >> 4
+    return (u[:K, :N].astype(np.int16) - 8).astype(np.int8)
+
+
+def _check_k(wq, scales, group, K, N):
+    if group not in KGROUPS:
+        raise ValueError(f"weight_group {group}: int4k needs one of {KGROUPS}")
+    if scales.shape != (groups_of(K, group), N):
+        raise ValueError(f"scales shape {scales.shape}, expected [{groups_of(K, group)}, {N}]")
+    if np.asarray(wq).shape != (-(-K // 2), row_bytes("int4k", N)):
+        raise ValueError(f"Wq shape {np.asarray(wq).shape}, expected [{-(-K // 2)}, {row_bytes('int4k', N)}]")
+
+
+def _dequantize_k(wq, scales, group: int, N: int) -> np.ndarray:
+    K = 2 * np.asarray(wq).shape[0]
+    q = unpack_int4k(wq, K, N).astype(np.float32)
+    return (np.repeat(scales, group, axis=0)[:K] * q).astype(np.float32)
+
+
+def dequantize_k(wq, scales, group: int, K: int, N: int) -> np.ndarray:
+    """int4k -> Ŵ float32 [K, N] (K is not recoverable from Wq alone when it is odd)."""
+    scales = np.asarray(scales, np.float32)
+    _check_k(wq, scales, group, K, N)
+    return _dequantize_k(wq, scales, group, N)[:K]
+
+
+def quantize_activation(v: np.ndarray):
+    """v float [K] -> (xq int32 [K] in [-127, 127], xs float32): symmetric, per product."""
+    v = np.asarray(v, np.float32)
+    a = np.float32(np.abs(v).max()) if v.size else np.float32(0)
+    if not a > 0:
+        return np.zeros(v.shape, np.int32), np.float32(0)
+    inv = np.float32(127.0) / a
+    xq = np.clip(np.rint(v * inv), -127, 127).astype(np.int32)
+    return xq, np.float32(a / np.float32(127.0))
+
+
+def qmatvec_k(v, wq, scales, group: int, K: int, N: int) -> np.ndarray:
+    """y float64 [N] = the int8-activation product v · Ŵ of one vector (the int4k M = 1 path)."""
+    scales = np.asarray(scales, np.float32)
+    _check_k(wq, scales, group, K, N)
+    if not np.all(np.isfinite(np.asarray(v, np.float32))):
+        return np.full(N, np.nan)  # a non-finite input makes every output NaN
+    xq, xs = quantize_activation(v)
+    q = unpack_int4k(wq, K, N).astype(np.int64)
+    gk = groups_of(K, group)
+    xg = np.pad(xq.astype(np.int64), (0, gk * group - K)).reshape(gk, group)
+    qg = np.pad(q, ((0, gk * group - K), (0, 0))).reshape(gk, group, N)
+    acc = np.einsum("gk,gkn->gn", xg, qg)  # exact integers
+    return float(xs) * np.sum(acc.astype(np.float64) * scales.astype(np.float64), axis=0)
+
+
+def pair_keep(v) -> float:
+    """Fraction of int4k pairs one product reads (a pair with a nonzero quantized channel)."""
+    xq, _ = quantize_activation(v)
+    if xq.size % 2:
+        xq = np.append(xq, 0)
+    return float(np.mean(np.any(xq.reshape(-1, 2) != 0, axis=1)))

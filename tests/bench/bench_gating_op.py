@@ -24,7 +24,16 @@ accuracy_level 4) on the same shape, and against the memory bound: bytes the gat
 (kept rows' bytes + their scales) ÷ the streaming read bandwidth measured in the same run
 (numpy reductions over a 64 MB buffer, one slice per thread, timed between the model runs).
 `bound_x` = gated time / that bound (acceptance ≤ 1.2 at keep 0.5 and 0.75); `vs_mnb` = gated
-time / MatMulNBits time. Weights are random bytes (timing does not depend on their values)."""
+time / MatMulNBits time. Weights are random bytes (timing does not depend on their values).
+
+int4k (scales along K, int8 activations, rows in pairs; issue 11 fast M = 1 path):
+
+    python tests/bench/bench_gating_op.py --weights int4,int4k --threads 1,2 --json tests/bench/results/gating_int4k.json
+
+Formats of the same bits are timed in ONE interleaved set with their MatMulNBits (`vs_old` = int4k
+time / int4 time at the same keep, same run). int4k bytes read = the pairs with a nonzero quantized
+channel (`pair_keep`, element-wise masks: a pair is read when either channel is kept) + the scales of
+the groups holding them; `eff_keep` = pair_keep."""
 from __future__ import annotations
 
 import argparse
@@ -142,6 +151,9 @@ def run(threads=(1, 2), Ms=(1,), min_time=0.4, select="threshold", copies=8) -> 
     return rows
 
 
+QWEIGHT_BYTES = 48 << 20  # quantized layers per model: > the 32 MB L3 (caches are flushed anyway)
+
+
 def _quant_model(K, N, copies, fmt, thresholds, rng):
     """`copies` gated layers of weight_format fmt (random bytes, group 32) on one input, with the
     KWTA thresholds given (one per copy; None: no gating); returns (model bytes, norms per copy)."""
@@ -152,11 +164,13 @@ def _quant_model(K, N, copies, fmt, thresholds, rng):
 
     nodes, inits, outs, norms = [], [], [], []
     rb, ng = gq.row_bytes(fmt, N), -(-N // 32)
+    kfmt = fmt in gq.KFORMATS
     for i in range(copies):
-        wq = rng.integers(0, 256, (K, rb), dtype=np.uint8)
-        sc = rng.uniform(0.001, 0.01, (K, ng)).astype(np.float32)
+        wq = rng.integers(0, 256, (-(-K // 2) if kfmt else K, rb), dtype=np.uint8)
+        sc = rng.uniform(0.001, 0.01, (-(-K // 32), N) if kfmt else (K, ng)).astype(np.float32)
         if thresholds is None:
-            norms.append(np.linalg.norm(gq.dequantize(wq, sc, fmt, 32, N), axis=1))
+            D = gq.dequantize_k(wq, sc, 32, K, N) if kfmt else gq.dequantize(wq, sc, fmt, 32, N)
+            norms.append(np.linalg.norm(D, axis=1))
         inits += [numpy_helper.from_array(wq, f"Wq{i}"), numpy_helper.from_array(sc, f"S{i}")]
         a = dict(weight_format=fmt, weight_group=32, weight_shape=[K, N])
         if thresholds is not None:
@@ -212,7 +226,28 @@ def stream_bandwidth(buf: np.ndarray, threads: int, reps: int = 5) -> float:
 QKEEPS = [1.0, 0.75, 0.5]
 
 
-def run_quant(weights=("int4", "int8"), threads=(1, 2), Ms=(1,), min_time=0.4, copies=0) -> list[dict]:
+def _bytes_read(fmt, K, N, x, norms, thr, layer_bytes):
+    """(bytes one M = 1 product reads, pair_keep) averaged over the copies: kept rows (int8 | int4)
+    or pairs with a nonzero quantized channel plus their groups' scales (int4k)."""
+    from custom_ops.reference import gating_quant as gq
+
+    if fmt not in gq.KFORMATS:
+        keep = float(np.mean([np.mean(np.abs(x) * nrm > t) for nrm, t in zip(norms, thr)]))
+        return keep * layer_bytes, keep
+    nb, pk = [], []
+    for nrm, t in zip(norms, thr):
+        xq, _ = gq.quantize_activation(np.where(np.abs(x) * nrm > t, x, 0.0))
+        pairs = np.any(np.pad(xq, (0, K % 2)).reshape(-1, 2) != 0, axis=1)
+        groups = np.any(np.pad(pairs, (0, -len(pairs) % 16)).reshape(-1, 16), axis=1)
+        nb.append(pairs.sum() * gq.row_bytes(fmt, N) + groups.sum() * N * 4)
+        pk.append(pairs.mean())
+    return float(np.mean(nb)), float(np.mean(pk))
+
+
+def run_quant(weights=("int4", "int8"), threads=(1, 2), Ms=(1,), min_time=0.4, copies=0, warm=False) -> list[dict]:
+    """Formats of the same bits (int4, int4k) share one interleaved timing set with their MatMulNBits.
+    warm: no cache flush between runs and 4 layers per model (weights stay cached: compute speed;
+    bound_x is then not a memory figure)."""
     import onnxruntime as ort
 
     import custom_ops
@@ -221,14 +256,18 @@ def run_quant(weights=("int4", "int8"), threads=(1, 2), Ms=(1,), min_time=0.4, c
     rows = []
     rng = np.random.default_rng(0)
     flush = np.ones(16 << 20, np.float32)  # 64 MB
+    if warm:
+        copies = copies or 4
+    by_bits: dict[int, list[str]] = {}
+    for fmt in weights:
+        by_bits.setdefault(8 if fmt == "int8" else 4, []).append(fmt)
     for K, N in SHAPES:
-        for fmt in weights:
-            bits = 4 if fmt == "int4" else 8
-            layer_bytes = gq.stored_bytes(fmt, K, N, 32)
-            n_copies = copies or -(-WEIGHT_BYTES // layer_bytes)
+        for bits, fmts in by_bits.items():
+            lb = {f: gq.stored_bytes(f, K, N, 32) for f in fmts}
+            n_copies = copies or -(-QWEIGHT_BYTES // max(lb.values()))
             # norms of the layers (same seed: the gated models below rebuild the same bytes)
-            seed = int(rng.integers(1 << 30))
-            _, norms = _quant_model(K, N, n_copies, fmt, None, np.random.default_rng(seed))
+            seeds = {f: int(rng.integers(1 << 30)) for f in fmts}
+            norms = {f: _quant_model(K, N, n_copies, f, None, np.random.default_rng(seeds[f]))[1] for f in fmts}
             mnb = _mnb_model(K, N, n_copies, bits, rng)
             for th in threads:
                 so = ort.SessionOptions()
@@ -238,34 +277,45 @@ def run_quant(weights=("int4", "int8"), threads=(1, 2), Ms=(1,), min_time=0.4, c
                 for M in Ms:
                     x = rng.standard_normal((M, K)).astype(np.float32)
                     sess = {"dense": s_m}
-                    for keep in QKEEPS:
-                        thr = [0.0 if keep >= 1.0 else float(np.quantile(np.abs(x[0]) * nrm, 1 - keep)) for nrm in norms]
-                        model, _ = _quant_model(K, N, n_copies, fmt, thr, np.random.default_rng(seed))
-                        sess[f"keep{keep}"] = custom_ops.session(model, threads=th)
+                    thrs = {}
+                    for f in fmts:
+                        for keep in QKEEPS:
+                            thr = [0.0 if keep >= 1.0 else float(np.quantile(np.abs(x[0]) * nrm, 1 - keep))
+                                   for nrm in norms[f]]
+                            thrs[(f, keep)] = thr
+                            model, _ = _quant_model(K, N, n_copies, f, thr, np.random.default_rng(seeds[f]))
+                            sess[f"{f}:keep{keep}"] = custom_ops.session(model, threads=th)
                     bws = [stream_bandwidth(flush, th)]
-                    med = _time_cold(sess, {"X": x}, {"X": x}, min_time, flush)
+                    med = _time_cold(sess, {"X": x}, {"X": x}, min_time, flush[:16] if warm else flush)
                     bws.append(stream_bandwidth(flush, th))
                     bw = float(np.median(bws))
-                    for keep in QKEEPS:
-                        kept = keep if keep < 1.0 else 1.0
-                        nbytes = M * kept * layer_bytes if M == 1 else layer_bytes
-                        t = med[f"keep{keep}"] / n_copies
-                        rows.append({"K": K, "N": N, "M": M, "threads": th, "weights": fmt, "keep": keep,
-                                     "copies": n_copies, "isa": custom_ops.isa(), "stream_GBps": bw / 1e9,
-                                     "bytes": nbytes, "bound_us": nbytes / bw * 1e6, "gated_us": t * 1e6,
-                                     "bound_x": t / (nbytes / bw), "mnb_us": med["dense"] / n_copies * 1e6,
-                                     "vs_mnb": med[f"keep{keep}"] / med["dense"]})
+                    for f in fmts:
+                        for keep in QKEEPS:
+                            if M == 1:
+                                nbytes, ek = _bytes_read(f, K, N, x[0], norms[f], thrs[(f, keep)], lb[f])
+                            else:
+                                nbytes, ek = lb[f], 1.0
+                            tk = med[f"{f}:keep{keep}"]
+                            t = tk / n_copies
+                            old = med.get(f"int4:keep{keep}") if f in gq.KFORMATS else None
+                            rows.append({"K": K, "N": N, "M": M, "threads": th, "weights": f, "keep": keep, "warm": warm,
+                                         "eff_keep": ek, "copies": n_copies, "isa": custom_ops.isa(),
+                                         "stream_GBps": bw / 1e9, "bytes": nbytes, "bound_us": nbytes / bw * 1e6,
+                                         "gated_us": t * 1e6, "bound_x": t / (nbytes / bw),
+                                         "mnb_us": med["dense"] / n_copies * 1e6, "vs_mnb": tk / med["dense"],
+                                         "vs_old": (tk / old) if old else None})
     return rows
 
 
 def fmt_quant(rows) -> str:
     out = ["µs per layer = Run time / layers in the model; bound = bytes read / streaming bandwidth (same run)",
            f"{'K x N':>11} {'w':>4} {'layers':>6} {'M':>3} {'thr':>3} {'keep':>5} {'GB/s':>5} {'bound us':>8} "
-           f"{'gated us':>8} {'bound_x':>7} {'MNB us':>7} {'vs_MNB':>6}"]
+           f"{'gated us':>8} {'bound_x':>7} {'MNB us':>7} {'vs_MNB':>6} {'effkeep':>7} {'vs_old':>6}"]
     for r in rows:
         out.append(f"{r['K']:>5}x{r['N']:<5} {r['weights']:>4} {r['copies']:>6} {r['M']:>3} {r['threads']:>3} "
                    f"{r['keep']:>5} {r['stream_GBps']:>5.1f} {r['bound_us']:>8.1f} {r['gated_us']:>8.1f} "
-                   f"{r['bound_x']:>7.2f} {r['mnb_us']:>7.1f} {r['vs_mnb']:>6.3f}")
+                   f"{r['bound_x']:>7.2f} {r['mnb_us']:>7.1f} {r['vs_mnb']:>6.3f} {r.get('eff_keep', r['keep']):>7.3f} "
+                   + (f"{r['vs_old']:>6.3f}" if r.get("vs_old") else f"{'':>6}"))
     return "\n".join(out)
 
 
@@ -287,15 +337,20 @@ def main():
     ap.add_argument("--copies", type=int, default=0,
                     help="independent layers per model (default 0: enough for >= 96 MB of weights)")
     ap.add_argument("--weights", default="",
-                    help="int4,int8: the quantized formats against MatMulNBits and the memory bound")
+                    help="int4,int8,int4k: the quantized formats against MatMulNBits and the memory bound")
+    ap.add_argument("--warm", action="store_true", help="quantized: no cache flush, 4 layers (compute speed)")
+    ap.add_argument("--shapes", default="", help="KxN,... (default: 576x1536,1536x576,768x3072)")
     ap.add_argument("--json")
     a = ap.parse_args()
     import custom_ops
 
+    if a.shapes:
+        SHAPES[:] = [tuple(int(v) for v in sh.split("x")) for sh in a.shapes.split(",")]
+
     if a.weights:
         rows = run_quant(tuple(a.weights.split(",")), tuple(int(t) for t in a.threads.split(",")),
-                         tuple(int(m) for m in a.M.split(",")), a.min_time, a.copies)
-        print(f"isa {custom_ops.isa()}, threads {a.threads}")
+                         tuple(int(m) for m in a.M.split(",")), a.min_time, a.copies, a.warm)
+        print(f"isa {custom_ops.isa()}, threads {a.threads}" + (", WARM caches" if a.warm else ""))
         print(fmt_quant(rows))
         if a.json:
             Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -20,6 +20,9 @@ constexpr int64_t kMinCols = 384;
 constexpr int64_t kBlasMinRows = 16;
 constexpr int64_t kEventChunk = 256;  // event rows applied per step between budget checks
 constexpr int64_t kQTile = 64;        // quantized dense product: columns dequantized per tile
+// int4k matvec: at most 4 tasks (768x3072 at 2 threads, cold: 16 tasks of row slices with partial
+// sums took 1.5-1.9x the time of 2-4 column tasks; bench_gating_op.py-style runs, loaded machine)
+constexpr int64_t kKMaxTasks = 4;
 
 // per-thread scratch of this op (grows only)
 struct RowScratch {
@@ -27,6 +30,8 @@ struct RowScratch {
   std::vector<int32_t> i;
   std::vector<uint8_t> u8;
   std::vector<int64_t> i64;
+  std::vector<int8_t> xq;   // int4k: the quantized vector of a product
+  std::vector<int32_t> pl;  // int4k: its nonzero pairs
 };
 RowScratch& row_scratch() {
   thread_local RowScratch s;
@@ -49,6 +54,10 @@ constexpr RowCost kQuantCost = kF32Cost;
 inline bool per_row_wins(const RowCost& c, double kept_frac_sum, int64_t m) {
   return c.row_cost * kept_frac_sum < c.fixed + c.per_row * static_cast<double>(m);
 }
+// int4k: one pending row is an int8-activation product, several are one dense product with f32
+// activations (the semantics of custom_ops/reference/gating.py: the choice changes results, so it
+// is not a cost decision).
+constexpr RowCost kInt4KCost{1.0, 0.0, 0.0};
 
 // X [..., T, K] (rank >= 3): B = prod(leading) sequences of T tokens; X [M, K]: M sequences of one.
 struct Batch {
@@ -91,6 +100,8 @@ class GatingCall {
   uint8_t* cand_of(int64_t r) const { return masks + 2 * r * k.nb_ + k.nb_; }
 
   void matvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const;
+  // int4k: the same product with v quantized to int8 (custom_ops/reference/gating_quant.py)
+  void kmatvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const;
   // The one format-dependent step of a matvec: y[0:ncols] (+)= sum_j v[j] * W[rows[j], c0 : c0 + ncols].
   void axpy_rows(const int32_t* rows, const float* v, int64_t n, int64_t c0, int64_t ncols, float* y, bool acc) const;
   void dense_product(const float* A, int64_t m, float* C) const;
@@ -160,6 +171,10 @@ GatingCall::GatingCall(const EventGatedMatMulKernel& k_, const Ort::KernelContex
 // pool by columns (wide outputs) or by rows with partial sums (narrow outputs).
 void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const {
   const int64_t N = k.N_;
+  if (k.format_ == kWeightInt4K) {
+    kmatvec(x, rows, v, n, y, acc);
+    return;
+  }
   if (!rows) {
     rows = k.iota_.data();
     v = x;
@@ -188,6 +203,83 @@ void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int
   auto task = [&](size_t t) noexcept {
     const int64_t r0 = static_cast<int64_t>(t) * rchunk;
     axpy_rows(rows + r0, v + r0, std::min(rchunk, n - r0), 0, N, ptmp + t * N, false);
+  };
+  k.pool_.run(ctx, static_cast<size_t>(nt), task);
+  for (int64_t o = 0; o < N; ++o) {
+    float s = acc ? y[o] : 0.0f;
+    for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];
+    y[o] = s;
+  }
+}
+
+// int4k: quantize v (x over every row, or v over the listed rows) to int8 with one symmetric scale,
+// list the pairs with a nonzero channel, then the pair kernel, split over the pool like matvec.
+void GatingCall::kmatvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const {
+  const int64_t K = k.K_, N = k.N_, P = (K + 1) / 2;
+  const KQuantRows* w = &k.kq_;
+  RowScratch& rs = row_scratch();
+  if (rs.xq.size() < static_cast<size_t>(2 * P)) rs.xq.resize(static_cast<size_t>(2 * P));
+  if (rs.pl.size() < static_cast<size_t>(P)) rs.pl.resize(static_cast<size_t>(P));
+  int8_t* xq = rs.xq.data();
+  int32_t* pl = rs.pl.data();
+  const float* src = rows ? v : x;
+  const int64_t cnt = rows ? n : K;
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t j = 0; j < cnt; ++j) {
+    const float a = std::fabs(src[j]);
+    finite &= a <= 3.4028234663852886e38f;  // false for inf and NaN
+    amax = a > amax ? a : amax;
+  }
+  if (!finite) {  // the reference: a non-finite input makes every output NaN
+    for (int64_t o = 0; o < N; ++o) y[o] = acc ? y[o] + NAN : NAN;
+    return;
+  }
+  if (!(amax > 0.0f)) {
+    if (!acc) std::fill(y, y + N, 0.0f);
+    return;
+  }
+  const float inv = 127.0f / amax, xs = amax / 127.0f;
+  // rint(t * inv) to nearest even: adding 1.5 * 2^23 leaves an integer in float32 (|t * inv| <= 127.5;
+  // this translation unit is baseline x86-64, no FMA contraction of the product and the add)
+  auto q8 = [inv](float t) {
+    const float prod = t * inv;
+    const float q = (prod + 12582912.0f) - 12582912.0f;
+    return static_cast<int8_t>(q > 127.0f ? 127 : q < -127.0f ? -127 : static_cast<int>(q));
+  };
+  std::memset(xq, 0, static_cast<size_t>(2 * P));
+  if (rows) {
+    for (int64_t j = 0; j < n; ++j) xq[rows[j]] = q8(v[j]);
+  } else {
+    for (int64_t j = 0; j < K; ++j) xq[j] = q8(x[j]);
+  }
+  int64_t np = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    pl[np] = static_cast<int32_t>(p);
+    np += (xq[2 * p] | xq[2 * p + 1]) != 0;
+  }
+  const int64_t work = 2 * np * N;
+  int64_t nt = std::max<int64_t>(1, std::min<int64_t>(kKMaxTasks, work / kGrain));
+  if (k.pool_.width() == 1) nt = 1;
+  if (nt == 1 || np < 2) {
+    k.qk_->kmatvec(w, xq, pl, np, xs, 0, N, y, acc ? 1 : 0);
+    return;
+  }
+  if (N / nt >= kMinCols) {
+    const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;
+    nt = (N + chunk - 1) / chunk;
+    auto task = [&](size_t t) noexcept {
+      const int64_t c0 = static_cast<int64_t>(t) * chunk;
+      k.qk_->kmatvec(w, xq, pl, np, xs, c0, std::min(chunk, N - c0), y + c0, acc ? 1 : 0);
+    };
+    k.pool_.run(ctx, static_cast<size_t>(nt), task);
+    return;
+  }
+  const int64_t rchunk = (np + nt - 1) / nt;
+  nt = (np + rchunk - 1) / rchunk;
+  auto task = [&](size_t t) noexcept {
+    const int64_t r0 = static_cast<int64_t>(t) * rchunk;
+    k.qk_->kmatvec(w, xq, pl + r0, std::min(rchunk, np - r0), xs, 0, N, ptmp + t * N, 0);
   };
   k.pool_.run(ctx, static_cast<size_t>(nt), task);
   for (int64_t o = 0; o < N; ++o) {
@@ -243,7 +335,10 @@ void GatingCall::dense_product(const float* A, int64_t m, float* C) const {
       float* tile = task_scratch().get(static_cast<size_t>(K * kQTile));
       for (int64_t q0 = c0; q0 < c0 + cols; q0 += kQTile) {
         const int64_t w = std::min(kQTile, c0 + cols - q0);
-        k.qk_->dequant(&k.q_, 0, K, q0, w, tile, w);
+        if (k.format_ == kWeightInt4K)
+          k.qk_->kdequant(&k.kq_, 0, K, q0, w, tile, w);
+        else
+          k.qk_->dequant(&k.q_, 0, K, q0, w, tile, w);
         if (blas)
           blas::sgemm(false, false, rows, w, K, 1.0f, A + m0 * K, K, tile, w, 0.0f, C + m0 * N + q0, N);
         else
@@ -613,7 +708,7 @@ bool GatingCall::threshold_fast_path() {
     n_kept = n;
   } else {
     for (int64_t r = 0; r < M; ++r) n_kept += gk.threshold_mask(X + r * K, nrm, a.kwta_threshold, K, XT + r * K);
-    if (per_row_wins(k.cost_, static_cast<double>(n_kept) / static_cast<double>(K), M)) {
+    if (k.format_ != kWeightInt4K && per_row_wins(k.cost_, static_cast<double>(n_kept) / static_cast<double>(K), M)) {
       for (int64_t r = 0; r < M; ++r) {
         const int64_t n = gk.threshold_compress(X + r * K, nrm, a.kwta_threshold, K, idx, vals);
         if (n == 0)
@@ -675,7 +770,7 @@ void GatingCall::product_pending() {
   const int64_t M = io.M, K = k.K_, N = k.N_;
   // Row-skipping matvecs (read only each row's kept rows of W) when they cost less than one dense
   // product over x~ (same result: dropped channels are 0), see per_row_wins.
-  if (npending == 1 || per_row_wins(k.cost_, kept_frac_pending, npending)) {
+  if (npending == 1 || (k.format_ != kWeightInt4K && per_row_wins(k.cost_, kept_frac_pending, npending))) {
     for (int64_t r = 0; r < M; ++r)
       if (pending[r]) gated_row(XT + r * K, keep_of(r), nkeep[r], io.Y + r * N);
     return;
@@ -750,7 +845,7 @@ void EventGatedMatMulKernel::read_weights(const Ort::ConstKernelInfo& info, cons
   std::string fmt;
   int64_t group = 32;
   at.read({{"weight_format", &fmt}, {"weight_group", &group}});
-  format_ = fmt == "int8" ? kWeightInt8 : fmt == "int4" ? kWeightInt4 : kWeightF32;
+  format_ = fmt == "int8" ? kWeightInt8 : fmt == "int4" ? kWeightInt4 : fmt == "int4k" ? kWeightInt4K : kWeightF32;
   if (group & (group - 1)) fail("attribute weight_group must be a power of two in [16, 1024], got " + std::to_string(group));
   if (format_ == kWeightF32) {
     if (input_present(info, 3) || input_present(info, 4) || input_present(info, 5))
@@ -771,6 +866,10 @@ void EventGatedMatMulKernel::read_weights(const Ort::ConstKernelInfo& info, cons
   if (ws.size() != 2) fail("attribute weight_shape must be [K, N], got " + shape_str(ws));
   K_ = ws[0];
   N_ = ws[1];
+  if (format_ == kWeightInt4K) {
+    read_int4k(info, group);
+    return;
+  }
   QuantRows& q = q_;
   q.format = format_;
   q.N = N_;
@@ -802,6 +901,34 @@ void EventGatedMatMulKernel::read_weights(const Ort::ConstKernelInfo& info, cons
       if (q.zeros[i] > 15) fail("input zero_points must be in [0, 15], got " + std::to_string(q.zeros[i]));
   }
   cost_ = kQuantCost;
+}
+
+// int4k: Wq [ceil(K / 2), 32 * ceil(N / 32)], scales [ceil(K / group), N], no zero points.
+void EventGatedMatMulKernel::read_int4k(const Ort::ConstKernelInfo& info, int64_t group) {
+  if (group != 16 && group != 32)
+    fail("weight_format int4k needs attribute weight_group 16 or 32 (int16 group sums), got " + std::to_string(group));
+  if (input_present(info, 5)) fail("input zero_points is for weight_format int4 only (int4k is symmetric)");
+  KQuantRows& q = kq_;
+  q.K = K_;
+  q.N = N_;
+  q.group = group;
+  q.pair_shift = group == 16 ? 3 : 4;
+  q.groups = (K_ + group - 1) / group;
+  q.row_bytes = Int4KPairs::kCols * ((N_ + Int4KPairs::kCols - 1) / Int4KPairs::kCols);
+  const int64_t P = (K_ + 1) / 2;
+  Ort::ConstValue dv = const_input(info, 3, "Wq", kU8);
+  if (const_shape(dv) != std::vector<int64_t>{P, q.row_bytes})
+    fail("input Wq has shape " + shape_str(const_shape(dv)) + ", expected " + dims_str(P, q.row_bytes) +
+         " for int4k weight_shape " + dims_str(K_, N_) + " ([ceil(K/2), 32*ceil(N/32)])");
+  q.data = dv.GetTensorData<uint8_t>();
+  Ort::ConstValue sv = const_input(info, 4, "scales", kF32);
+  if (const_shape(sv) != std::vector<int64_t>{q.groups, N_})
+    fail("input scales has shape " + shape_str(const_shape(sv)) + ", expected " + dims_str(q.groups, N_) +
+         " (int4k: [ceil(K / weight_group), N])");
+  q.scales = sv.GetTensorData<float>();
+  for (int64_t i = 0; i < q.groups * N_; ++i)
+    if (!std::isfinite(q.scales[i])) fail("input scales holds a non-finite value at " + std::to_string(i));
+  cost_ = kInt4KCost;
 }
 
 EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
@@ -843,7 +970,10 @@ EventGatedMatMulKernel::EventGatedMatMulKernel(const Ort::ConstKernelInfo& info)
   for (int64_t j = 0; j < K_; ++j) {
     double s = 0;
     const float* r = W_ ? W_ + j * N_ : deq.data();
-    if (!W_) qk_->dequant(&q_, j, 1, 0, N_, deq.data(), N_);
+    if (format_ == kWeightInt4K)
+      qk_->kdequant(&kq_, j, 1, 0, N_, deq.data(), N_);
+    else if (!W_)
+      qk_->dequant(&q_, j, 1, 0, N_, deq.data(), N_);
     for (int64_t o = 0; o < N_; ++o) s += static_cast<double>(r[o]) * r[o];
     norms_.data()[j] = static_cast<float>(std::sqrt(s));
   }

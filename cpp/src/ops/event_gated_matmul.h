@@ -45,7 +45,8 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
  public:
   static constexpr const char* kOpType = "EventGatedMatMul";
   // X, [W], [state_in], [Wq], [scales], [zero_points] -> Y, [state_out]
-  // (W with weight_format f32; Wq, scales, [zero_points] with int8 | int4: kernels/qgating.h)
+  // (W with weight_format f32; Wq, scales, [zero_points] with int8 | int4, Wq, scales with int4k:
+  // kernels/qgating.h)
   static constexpr IoSpec kInputs[] = {{kF32},           {kF32, kOptional}, {kF32, kOptional},
                                        {kU8, kOptional}, {kF32, kOptional}, {kU8, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}, {kF32, kOptional}};
@@ -53,8 +54,8 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
   // ortlean_op_schema_json exports these).
   static constexpr auto kAttrs = join({
       attr_int("block", 1).at_least(1),  // <= 2^31 - 1; > K: one block
-      attr_string("weight_format", "f32").one_of("f32|int8|int4"),
-      attr_int("weight_group", 32).range(16, 1024),  // a power of two
+      attr_string("weight_format", "f32").one_of("f32|int8|int4|int4k"),
+      attr_int("weight_group", 32).range(16, 1024),  // a power of two; int4k: 16 | 32
       attr_optional("weight_shape", AttrType::Ints).range(1, kMaxDim),  // [K, N], quantized formats
       attr_string("pack", "none").one_of("none|binary|ternary"),
       attr_float("pack_eps", 0.0f).at_least(0),
@@ -90,6 +91,7 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
  private:
   friend class GatingCall;
   void read_weights(const Ort::ConstKernelInfo& info, const Attrs& at);
+  void read_int4k(const Ort::ConstKernelInfo& info, int64_t group);
 
   GatingAttrs a_{};
   int64_t K_ = 0, N_ = 0, nb_ = 0;
@@ -98,6 +100,7 @@ class EventGatedMatMulKernel : public OpKernel<EventGatedMatMulKernel> {
   const float* W_ = nullptr;   // f32: the constant initializer (owned by the session)
   int format_ = kWeightF32;    // WeightFormat
   QuantRows q_{};              // int8 | int4: the constant initializers (owned by the session)
+  KQuantRows kq_{};            // int4k: the constant initializers (owned by the session)
   AlignedBuf norms_;           // ||W_k|| per row
   std::vector<int32_t> iota_;  // 0..K-1 (the dense path is the row kernel over every row)
   const GemmKernels* gemm_ = nullptr;
