@@ -141,19 +141,12 @@ def genai_model(name: str = "smollm2", precision: str = "int4", progress: bool =
 
 
 def genai_io(sess, model_dir):
-    """``runtime.ModelIO`` of a genai builder model for a plain InferenceSession loop: its KV inputs
-    declare the head size as a symbolic ``kv_cache_dim``; the value comes from genai_config.json."""
+    """``runtime.ModelIO`` of a genai builder model for a plain InferenceSession loop (its KV inputs
+    declare the head size as a symbolic ``kv_cache_dim``: ``ModelIO.resolve_dims`` reads it from
+    genai_config.json)."""
     from custom_ops import runtime
 
-    io = runtime.ModelIO.from_session(sess)
-    cfg = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]["decoder"]
-    for n, shape in io.state_shapes.items():
-        if len(shape) == 4 and not isinstance(shape[3], int):
-            shape[3] = int(cfg["head_size"])
-        if len(shape) == 4 and not isinstance(shape[1], int):
-            shape[1] = int(cfg["num_key_value_heads"])
-    io.kv_heads, io.head_dim = int(cfg["num_key_value_heads"]), int(cfg["head_size"])
-    return io
+    return runtime.ModelIO.from_session(sess, Path(model_dir) / "model.onnx")
 
 
 # ---------------------------------------------------------------------------------------------
