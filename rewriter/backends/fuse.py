@@ -67,6 +67,9 @@ class FusePass(GraphPassBase):
             return self._skip("not a decoder with a KV cache (the fusion is for text-generation-with-past exports)")
         if is_fused(model):
             return self._skip("already fused (GroupQueryAttention present)")
+        pa = ctx.opts.backends.get("packed_attention")
+        if pa is not None and getattr(pa, "enabled", False):  # its matcher takes the unfused attention core today
+            return self._skip("--state-pack on the KV cache (PackedAttention) rewrites the unfused attention core")
         try:
             fused, rep = fuse_decoder(model, max_positions=_max_positions(ctx.model_path))
         except FuseError as e:
