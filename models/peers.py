@@ -152,10 +152,12 @@ def genai_io(sess, model_dir):
 # ---------------------------------------------------------------------------------------------
 # llama.cpp
 def anchors_script() -> Path | None:
-    """``$ORTLEAN_ANCHORS_SCRIPT``, else ``<repo>/../shared/anchors/llama-cpp.sh``; None if absent."""
+    """``$ORTLEAN_ANCHORS_SCRIPT``, else ``shared/anchors/llama-cpp.sh`` beside the repository or
+    beside one of its parents (a worktree); None if absent."""
     env = os.environ.get("ORTLEAN_ANCHORS_SCRIPT")
     cands = [Path(env).expanduser()] if env else []
-    cands.append(Path(__file__).resolve().parent.parent.parent / "shared" / "anchors" / "llama-cpp.sh")
+    # <repo>/../shared/anchors, and from a worktree (e.g. <root>/wt/<name>) every parent's shared/anchors
+    cands += [d / "shared" / "anchors" / "llama-cpp.sh" for d in Path(__file__).resolve().parent.parent.parents]
     return next((p for p in cands if p.is_file()), None)
 
 
