@@ -141,28 +141,23 @@ def genai_model(name: str = "smollm2", precision: str = "int4", progress: bool =
 
 
 def genai_io(sess, model_dir):
-    """``runtime.ModelIO`` of a genai builder model for a plain InferenceSession loop: its KV inputs
-    declare the head size as a symbolic ``kv_cache_dim``; the value comes from genai_config.json."""
+    """``runtime.ModelIO`` of a genai builder model for a plain InferenceSession loop (its KV inputs
+    declare the head size as a symbolic ``kv_cache_dim``: ``ModelIO.resolve_dims`` reads it from
+    genai_config.json)."""
     from custom_ops import runtime
 
-    io = runtime.ModelIO.from_session(sess)
-    cfg = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]["decoder"]
-    for n, shape in io.state_shapes.items():
-        if len(shape) == 4 and not isinstance(shape[3], int):
-            shape[3] = int(cfg["head_size"])
-        if len(shape) == 4 and not isinstance(shape[1], int):
-            shape[1] = int(cfg["num_key_value_heads"])
-    io.kv_heads, io.head_dim = int(cfg["num_key_value_heads"]), int(cfg["head_size"])
-    return io
+    return runtime.ModelIO.from_session(sess, Path(model_dir) / "model.onnx")
 
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp
 def anchors_script() -> Path | None:
-    """``$ORTLEAN_ANCHORS_SCRIPT``, else ``<repo>/../shared/anchors/llama-cpp.sh``; None if absent."""
+    """``$ORTLEAN_ANCHORS_SCRIPT``, else ``shared/anchors/llama-cpp.sh`` beside the repository or
+    beside one of its parents (a worktree); None if absent."""
     env = os.environ.get("ORTLEAN_ANCHORS_SCRIPT")
     cands = [Path(env).expanduser()] if env else []
-    cands.append(Path(__file__).resolve().parent.parent.parent / "shared" / "anchors" / "llama-cpp.sh")
+    # <repo>/../shared/anchors, and from a worktree (e.g. <root>/wt/<name>) every parent's shared/anchors
+    cands += [d / "shared" / "anchors" / "llama-cpp.sh" for d in Path(__file__).resolve().parent.parent.parents]
     return next((p for p in cands if p.is_file()), None)
 
 

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
+    p.add_argument("--peers", default="auto", help="also the genai builder's fp32/int4 models of the same checkpoint: "
+                   "auto (when --ref is a packaged model's export, default) | none | a packaged model name")
     p.add_argument("--json", help="write results as JSON here")
 
     p = sub.add_parser("bench", help="prefill/decode speed vs the dense model in the same run")
@@ -94,8 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", required=True, help="the dense model")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list (default 1,2)")
     p.add_argument("--prefill", type=_count(1), default=128, help="prefill tokens (default 128)")
-    p.add_argument("--decode-past", type=_count(0), default=128, help="past length for decode steps (default 128)")
+    p.add_argument("--decode-past", type=thread_counts, default=[128],
+                   help="past length(s) for decode steps, comma list (default 128; e.g. 128,4096)")
     p.add_argument("--repeats", type=_count(1), default=15)
+    p.add_argument("--steps", type=_count(1), default=16, help="decode steps per past length and round (default 16)")
+    p.add_argument("--peers", default="auto", help="rows for the genai builder's fp32/int4 models and llama.cpp: auto "
+                   "(when --ref is a packaged model's export, default) | none | a packaged model name")
+    p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--nbits", type=_nbits, default=[8, 4],
                    help="MatMulNBits comparison rows, comma list of bits (2, 4, 8), or 'none'")
     p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile")
@@ -223,6 +230,7 @@ def cmd_inspect(args) -> int:
             attrs[k] = v
         custom.append({"name": n.name, "op": n.op_type, "attributes": attrs})
     cands = g.find_candidates(model)
+    unsupported = g.find_unsupported(model)
     info = {
         "model": args.model,
         "ir_version": model.ir_version,
@@ -232,6 +240,8 @@ def cmd_inspect(args) -> int:
         "ortlean_nodes": custom,
         "dense_candidates": [{"name": c.name, "target": c.target, "role": c.role, "block": c.layer, "shape": [c.K, c.N],
                               "transposed_weight": c.transposed, "classified_by": c.how} for c in cands],
+        "unsupported": [{"name": u.name, "op": u.node.op_type, "why": u.why} for u in unsupported],
+        "attention_cores": sum(1 for n in model.graph if g._is_attn_core(n)),
     }
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -248,6 +258,12 @@ def cmd_inspect(args) -> int:
     for c in info["dense_candidates"]:
         print(f"  {c['name']}  {c['target']}/{c['role']}  block {c['block']}  {c['shape'][0]}x{c['shape'][1]}"
               f"{'  (B = Transpose(W))' if c['transposed_weight'] else ''}  [{c['classified_by']}]")
+    if unsupported:
+        print(f"\n{len(unsupported)} weight layers no backend takes (kept: unsupported):")
+        for u in info["unsupported"]:
+            print(f"  {u['name']}  {u['op']}: {u['why']}")
+    if info["attention_cores"]:
+        print(f"\n{info['attention_cores']} fused attention cores")
     return 0
 
 
@@ -257,7 +273,7 @@ def cmd_eval(args) -> int:
 
     res = evaluate.evaluate(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
                             window=args.window,
-                            windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer)
+                            windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer, peers=args.peers)
     print(evaluate.format_eval(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
@@ -268,7 +284,8 @@ def cmd_bench(args) -> int:
     from . import evaluate
 
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=args.decode_past,
-                         repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile)
+                         repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
+                         llama=not args.no_llama, steps=args.steps)
     print(evaluate.format_bench(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
@@ -283,7 +300,7 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise OrtleanError("--prompt: empty prompt")
     sess = _session(args.model, options.one_thread_count(args.threads, "--threads"))
-    io = runtime.ModelIO.from_session(sess)
+    io = runtime.ModelIO.from_session(sess, args.model)
     if io.kind != "causal-lm":
         raise OrtleanError(f"{args.model}: not a causal LM with a KV cache (no past_key_values inputs)")
     tok = _tokenizer(args.model, args.tokenizer)

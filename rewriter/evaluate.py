@@ -37,8 +37,45 @@ def _tokenizer(model: str, tokenizer: str | None):
         raise OrtleanError(f"{where}: not a readable tokenizer.json ({type(e).__name__}: {e})") from None
 
 
+def peer_name(ref: str, peers: str = "auto") -> str | None:
+    """The packaged model whose peers (genai builder models, llama.cpp) a bench/eval compares:
+    ``peers`` ("none", a name, or "auto": the packaged causal LM whose prepared export ``ref`` is)."""
+    if peers == "none":
+        return None
+    from models.prepare import MODELS
+
+    if peers != "auto":
+        if peers not in MODELS:
+            raise OrtleanError(f"--peers {peers!r}: one of auto, none, {', '.join(MODELS)}")
+        return peers
+    parent = Path(ref).resolve().parent.name
+    return next((n for n, sp in MODELS.items() if parent.startswith(f"{n}-") and sp.kind == "causal-lm" and sp.gguf),
+                None)
+
+
+def peer_models(ref: str, peers: str, notes: list) -> dict[str, str]:
+    """{"genai fp32": path, "genai int4": path} of the onnxruntime-genai builder built from the same
+    checkpoint as ``ref`` (cached); {} with a note when onnxruntime-genai is absent or the build fails."""
+    name = peer_name(ref, peers)
+    if name is None:
+        return {}
+    from models import peers as pm
+
+    why = pm.genai_available()
+    if why:
+        notes.append(f"genai rows skipped: {why}")
+        return {}
+    out = {}
+    for prec in pm.GENAI_PRECISIONS:
+        try:
+            out[f"genai {prec}"] = str(pm.genai_model(name, prec) / "model.onnx")
+        except Exception as e:  # a comparison row we cannot make is a note, not fatal
+            notes.append(f"genai {prec} row skipped: {str(e).splitlines()[0]}")
+    return out
+
+
 def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
-             sentences: int = 256, tokenizer: str | None = None) -> dict:
+             sentences: int = 256, tokenizer: str | None = None, peers: str = "none") -> dict:
     tp = Path(text_path)
     if not tp.is_file():
         raise OrtleanError(f"--text {tp}: no such file")
@@ -47,8 +84,8 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
     modelfile.load_model(ref)
     s_ref = _session(ref, threads)
     s_lean = _session(model, threads)
-    io = runtime.ModelIO.from_session(s_ref)
-    io_l = runtime.ModelIO.from_session(s_lean)
+    io = runtime.ModelIO.from_session(s_ref, ref)
+    io_l = runtime.ModelIO.from_session(s_lean, model)
     if io.kind != io_l.kind:
         raise OrtleanError(f"{model} ({io_l.kind}) and --ref {ref} ({io.kind}) are not the same kind of model")
     tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else model, tokenizer)
@@ -61,6 +98,13 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
         l = runtime.perplexity(s_lean, io_l, ids, window=window)
         res.update({"tokens": int(d["tokens"]), "window": window, "ppl_ref": float(d["ppl"]), "ppl": float(l["ppl"]),
                     "delta_ppl": float(l["ppl"] / d["ppl"] - 1.0)})
+        rows, notes = {}, []
+        for name, path in peer_models(ref, peers, notes).items():  # the peers a user compares, same text
+            s = _session(path, threads)
+            p = runtime.perplexity(s, runtime.ModelIO.from_session(s, path), ids, window=window)
+            rows[name] = {"path": path, "ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
+            del s
+        res.update({"peers": rows, "notes": notes})
     else:
         sents = runtime.sentences_from_text(text, sentences)
         if not sents:
@@ -75,8 +119,13 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
 
 def format_eval(r: dict) -> str:
     if r["kind"] == "causal-lm":
-        return (f"perplexity on {r['tokens']} tokens ({r['window']}-token windows) of {Path(r['text']).name}: "
-                f"dense {r['ppl_ref']:.3f}, lean {r['ppl']:.3f}, Δppl {100 * r['delta_ppl']:+.2f} %")
+        out = (f"perplexity on {r['tokens']} tokens ({r['window']}-token windows) of {Path(r['text']).name}: "
+               f"dense {r['ppl_ref']:.3f}, lean {r['ppl']:.3f}, Δppl {100 * r['delta_ppl']:+.2f} %")
+        for k, v in (r.get("peers") or {}).items():
+            out += f"\n  {k:<12} ppl {v['ppl']:.3f}, Δppl {100 * v['delta_ppl']:+.2f} % (same text, vs the same dense model)"
+        for n in r.get("notes") or []:
+            out += f"\nnote: {n}"
+        return out
     return (f"sentence-embedding cosine lean vs dense over {r['sentences']} sentences of {Path(r['text']).name}: "
             f"mean {r['cosine_mean']:.5f}, p5 {r['cosine_p5']:.5f}, min {r['cosine_min']:.5f}")
 
@@ -94,10 +143,25 @@ def nbits_model(dense: str, bits: int) -> str:
     return str(out)
 
 
-def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past: int = 128, repeats: int = 15,
-          nbits=(8, 4), profile: bool = True) -> dict:
+def _has_gqa(path: str) -> bool:
+    import onnx
+
+    return any(n.op_type == "GroupQueryAttention" for n in onnx.load(path, load_external_data=False).graph.node)
+
+
+def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
+          nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16) -> dict:
+    """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
+    (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
+    builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
+    at every ``decode_past`` length and thread count, plus llama.cpp's llama-bench on the package's
+    GGUF; encoders: ``runtime.bench_sessions``."""
     modelfile.load_model(model)  # both models named before any work
     modelfile.load_model(ref)
+    pasts = [int(decode_past)] if isinstance(decode_past, int) else [int(p) for p in decode_past]
+    if runtime.ModelIO.from_model(ref).kind == "causal-lm":
+        return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps)
+    decode_past = pasts[0]
     variants = {"dense": ref, "lean": model}
     for b in nbits:
         try:
@@ -109,8 +173,8 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past:
     res["weight_bytes"] = {k: (runtime.weight_bytes(v) if v else None) for k, v in variants.items()}
     for t in threads:
         sessions = {k: _session(v, t) for k, v in variants.items() if v}
-        io = runtime.ModelIO.from_session(sessions["dense"])
-        ios = {k: runtime.ModelIO.from_session(s) for k, s in sessions.items()}
+        io = runtime.ModelIO.from_session(sessions["dense"], variants["dense"])
+        ios = {k: runtime.ModelIO.from_session(s, variants[k]) for k, s in sessions.items()}
         r = runtime.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats, ios=ios)
         res["runs"].append({"threads": t, "kind": io.kind, "results": r})
     if profile:
@@ -122,6 +186,127 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past:
     return res
 
 
+def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps) -> dict:
+    import sys
+
+    from custom_ops.runtime import bench as rb
+
+    notes: list[str] = []
+    variants = {"dense": ref, "lean": model}
+    for b in nbits:
+        try:
+            variants[f"MatMulNBits int{b}"] = nbits_model(ref, b)
+        except Exception as e:  # a comparison row we cannot make is reported, not fatal
+            notes.append(f"MatMulNBits int{b} row skipped: {e}")
+    genai = peer_models(ref, peers, notes)
+    variants.update(genai)
+    shared = [k for k, v in variants.items() if _has_gqa(v)]
+    og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
+    res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
+           "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
+           "variants": variants, "weight_bytes": {k: runtime.weight_bytes(v) for k, v in variants.items()},
+           "table": {}}
+
+    def say(msg):
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    for t in threads:
+        models = {}
+        for k, v in variants.items():
+            s = _session(v, t)
+            models[k] = (s, runtime.ModelIO.from_session(s, v))
+        src = "lean" if "lean" in shared else "dense"
+        res["table"][f"t{t}"] = rb.decode_table(
+            models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
+            og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
+            long_past_from=src, say=say)
+        del models
+    if llama:
+        name = peer_name(ref, peers)
+        if name is None:
+            notes.append("llama.cpp rows skipped: no packaged GGUF for this model (--peers)")
+        else:
+            from models import peers as pm
+
+            say("llama.cpp: llama-bench")
+            rows, note = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,
+                                        depths=tuple(pasts), repetitions=3)
+            res["llama_cpp"] = {"rows": rows, "command": note}
+            if not rows:
+                notes.append(note)
+    if profile:
+        t = max(threads)
+        res["profile"] = {}
+        for k in ("dense", "lean"):
+            prof = runtime.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, t), feeds=None, runs=5)
+            res["profile"][k] = {"rows": list(prof), "top_nodes": prof.top_nodes}
+    return res
+
+
+def _isa_line() -> str:
+    import os
+    import platform
+
+    import onnxruntime as ort
+
+    flags, cpu = set(), platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    keep = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
+    return (f"CPU {cpu}, {os.cpu_count()} logical cores, ISA {' '.join(keep)}, onnxruntime {ort.__version__}, "
+            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def format_table(r: dict) -> str:
+    """The causal-LM comparison table: tokens/s per row at every past length and thread count."""
+    pasts, threads, prefill = r["pasts"], r["threads"], r["prefill"]
+    cols = [(f"dec P{p} t{t}", f"decode{p}", t) for p in pasts for t in threads] + \
+           [(f"prefill t{t}", "prefill", t) for t in threads]
+    rows = list(next(iter(r["table"].values()), {}))
+    w = max([len(x) for x in rows] + [20])
+    lines = [f"{'row':<{w}} {'MiB':>6} " + " ".join(f"{c:>12}" for c, _, _ in cols)]
+    for row in rows:
+        mib = r["weight_bytes"].get(row.partition(" | ")[0], 0) / 2**20
+        vals = []
+        for _, key, t in cols:
+            ms = r["table"].get(f"t{t}", {}).get(row, {}).get(key)
+            tok = None if not ms else (1e3 / ms if key != "prefill" else prefill * 1e3 / ms)
+            vals.append(f"{tok:12.1f}" if tok else f"{'-':>12}")
+        lines.append(f"{row:<{w}} {mib:6.1f} " + " ".join(vals))
+    lc = r.get("llama_cpp")
+    if lc and lc["rows"]:
+        lines.append(f"llama.cpp ({lc['command']}), its own runtime, tokens/s mean ± sd:")
+        for x in lc["rows"]:
+            lines.append(f"  {x['test']:>12} t{x['threads']}: {x['tok_s']:8.1f} ± {x['tok_s_std']:.1f}")
+    T = r["table"]
+    for ours, peer in (("lean", "genai int4"), ("lean | shared KV", "genai int4 | shared KV"),
+                       ("lean | shared KV", "genai int4 | og"), ("lean", "genai fp32"),
+                       ("lean | shared KV", "genai fp32 | og")):
+        parts = []
+        for t in threads:
+            x, y = T.get(f"t{t}", {}).get(ours), T.get(f"t{t}", {}).get(peer)
+            if x and y:
+                parts += [f"P{p} t{t} {y[f'decode{p}'] / x[f'decode{p}']:.2f}x" for p in pasts]
+                parts.append(f"prefill t{t} {y['prefill'] / x['prefill']:.2f}x")
+        if parts:
+            lines.append(f"speed [{ours}] / [{peer}]: " + ", ".join(parts))
+    lines.append(f"(tokens/s; decode: single-token steps after a past of P, {r['steps']} steps × {r['repeats']} rounds, "
+                 f"medians; prefill: {prefill} tokens; rows interleaved in one process. Drivers: (none) = plain "
+                 "InferenceSession loop, 'shared KV' = custom_ops.runtime.shared_kv, 'og' = onnxruntime_genai)")
+    lines.append(r["isa"])
+    for n in r["notes"]:
+        lines.append(f"note: {n}")
+    for k, prof in (r.get("profile") or {}).items():
+        lines.append(f"ORT profile, {k}: " + ", ".join(f"{row['op_type']} {row['pct']:.0f}%" for row in prof["rows"][:6]))
+    return "\n".join(lines)
+
+
 def _profiled_session(path: str, so, threads: int):
     import custom_ops
 
@@ -129,6 +314,8 @@ def _profiled_session(path: str, so, threads: int):
 
 
 def format_bench(r: dict) -> str:
+    if "table" in r:
+        return format_table(r)
     lines = []
     wb = r["weight_bytes"]
     for run in r["runs"]:

@@ -34,17 +34,19 @@ def run(cfg: RewriteConfig) -> dict:
     cfg.validate()
     weight = _enabled(cfg, backends.WEIGHT_BACKENDS)
     passes = _enabled(cfg, backends.GRAPH_PASSES)
-    if not weight and not passes:
-        raise OrtleanError("no backend enabled: pass --tt=on, --kwta=on, --event-driven=on or --state-pack=... --state-pack-target=mlp")
+    if not weight and not [p for p in passes if getattr(p.cfg, "explicit", True)]:  # --fuse=auto alone is no request
+        raise OrtleanError("no backend enabled: pass --weights int4|int8, --fuse=on, --tt=on, --kwta=on, "
+                           "--event-driven=on or --state-pack=... --state-pack-target=mlp")
     inp, out = Path(cfg.model), Path(cfg.output)
     model = modelfile.load_model(inp)
     if out.resolve() == inp.resolve():
         raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
-    ctx = Context(cfg, model, modelfile.model_io(model))
+    ctx = Context(cfg, model, modelfile.model_io(model, inp))
     graph_records = _graph_passes(passes, "pre", model, ctx)
 
     records: dict[str, LayerRecord] = {}
     chosen: list[tuple] = []        # (cand, backend, plan)
+    fallback: dict[str, tuple] = {}  # layer → (cand, pinned backend, plan) if the guard drops its plan
     quality = None
     order: dict[str, int] = {}
     if weight:
@@ -68,16 +70,26 @@ def run(cfg: RewriteConfig) -> dict:
                 if plan.decision != "dense":
                     chosen.append((c, b, plan))
                     records[c.name] = report.record(c, plan)
+                    if not _pinned(b):  # what this layer becomes if the quality guard drops the plan
+                        fb = [(c, p, pp) for p in weight if _pinned(p) and c.target in p.cfg.targets
+                              for pp in [p.plan(c, W, G, ctx)] if pp.decision != "dense"]
+                        if fb:
+                            fallback[c.name] = fb[0]
                     break
                 reasons.append(plan)
             else:
                 records[c.name] = report.all_dense(c, reasons)
         bar.close()
+        W = G = None  # a view of a memory-mapped external weight would block saving (BufferError)
 
         # end-to-end quality guard: per-layer gaps compound; keep the largest set of rewritten layers
         # (lowest gap first) whose whole-model loss on held-out calibration text meets the budget
         if chosen and cfg.quality_budget is not None:
-            chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress)
+            if not cfg.calib_text and all(_pinned(b) for _, b, _ in chosen):
+                quality = {"skipped": "no --calib-text: the end-to-end check of the quantized model did not run"}
+            else:
+                chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress,
+                                                 fallback)
         for c, b, plan in chosen:
             b.emit(model.graph, c, plan, ctx)
     graph_records += _graph_passes(passes, "post", model, ctx)
@@ -125,7 +137,7 @@ def _graph_passes(passes: list, stage: str, model, ctx: Context) -> list[dict]:
         out += recs
         if stage == "pre" and any(r.get("backend") != "dense" for r in recs):
             ctx.modified = True
-            ctx.io = modelfile.model_io(model)
+            ctx.io = modelfile.model_io(model, ctx.model_path)
     return out
 
 
@@ -139,11 +151,15 @@ def _candidates(model, cfg: RewriteConfig, weight: list, inp: Path):
         if hit:
             kinds = {n.name: n.op_type for n in done}
             raise OrtleanError(f"{inp}: layer {hit[0]!r} is already rewritten ({kinds[hit[0]]}); refusing to rewrite it again")
+    unsupported = candidates.find_unsupported(model)
     if not cands:
         extra = f" ({len(already)} layers are already rewritten by ortlean)" if already else ""
+        if unsupported:  # name the first node and why (every weight layer is one no backend takes)
+            u = unsupported[0]
+            more = f" (and {len(unsupported) - 1} more weight layers)" if len(unsupported) > 1 else ""
+            extra += f"; node {u.name!r}: {u.why}{more}"
         raise OrtleanError(f"{inp}: no eligible MatMul (a MatMul whose B is a constant float initializer){extra}")
     _, excluded = candidates.select(cands, cfg.include, cfg.exclude)
-    unsupported = candidates.find_unsupported(model)
     records: dict[str, LayerRecord] = {u.name: report.unsupported(u) for u in unsupported}
     todo = []
     for c in cands:
@@ -174,18 +190,31 @@ def _calibrate(cfg: RewriteConfig, ctx: Context, weight: list, todo: list) -> di
                                hook=(lambda n, x: [h(n, x) for h in hooks]) if hooks else None)
 
 
-def _quality_guard(chosen: list, records: dict, quality, budget: float, progress: bool):
+def _pinned(b) -> bool:
+    """A backend whose plans the quality guard keeps (--weights: the precision the user asked for)."""
+    return bool(getattr(b, "pinned", False))
+
+
+def _quality_guard(chosen: list, records: dict, quality, budget: float, progress: bool, fallback: dict | None = None):
     """Keep the k lowest-gap plans for the largest k whose end-to-end loss (quality.loss) is
-    within `budget`; the others go back to dense with the reason in their record."""
+    within `budget`; the others go back to dense — or to their `fallback` plan (the pinned
+    --weights backend), which is in every trial — with the reason in their record. Pinned plans
+    are always kept; their loss alone may exceed the budget (said in the result)."""
     from tqdm.auto import tqdm
 
+    fallback = fallback or {}
+    pinned = [t for t in chosen if _pinned(t[1])]
+    chosen = [t for t in chosen if not _pinned(t[1])]
     order = sorted(chosen, key=lambda t: (t[2].gap if t[2].gap is not None else 0.0, -(t[0].params - t[2].params_after)))
     tried: dict[int, float] = {}
     bar = tqdm(desc="quality guard", unit="trial", disable=not progress, leave=False)
 
+    def plans(k: int) -> list:
+        return order[:k] + [fallback[t[0].name] for t in order[k:] if t[0].name in fallback] + pinned
+
     def loss(k: int) -> float:
         if k not in tried:
-            tried[k] = quality.loss(order[:k])
+            tried[k] = quality.loss(plans(k))
             bar.update(1)
         return tried[k]
 
@@ -198,10 +227,21 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
     why = (f"kept dense: end-to-end quality budget ({probe.metric} {min(above):+.4f} with more layers > {budget}; "
            f"the {k} lowest-gap layers give {final:+.4f})")
     for c, b, plan in order[k:]:
+        if c.name in fallback:
+            fc, fb, fplan = fallback[c.name]
+            r = records[c.name] = report.record(fc, fplan)
+            r.decision = f"{fplan.reason}; {b.name} dropped by the {why[len('kept dense: '):]}; alone: {plan.reason}"
+            continue
         r = records[c.name]
         r.decision = f"{why}; alone: {plan.reason}"
         r.backend = "dense"
         r.params_after = r.params_before
-    return order[:k], {"metric": probe.metric, "budget": budget, "kept": k, "planned": n, "loss": final,
-                       "trials": {str(kk): v for kk, v in sorted(tried.items())}, "probe": probe.unit,
-                       "probe_size": probe.size}
+    res = {"metric": probe.metric, "budget": budget, "kept": k, "planned": n, "loss": final,
+           "trials": {str(kk): v for kk, v in sorted(tried.items())}, "probe": probe.unit, "probe_size": probe.size}
+    if pinned:
+        res["pinned"] = len(pinned)
+        res["pinned_by"] = sorted({t[2].decision for t in pinned})
+        if final > budget:
+            res["note"] = (f"{', '.join(res['pinned_by'])} alone gives {probe.metric} {final:+.4f} > budget {budget}: "
+                           "kept (the precision asked for); every other backend's plan was dropped")
+    return plans(k), res

@@ -60,3 +60,49 @@ def quantize_weights(model: ir.Model, weights: str, *, block_size: int | None = 
                        if n.op_type == "MatMulNBits")
     kept = sorted(before & {n.name for n in out.graph if n.op_type == "MatMul"})
     return out, {"weights": weights, **asdict(cfg), "quantized": quantized, "kept": kept}
+
+
+# --------------------------------------------------------------------------- one layer (the --weights backend)
+def config_for(weights: str) -> QuantConfig:
+    """The measured default configuration of ``weights`` ("int8" | "int4")."""
+    if weights not in DEFAULTS:
+        raise ValueError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    return DEFAULTS[weights]
+
+
+def quantize_matrix(W, cfg: QuantConfig):
+    """ORT's block quantization of one weight ``W`` [K, N] (``DefaultWeightOnlyQuantizer.qbits_block_quant``,
+    the code ``MatMulNBitsQuantizer`` runs per node): ``(packed [N, k_blocks, blob] uint8, scales
+    [N, k_blocks] float32, zero_points [N, ceil(k_blocks * bits / 8)] uint8 or None when symmetric)``."""
+    import numpy as np
+    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                 DefaultWeightOnlyQuantizer)
+
+    q = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
+        block_size=cfg.block_size, is_symmetric=cfg.symmetric, accuracy_level=cfg.accuracy_level, bits=cfg.bits))
+    packed, scales, zp = q.qbits_block_quant(np.ascontiguousarray(W, dtype=np.float32))
+    return packed, scales, (None if cfg.symmetric else zp)
+
+
+def dequantize_matrix(packed, scales, zero_points, K: int, cfg: QuantConfig):
+    """Ŵ [K, N] float32 that MatMulNBits computes with (for the gap of a quantized layer)."""
+    import numpy as np
+
+    N, kb, _ = packed.shape
+    bits = cfg.bits
+    if bits == 8:
+        q = packed.reshape(N, kb, -1).astype(np.int32)
+    elif bits == 4:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(N, kb, -1).astype(np.int32)
+    else:
+        raise ValueError(f"dequantize: {bits} bits not supported")
+    q = q[:, :, : cfg.block_size]
+    mid = 1 << (bits - 1)
+    if zero_points is None:
+        zp = np.full((N, kb), mid, np.int32)
+    elif bits == 8:
+        zp = zero_points.reshape(N, -1)[:, :kb].astype(np.int32)
+    else:
+        zp = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(N, -1)[:, :kb].astype(np.int32)
+    w = (q - zp[:, :, None]).astype(np.float32) * scales.reshape(N, kb)[:, :, None]
+    return np.ascontiguousarray(w.reshape(N, kb * cfg.block_size)[:, :K].T)

@@ -55,7 +55,7 @@ def all_dense(c, plans: list) -> LayerRecord:
 
 def unsupported(u) -> LayerRecord:
     """A weight MatMul the backends cannot take (kit.candidates.Unsupported)."""
-    shape = [int(d) for d in u.weight.const_value.shape]
+    shape = list(u.shape) if getattr(u, "shape", None) else [int(d) for d in u.weight.const_value.shape]
     n = int(np.prod(shape))
     return LayerRecord(u.name, None, "?", "?", shape, "dense", n, n, None, f"kept: unsupported ({u.why})")
 
@@ -96,9 +96,15 @@ def format_report(summary: dict) -> str:
     pb, pa = summary["params_before"], summary["params_after"]
     lines.append("")
     q = summary.get("quality")
-    if q:
+    if q and "skipped" in q:
+        lines.append(f"end-to-end check skipped: {q['skipped']}")
+    elif q:
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
-                     f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers (budget {q['budget']})")
+                     f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers"
+                     + (f" and {q['pinned']} {'/'.join(q['pinned_by'])} layers" if q.get("pinned") else "")
+                     + f" (budget {q['budget']})")
+        if q.get("note"):
+            lines.append(f"note: {q['note']}")
     if summary["layers"]:
         by: dict[str, int] = {}
         for r in summary["layers"]:

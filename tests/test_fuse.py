@@ -217,3 +217,108 @@ def test_fuse_reads_external_data(tiny, tmp_path):
     io = runtime.ModelIO.from_session(s0)
     ids = np.arange(3, 12)[None]
     assert _rel(runtime.run(s0, io, runtime.feeds(io, ids))["logits"], runtime.run(s1, io, runtime.feeds(io, ids))["logits"]) < 1e-4
+
+
+# --------------------------------------------------------------------------- wired into `ortlean rewrite`
+def _cli_rewrite(src, out, *flags):
+    import json
+
+    from rewriter import cli
+
+    rep = out.with_suffix(".json")
+    rc = cli.main(["rewrite", str(src), "-o", str(out), "--report", str(rep), "-q", *flags])
+    return rc, (json.loads(rep.read_text()) if rep.exists() else None)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
+    """`ortlean rewrite --weights int4` on an optimum decoder: the fusion pass runs first (default
+    auto), then every weight MatMul, lm_head included, becomes MatMulNBits int4; the KV I/O is the
+    export's, so the plain runtime loop drives it, close to the fp32 model."""
+    src = tiny[fam] / "model.onnx"
+    out = tmp_path / "model.onnx"
+    rc, rep = _cli_rewrite(src, out, "--weights", "int4")
+    assert rc == 0
+    assert [g["backend"] for g in rep["graph_passes"]][0] == "fuse"
+    m = ir.load(out)
+    ops = {n.op_type for n in m.graph}
+    assert "GroupQueryAttention" in ops and "MatMul" not in ops
+    rows = rep["layers"]
+    assert rows and all(r["backend"] == "int4 (MatMulNBits)" for r in rows)
+    assert any(r["target"] == "head" for r in rows)
+    n_layers = tiny_hf.FAMILIES[fam]["num_hidden_layers"]
+    assert sum(1 for n in m.graph if n.op_type == "MatMulNBits") == 5 * n_layers + 1  # qkv, o, gate, up, down; head
+    s0, s1 = _sess(src), _sess(out)
+    io0, io1 = runtime.ModelIO.from_session(s0), runtime.ModelIO.from_session(s1)
+    assert io1.inputs == io0.inputs and io1.past_to_present == io0.past_to_present
+    ids = np.random.default_rng(0).integers(3, 250, (1, 12))
+    a = runtime.run(s0, io0, runtime.feeds(io0, ids))["logits"]
+    b = runtime.run(s1, io1, runtime.feeds(io1, ids))["logits"]
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.2
+
+
+def test_rewrite_fuse_flags(tiny, toy_model, tmp_path, capsys):
+    src = tiny["llama"] / "model.onnx"
+    # fusion alone must be asked for; --fuse=on gives the fused fp32 graph
+    rc, _ = _cli_rewrite(src, tmp_path / "a.onnx")
+    assert rc == 2 and "no backend enabled" in capsys.readouterr().err
+    rc, rep = _cli_rewrite(src, tmp_path / "b.onnx", "--fuse=on")
+    assert rc == 0 and rep["graph_passes"][0]["backend"] == "fuse" and is_fused(ir.load(tmp_path / "b.onnx"))
+    # --fuse=off: int8 on the unfused graph
+    rc, rep = _cli_rewrite(src, tmp_path / "c.onnx", "--fuse=off", "--weights", "int8")
+    m = ir.load(tmp_path / "c.onnx")
+    assert rc == 0 and not is_fused(m) and {"MatMulNBits", "Softmax"} <= {n.op_type for n in m.graph}
+    # a model it cannot fuse: auto → one report line and the rewrite goes on; on → one-line error, exit 2
+    rc, rep = _cli_rewrite(toy_model, tmp_path / "d.onnx", "--weights", "int8")
+    assert rc == 0 and rep["graph_passes"][0]["decision"].startswith("kept unfused: ")
+    capsys.readouterr()
+    rc, _ = _cli_rewrite(toy_model, tmp_path / "e.onnx", "--weights", "int8", "--fuse=on")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--fuse=on" in err and len(err.splitlines()) == 1
+    # PackedAttention (KV --state-pack) matches the unfused attention core: auto leaves the decoder unfused
+    rc, rep = _cli_rewrite(src, tmp_path / "f.onnx", "--state-pack", "binary", "--attn-budget", "0")
+    assert rc == 0 and "PackedAttention" in rep["graph_passes"][0]["decision"]
+    assert not is_fused(ir.load(tmp_path / "f.onnx"))
+
+
+def test_quality_guard_keeps_pinned_quantization_and_falls_back():
+    """The guard measures quantization plus the other backends together; it drops the other
+    backends' plans (highest gap first), quantizes the layers they lose, and keeps the quantization
+    even when it alone is over the budget (with a note)."""
+    from types import SimpleNamespace as NS
+
+    from rewriter import pipeline, report
+    from rewriter.kit.backend import Plan
+
+    def cand(name):
+        return NS(name=name, layer=0, target="mlp", role="up", K=4, N=4, params=16)
+
+    tt, q = NS(name="tt"), NS(name="weights", pinned=True)
+    c1, c2, c3 = cand("a"), cand("b"), cand("c")
+    p_tt1 = Plan("tt", "tt a", 0.01, 8)
+    p_tt2 = Plan("tt", "tt b", 0.20, 8)
+    p_q = {c.name: Plan("int4 (MatMulNBits)", f"q {c.name}", 0.05, 16) for c in (c1, c2, c3)}
+    chosen = [(c1, tt, p_tt1), (c2, tt, p_tt2), (c3, q, p_q["c"])]
+    fallback = {"a": (c1, q, p_q["a"]), "b": (c2, q, p_q["b"])}
+    seen = []
+
+    def loss_of(budget_base):
+        def loss(plans):
+            seen.append(sorted((c.name, p.decision) for c, _, p in plans))
+            return budget_base + sum(0.01 if p.decision == "tt" and c.name == "a" else 0.5 if p.decision == "tt" else 0.0
+                                     for c, _, p in plans)
+        return loss
+
+    records = {c.name: report.record(c, p) for c, _, p in chosen}
+    probe = NS(metric="delta_ppl", unit="tokens", size=64)
+    kept, res = pipeline._quality_guard(chosen, records, NS(loss=loss_of(0.005), probe=probe), 0.02, False, fallback)
+    assert sorted((c.name, p.decision) for c, _, p in kept) == [("a", "tt"), ("b", "int4 (MatMulNBits)"),
+                                                              ("c", "int4 (MatMulNBits)")]
+    assert all(("c", "int4 (MatMulNBits)") in s for s in seen)          # quantization in every trial
+    assert records["b"].backend == "int4 (MatMulNBits)" and "tt dropped" in records["b"].decision
+    assert res["pinned"] == 1 and "note" not in res
+    # quantization alone over the budget: kept, the other plans dropped, a note says so
+    records = {c.name: report.record(c, p) for c, _, p in chosen}
+    kept, res = pipeline._quality_guard(chosen, records, NS(loss=loss_of(0.05), probe=probe), 0.02, False, fallback)
+    assert all(p.decision == "int4 (MatMulNBits)" for _, _, p in kept) and len(kept) == 3
+    assert "kept (the precision asked for)" in res["note"]

@@ -65,5 +65,126 @@ def _build(out: Path) -> None:
                     library_name="transformers", do_validation=False)
 
 
+
+# --------------------------------------------------------------------------- other input forms (issue 9, item 1)
+FORMS_RECIPE = 1
+FORMS = ("dynamo", "genai-fp32", "genai-int4", "bert", "bert-ort-fused")
+BERT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128, type_vocab_size=2)
+
+
+def forms() -> dict[str, Path]:
+    """Tiny random-weight models of the other input forms, built once (child process) and cached:
+
+    * ``dynamo``: the ``llama`` family through ``torch.onnx.export(..., dynamo=True)`` (no KV cache:
+      input_ids → logits; the dynamo exporter's node names and shapes);
+    * ``genai-fp32`` / ``genai-int4``: the ``llama`` family through onnxruntime-genai's model builder
+      (``python -m onnxruntime_genai.models.builder -m HF -i HF -o OUT -p fp32|int4 -e cpu``;
+      GroupQueryAttention with shared-buffer KV, SkipSimplifiedLayerNormalization, MatMulNBits);
+      absent when onnxruntime-genai is not installed;
+    * ``bert``: a tiny BERT encoder exported by optimum (feature-extraction);
+    * ``bert-ort-fused``: that BERT through ``onnxruntime.transformers.optimizer`` (com.microsoft
+      Attention, SkipLayerNormalization, EmbedLayerNormalization, BiasGelu).
+    Returns {form: directory holding model.onnx} for the forms that were built."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from models.cache import artifact_key, atomic_dir, cache_root, versions
+
+    base = models()
+    key = artifact_key("tiny-forms", {"recipe": FORMS_RECIPE, "llama": FAMILIES["llama"], "bert": BERT,
+                                       "tools": versions(("torch", "transformers", "optimum-onnx", "onnx",
+                                                          "onnxruntime", "onnxruntime-genai"))})
+    target = cache_root() / "test-models" / key
+    if not (target / "done.txt").is_file():
+        with atomic_dir(target) as tmp:
+            if tmp is not None:
+                res = subprocess.run([sys.executable, __file__, "--forms", str(base["llama"] / "hf"), str(tmp)],
+                                     capture_output=True, text=True,
+                                     env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                if res.returncode != 0:
+                    raise RuntimeError(f"building the tiny input forms failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+                (tmp / "done.txt").write_text("ok\n")
+    return {f: target / f for f in FORMS if (target / f / "model.onnx").is_file()}
+
+
+def _tiny_tokenizer(vocab: int):
+    """A word-level tokenizer over `vocab` ids (the builders save a tokenizer beside the model)."""
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    t = Tokenizer(tm.WordLevel(words, unk_token="w0"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="w0", bos_token="w1", eos_token="w2",
+                                   pad_token="w0", cls_token="w1", sep_token="w2", mask_token="w3")
+
+
+def _build_forms(hf: Path, out: Path) -> None:
+    import importlib.util
+    import shutil
+
+    import torch
+    import transformers
+
+    # dynamo export of the tiny llama (input_ids -> logits)
+    tok = _tiny_tokenizer(FAMILIES["llama"]["vocab_size"])
+    hf_tok = out / "llama-hf"
+    shutil.copytree(hf, hf_tok)
+    tok.save_pretrained(hf_tok)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_tok).eval()
+    model.config.use_cache = False
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids):
+            return self.m(input_ids=input_ids, use_cache=False).logits
+
+    (out / "dynamo").mkdir()
+    ids = torch.randint(3, 250, (1, 8))
+    seq = torch.export.Dim("sequence_length", min=2, max=256)
+    torch.onnx.export(Logits(model), (ids,), str(out / "dynamo" / "model.onnx"), dynamo=True,
+                      input_names=["input_ids"], output_names=["logits"],
+                      dynamic_shapes={"input_ids": {1: seq}}, external_data=False)
+    tok.save_pretrained(out / "dynamo")
+
+    # onnxruntime-genai builder models of the same checkpoint
+    if importlib.util.find_spec("onnxruntime_genai") is not None:
+        for p in ("fp32", "int4"):
+            d = out / f"genai-{p}"
+            res = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf_tok), "-i",
+                                  str(hf_tok), "-o", str(d), "-p", p, "-e", "cpu", "-c", str(out / "genai-cache")],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"genai builder {p}: {res.stdout[-1500:]}\n{res.stderr[-1500:]}")
+        shutil.rmtree(out / "genai-cache", ignore_errors=True)
+
+    # a tiny BERT: optimum export, then ORT's transformer optimizer
+    from optimum.exporters.onnx import main_export
+    from onnxruntime.transformers import optimizer
+
+    cfg = transformers.BertConfig(**BERT)
+    torch.manual_seed(0)
+    bert = transformers.BertModel(cfg).eval()
+    bhf = out / "bert-hf"
+    bert.save_pretrained(bhf)
+    _tiny_tokenizer(BERT["vocab_size"]).save_pretrained(bhf)
+    main_export(str(bhf), output=str(out / "bert"), task="feature-extraction", device="cpu",
+                library_name="transformers", do_validation=False)
+    (out / "bert-ort-fused").mkdir()
+    om = optimizer.optimize_model(str(out / "bert" / "model.onnx"), model_type="bert",
+                                  num_heads=BERT["num_attention_heads"], hidden_size=BERT["hidden_size"],
+                                  opt_level=0, use_gpu=False)
+    om.save_model_to_file(str(out / "bert-ort-fused" / "model.onnx"))
+    for f in (out / "bert").glob("tok*"):
+        shutil.copy(f, out / "bert-ort-fused" / f.name)
+    shutil.copy(out / "bert" / "special_tokens_map.json", out / "bert-ort-fused")
+
+
 if __name__ == "__main__":
-    _build(Path(sys.argv[1]))
+    if sys.argv[1] == "--forms":
+        _build_forms(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        _build(Path(sys.argv[1]))

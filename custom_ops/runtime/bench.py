@@ -169,3 +169,161 @@ def time_cpu(sessions: dict, feeds: dict, reps: int = 25, warmup: int = 3) -> di
             s.run(None, feeds)
             times[k].append(time.process_time() - c0)
     return {k: float(np.median(v)) for k, v in times.items()}
+
+
+# --------------------------------------------------------------------------- rows of a comparison table
+# Three ways a row is driven; each has prefill(ids) -> seconds and decode(past, step_ids) -> [seconds].
+class LoopRow:
+    """This package's loop on a plain session: feeds with past_key_values.*, the presents (new
+    arrays, the cache copied) fed back — what a user's InferenceSession loop does."""
+
+    def __init__(self, sess, io: ModelIO, states: dict):
+        self.sess, self.io, self.states = sess, io, states
+
+    def prefill(self, ids) -> float:
+        f = feeds(self.io, ids)
+        self.sess.run(None, f)  # untimed first: another session's spinning pool must not steal the cores
+        t0 = time.perf_counter()
+        self.sess.run(None, f)
+        return time.perf_counter() - t0
+
+    def decode(self, p: int, step_ids) -> list[float]:
+        past, plen, out_t = self.states[p], p, []
+        for s in range(step_ids.shape[1]):
+            f = feeds(self.io, step_ids[:, s: s + 1], past, plen)
+            t0 = time.perf_counter()
+            out = run(self.sess, self.io, f)
+            out_t.append(time.perf_counter() - t0)
+            past, plen = self.io.next_state(out), plen + 1
+        return out_t
+
+
+class SharedRow:
+    """``shared_kv.SharedKV`` on the same session: past and present bound to one buffer per layer
+    (GroupQueryAttention graphs only)."""
+
+    def __init__(self, sess, io: ModelIO, states: dict, steps: int, prefill_len: int):
+        from .shared_kv import SharedKV
+
+        self.kv = {p: SharedKV(sess, io, max_len=p + steps) for p in states}
+        for p, st in states.items():
+            self.kv[p].fill(p, st)
+        self.kv_prefill = SharedKV(sess, io, max_len=prefill_len)
+
+    def prefill(self, ids) -> float:
+        self.kv_prefill.prefill(ids)  # untimed first (see LoopRow.prefill)
+        t0 = time.perf_counter()
+        self.kv_prefill.prefill(ids)
+        return time.perf_counter() - t0
+
+    def decode(self, p: int, step_ids) -> list[float]:
+        kv = self.kv[p]
+        kv.length = p  # rows beyond the length are masked by seqlens_k; the cache itself is unchanged
+        out_t = []
+        for s in range(step_ids.shape[1]):
+            t0 = time.perf_counter()
+            kv.step(step_ids[:, s: s + 1])
+            out_t.append(time.perf_counter() - t0)
+        return out_t
+
+
+class OgRow:
+    """onnxruntime_genai's own generator on a genai builder model directory (append_tokens /
+    generate_next_token, greedy, its shared KV buffers)."""
+
+    def __init__(self, model_dir, threads: int, past_ids: dict, steps: int, rounds: int):
+        import json
+
+        import onnxruntime_genai as og
+
+        self.og = og
+        cfg = og.Config(str(model_dir))
+        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(cfg)
+        self.past_ids, self.steps, self.rounds = past_ids, steps, rounds
+        self.gens: dict[int, object] = {}
+
+    def _gen(self, max_length: int):
+        p = self.og.GeneratorParams(self.model)
+        p.set_search_options(max_length=max_length, do_sample=False)
+        return self.og.Generator(self.model, p)
+
+    def prefill(self, ids) -> float:
+        ids = np.asarray(ids).reshape(-1).astype(np.int32)
+        self._gen(ids.size + 4).append_tokens(ids)
+        g = self._gen(ids.size + 4)
+        t0 = time.perf_counter()
+        g.append_tokens(ids)
+        return time.perf_counter() - t0
+
+    def decode(self, p: int, step_ids) -> list[float]:
+        # one generator per past length, built once (untimed) and continued: its past grows by
+        # `steps` tokens per round (og cannot rewind a shared-buffer cache cheaply)
+        if p not in self.gens:
+            g = self._gen(p + self.steps * (self.rounds + 2) + 2)
+            g.append_tokens(np.asarray(self.past_ids[p]).reshape(-1).astype(np.int32))
+            self.gens[p] = g
+        g, out = self.gens[p], []
+        for _ in range(step_ids.shape[1]):
+            t0 = time.perf_counter()
+            g.generate_next_token()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, steps: int = 16, repeats: int = 5,
+                 shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
+                 long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
+                 say=None) -> dict[str, dict]:
+    """Prefill and decode timing of several causal LMs in one process, interleaved.
+
+    ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow`, plus
+    "<name> | shared KV" (:class:`SharedRow`) for the names in ``shared`` and "<name> | og"
+    (:class:`OgRow`) for ``og`` = {name: genai model directory}. One warm-up round, then ``repeats``
+    rounds, each running every row once (order rotated): a ``prefill_len``-token prefill (after an
+    untimed one) and ``steps`` single-token decode steps after a past of each length in ``pasts``.
+    Pasts ≤ 512 are each model's own cache; longer ones are built once by ``long_past_from`` (default
+    the first model) and given to every row (values do not change the cost). Returns
+    {row: {"prefill": ms, "decode<P>": ms}} (medians over rounds / over all steps)."""
+    rng = np.random.default_rng(seed)
+    hi = int(vocab or min((io.vocab_size or 100) for _, io in models.values()))
+    lo = 100 if hi > 1000 else 0  # skip the special tokens at the start of big vocabularies
+    prefill_ids = rng.integers(lo, hi, (1, prefill_len))
+    past_ids = {p: rng.integers(lo, hi, (1, p)) for p in pasts}
+    step_ids = rng.integers(lo, hi, (1, steps))
+    names = list(models)
+    src = long_past_from or names[0]
+    states: dict[str, dict[int, dict]] = {n: {} for n in names}
+    for p in pasts:
+        if p <= 512:
+            for n, (s, io) in models.items():
+                states[n][p] = io.next_state(run(s, io, feeds(io, past_ids[p])))
+        else:
+            t0 = time.perf_counter()
+            s, io = models[src]
+            built = io.next_state(run(s, io, feeds(io, past_ids[p])))
+            if say:
+                say(f"past {p}: cache built by {src} in {time.perf_counter() - t0:.1f} s")
+            for n, (_, io_n) in models.items():
+                states[n][p] = {k: built[k] for k in io_n.past_to_present}
+    drivers: dict[str, Any] = {n: LoopRow(s, io, states[n]) for n, (s, io) in models.items()}
+    for n in shared:
+        s, io = models[n]
+        drivers[f"{n} | shared KV"] = SharedRow(s, io, states[n], steps, prefill_len)
+    for n, d in (og or {}).items():
+        drivers[f"{n} | og"] = OgRow(d, threads, past_ids, steps, 1 + repeats)
+    times = {r: {"prefill": [], **{f"decode{p}": [] for p in pasts}} for r in drivers}
+    rows = list(drivers)
+    for rnd in range(1 + repeats):
+        k = rnd % len(rows)
+        for r in rows[k:] + rows[:k]:
+            pt = drivers[r].prefill(prefill_ids)
+            dts = {p: drivers[r].decode(p, step_ids) for p in pasts}
+            if rnd > 0:  # round 0 warms up
+                times[r]["prefill"].append(pt)
+                for p in pasts:
+                    times[r][f"decode{p}"].extend(dts[p])
+        if say:
+            say(f"threads {threads}: round {rnd}/{repeats}")
+    return {r: {key: float(np.median(v)) * 1e3 for key, v in tt.items()} for r, tt in times.items()}

@@ -155,10 +155,13 @@ class ModelIO:
 
     @classmethod
     def from_model(cls, model) -> "ModelIO":
-        """From a model path (str/Path; external data is not loaded) or an onnx.ModelProto."""
+        """From a model path (str/Path; external data is not loaded) or an onnx.ModelProto. A path's
+        symbolic KV dimensions are resolved from a ``genai_config.json`` beside it (genai builder)."""
         import onnx
 
+        path = None
         if not isinstance(model, onnx.ModelProto):
+            path = model
             model = onnx.load(str(model), load_external_data=False)
         g = model.graph
         init_names = {i.name for i in g.initializer}
@@ -172,15 +175,63 @@ class ModelIO:
 
         ins = [vi(v) for v in g.input if v.name not in init_names]
         outs = [vi(v) for v in g.output]
-        return cls.from_signature(ins, outs)
+        io = cls.from_signature(ins, outs)
+        return io.resolve_dims(path) if path is not None else io
 
     @classmethod
-    def from_session(cls, sess) -> "ModelIO":
+    def from_session(cls, sess, model_path=None) -> "ModelIO":
+        """From a session's declared I/O; ``model_path`` (the model file) resolves symbolic KV
+        dimensions from a ``genai_config.json`` beside it (genai builder models)."""
         def vi(a):
             shape = [d if isinstance(d, (int, str)) else None for d in (a.shape or [])]
             return a.name, shape, _ONNX_TO_NP.get(a.type, np.float32)
 
-        return cls.from_signature([vi(a) for a in sess.get_inputs()], [vi(a) for a in sess.get_outputs()])
+        io = cls.from_signature([vi(a) for a in sess.get_inputs()], [vi(a) for a in sess.get_outputs()])
+        return io.resolve_dims(model_path) if model_path is not None else io
+
+    # -- symbolic state dimensions ------------------------------------------------------------
+    def _set_kv_dims(self, kv_heads: int | None, head_dim: int | None) -> "ModelIO":
+        for n, shape in self.state_shapes.items():
+            if not _PAST_RE.match(n) or len(shape) != 4:
+                continue
+            if kv_heads and not isinstance(shape[1], int):
+                shape[1] = int(kv_heads)
+            if head_dim and not isinstance(shape[3], int):
+                shape[3] = int(head_dim)
+        self.kv_heads = self.kv_heads or kv_heads
+        self.head_dim = self.head_dim or head_dim
+        return self
+
+    def resolve_dims(self, model_path) -> "ModelIO":
+        """Fill the KV caches' symbolic head count / head size (the genai builder declares
+        ``[batch, kv_heads, past_sequence_length, kv_cache_dim]``) from ``genai_config.json`` next
+        to ``model_path`` (``model.decoder.num_key_value_heads`` / ``head_size``); unchanged when
+        there is none or nothing is symbolic."""
+        import json
+
+        if not self.past_to_present or model_path is None or isinstance(model_path, (bytes, bytearray)):
+            return self
+        p = Path(model_path)
+        cfg = (p if p.is_dir() else p.parent) / "genai_config.json"
+        if not cfg.is_file():
+            return self
+        try:
+            dec = json.loads(cfg.read_text())["model"]["decoder"]
+            return self._set_kv_dims(int(dec["num_key_value_heads"]), int(dec["head_size"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{cfg}: no model.decoder.num_key_value_heads / head_size ({e})") from None
+
+    def fill_from(self, other: "ModelIO") -> "ModelIO":
+        """Symbolic state dimensions taken from ``other`` (the same model before a rewrite)."""
+        for n, shape in self.state_shapes.items():
+            ref = other.state_shapes.get(n)
+            if ref is not None and len(ref) == len(shape):
+                for i, (d, r) in enumerate(zip(shape, ref)):
+                    if not isinstance(d, int) and isinstance(r, int):
+                        shape[i] = r
+        self.kv_heads = self.kv_heads or other.kv_heads
+        self.head_dim = self.head_dim or other.head_dim
+        return self
 
     # -- states ----------------------------------------------------------------------------
     def empty_state(self, batch: int = 1) -> dict[str, np.ndarray]:
@@ -197,7 +248,8 @@ class ModelIO:
                     dims.append(d)
                 else:
                     raise ValueError(f"state input {n}: dimension {i} is symbolic ({d!r}); "
-                                     "cannot build an empty initial state")
+                                     "cannot build an empty initial state (a genai builder model needs its "
+                                     "genai_config.json beside it)")
             out[n] = np.zeros(dims, dtype=self.state_types[n])
         return out
 
@@ -214,6 +266,19 @@ class ModelIO:
         """present.* outputs of a run -> the past.* feeds of the next run."""
         return {p: outputs[o] for p, o in self.past_to_present.items()}
 
+
+
+# GroupQueryAttention's length inputs, when a graph declares them as inputs (older genai builder
+# graphs; the current builder computes them from attention_mask inside the graph)
+GQA_LENGTH_INPUTS = ("seqlens_k", "total_sequence_length")
+
+
+def gqa_lengths(name: str, batch: int, total: int, dtype=np.int32) -> np.ndarray:
+    """``seqlens_k`` [B] = total − 1 (the last position of every row) or ``total_sequence_length``
+    (a scalar), for sequences of ``total`` tokens from position 0."""
+    if name == "seqlens_k":
+        return np.full((batch,), total - 1, dtype=dtype)
+    return np.asarray(total, dtype=dtype)
 
 
 def run(sess, io: ModelIO, feed: dict) -> dict[str, np.ndarray]:
@@ -277,6 +342,8 @@ def feeds(io: ModelIO, input_ids, past: Mapping[str, np.ndarray] | None = None, 
             out[name] = np.broadcast_to(np.arange(past_len, past_len + t, dtype=dt), (b, t)).copy()
         elif name == "token_type_ids":
             out[name] = np.zeros((b, t), dtype=dt)
+        elif name in GQA_LENGTH_INPUTS:
+            out[name] = gqa_lengths(name, b, past_len + t, dt)
         elif name in io.past_to_present:
             if past is not None:
                 if name not in past:

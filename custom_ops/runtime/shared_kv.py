@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .io import GQA_LENGTH_INPUTS, gqa_lengths
+
 
 __all__ = ["SharedKV", "SharedKVError"]
 
@@ -80,6 +82,9 @@ class SharedKV:
         if io.has_position_ids:
             feeds["position_ids"] = np.broadcast_to(
                 np.arange(self.length, total, dtype=io.input_types["position_ids"]), (b, t)).copy()
+        for name in GQA_LENGTH_INPUTS:
+            if name in io.inputs:
+                feeds[name] = gqa_lengths(name, b, total, io.input_types[name])
         for k, v in feeds.items():
             self.binding.bind_cpu_input(k, v)
         for o in self._others:  # rebound every run: their shape changes with the number of new tokens

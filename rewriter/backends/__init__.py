@@ -23,14 +23,17 @@ The CLI flags, calibration, the quality guard, the report, the reference backend
 """
 from __future__ import annotations
 
+from .fuse import FusePass
 from .gating import GatingBackend
 from .head import CheapHeadPass
 from .packed_attention import PackedAttentionPass
 from .procsparse import ProcBackend
 from .tt import TTBackend
+from .weights import WeightsBackend
 
-WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend]
-GRAPH_PASSES: list = [PackedAttentionPass, CheapHeadPass]
+# WeightsBackend (--weights int8|int4) stays last: it takes exactly the layers the others left dense
+WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend, WeightsBackend]
+GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass]
 
 
 def all_backends() -> list:

@@ -54,7 +54,19 @@ _SHAPE_OPS = {"Reshape", "Transpose", "Identity", "Cast", "Squeeze", "Unsqueeze"
 _ACT_OPS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "FastGelu", "BiasGelu", "QuickGelu", "Elu", "Selu",
             "LeakyRelu", "Softplus", "HardSigmoid", "HardSwish", "Mish"}
 _NORM_OPS = {"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
-             "RMSNormalization", "ReduceMean", "Pow", "Sqrt"}
+             "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization", "RMSNormalization", "ReduceMean",
+             "Pow", "Sqrt"}
+# fused attention cores (ONNX Runtime contrib ops, ONNX 23 Attention, ortlean's PackedAttention): a weight
+# MatMul feeding one is q/k/v (or packed qkv), one reading its output is o
+_ATTN_CORE_OPS = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "PackedAttention",
+                  "PackedMultiHeadAttention", "SparseAttention", "DecoderMaskedMultiHeadAttention",
+                  "DecoderMaskedSelfAttention", "QAttention", "LongformerAttention"}
+# ops holding an already quantized weight (no backend takes it): op → index of the weight input
+_QUANTIZED_OPS = {"MatMulNBits": 1, "MatMulBnb4": 1, "MatMulFpQ4": 1, "MatMulInteger": 1, "QLinearMatMul": 3,
+                  "DynamicQuantizeMatMul": 1, "MatMulIntegerToFloat": 1, "QOrderedMatMul": 4,
+                  "GatherBlockQuantized": 0}
+# fused ops that carry their projection weights inside: op → index of the weight input
+_FUSED_WEIGHT_OPS = {"Attention": 1, "QAttention": 1, "Gemm": 1, "FusedMatMul": 1, "FusedGemm": 1}
 
 
 def _weight_of(node: ir.Node) -> tuple[ir.Value, bool] | None:
@@ -79,6 +91,23 @@ def _is_weight_matmul(node: ir.Node) -> bool:
     return _weight_of(node) is not None
 
 
+def _is_weight_layer(node: ir.Node) -> bool:
+    """A weight MatMul, or an op standing for one (already quantized, or a fused op with its weight)."""
+    return _is_weight_matmul(node) or (node.op_type in _QUANTIZED_OPS and node.op_type != "GatherBlockQuantized"
+                                       and _const_input(node, _QUANTIZED_OPS[node.op_type]) is not None) or (
+        node.op_type in _FUSED_WEIGHT_OPS and _const_input(node, _FUSED_WEIGHT_OPS[node.op_type]) is not None)
+
+
+def _const_input(node: ir.Node, idx: int) -> ir.Value | None:
+    v = node.inputs[idx] if idx < len(node.inputs) else None
+    return v if v is not None and v.is_initializer() and v.const_value is not None else None
+
+
+def _is_attn_core(node: ir.Node) -> bool:
+    return node.op_type in _ATTN_CORE_OPS and node.domain not in ("", "ai.onnx") or (
+        node.op_type == "Attention" and node.domain in ("", "ai.onnx"))
+
+
 def _is_act_matmul(node: ir.Node) -> bool:
     """MatMul of two activations (QK^T or attn·V)."""
     return node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and not _is_weight_matmul(node)
@@ -99,7 +128,7 @@ def _walk(start: list, step, limit: int):
             continue
         seen.add(id(n))
         yield n, depth
-        if _is_weight_matmul(n):
+        if _is_weight_layer(n):
             continue
         q.extend((m, depth + 1) for m in step(n))
 
@@ -164,20 +193,27 @@ def _classify(node: ir.Node, K: int, N: int) -> tuple[str, str, str]:
     # q/k/v: output flows (via reshape/rope/…) into a MatMul of two activations before any other weight MatMul
     act_mm_down = [n for n, d in down if _is_act_matmul(n)]
     softmax_down = any(n.op_type == "Softmax" for n, d in down if d <= 4)
-    weight_mm_down = [n for n, d in down if _is_weight_matmul(n)]
+    weight_mm_down = [n for n, d in down if _is_weight_layer(n)]
     hint = _name_hint(node)
     if _reaches_output_plainly(node) and not any(n.op_type in _NORM_OPS for n in down_ops[:3]):
         # the last projection before a graph output (lm_head / classifier)
         if not act_mm_down:
             return "head", "head", "structure"
+    # a fused attention core: o reads its output, q/k/v (or packed qkv) feed it
+    for n, d in up:
+        if _is_attn_core(n) and d <= 4:
+            return "attn", "o", "structure"
+        if _is_weight_layer(n):
+            break
+    core = next(((n, d) for n, d in down if _is_attn_core(n) and d <= 5), None)
+    if core is not None and (not weight_mm_down or core[1] < _first_depth(down, weight_mm_down[0])):
+        return "attn", _core_role(node, core[0], down), "structure"
     # o-proj: input comes from attn·V (MatMul of activations fed by Softmax)
     for n, d in up:
-        if _is_weight_matmul(n):
+        if _is_weight_layer(n):
             break
-        if _is_act_matmul(n) and d <= 5:
-            srcs = [i.producer() for i in n.inputs if i is not None]
-            if any(s is not None and s.op_type in ("Softmax", "Cast", "Dropout") for s in srcs):
-                return "attn", "o", "structure"
+        if _is_act_matmul(n) and d <= 5 and _softmax_fed(n):
+            return "attn", "o", "structure"
     if act_mm_down and (not weight_mm_down or _first_depth(down, act_mm_down[0]) < _first_depth(down, weight_mm_down[0])):
         role = hint[1] if hint and hint[0] == "attn" and hint[1] in "qkv" else _qkv_role(node, down)
         return "attn", role, "structure"
@@ -203,6 +239,19 @@ def _classify(node: ir.Node, K: int, N: int) -> tuple[str, str, str]:
     return "mlp", "?", "default"
 
 
+def _core_role(node: ir.Node, core: ir.Node, down) -> str:
+    """Which input of a fused attention core the projection feeds: 0 query (packed qkv when the
+    key and value inputs are absent), 1 key, 2 value."""
+    vals = {id(o) for o in node.outputs} | {id(o) for n, d in down for o in n.outputs if n is not core}
+    idx = [i for i, v in enumerate(core.inputs[:3]) if v is not None and id(v) in vals]
+    if not idx:
+        return "?"
+    if idx[0] == 0:
+        packed = all(v is None or v.name == "" for v in core.inputs[1:3]) if core.op_type != "Attention" else False
+        return "qkv" if packed else "q"
+    return "k" if idx[0] == 1 else "v"
+
+
 def _first_depth(down, node) -> int:
     for n, d in down:
         if n is node:
@@ -214,11 +263,29 @@ def _qkv_role(node: ir.Node, down) -> str:
     # k goes through a Transpose into the QK^T MatMul as its second input, v is the second input of attn·V
     for n, d in down:
         if _is_act_matmul(n):
-            srcs = [i.producer() for i in n.inputs if i is not None]
-            if any(s is not None and s.op_type == "Softmax" for s in srcs):
-                return "v"
-            return "q|k"
+            return "v" if _softmax_fed(n) else "q|k"
     return "?"
+
+
+# between Softmax and the attn·V MatMul: casts, dropout, and the NaN guard Where(IsNaN(p), 0, p)
+# (optimum and torch-dynamo exports)
+_PROB_OPS = {"Cast", "Dropout", "Where", "IsNaN", "Identity"}
+
+
+def _softmax_fed(mm: ir.Node, hops: int = 3) -> bool:
+    """An activation MatMul whose input comes from a Softmax (within `hops` of _PROB_OPS): attn·V."""
+    frontier = [i.producer() for i in mm.inputs if i is not None]
+    for _ in range(hops):
+        nxt = []
+        for p in frontier:
+            if p is None:
+                continue
+            if p.op_type == "Softmax":
+                return True
+            if p.op_type in _PROB_OPS:
+                nxt += [i.producer() for i in p.inputs if i is not None]
+        frontier = nxt
+    return False
 
 
 def _mul_of_two_projections(mul: ir.Node) -> bool:
@@ -228,7 +295,7 @@ def _mul_of_two_projections(mul: ir.Node) -> bool:
         if i is None:
             continue
         for n, d in _upstream(i, limit=4):
-            if _is_weight_matmul(n):
+            if _is_weight_layer(n):
                 hits += 1
                 break
     return hits == 2
@@ -255,20 +322,49 @@ def _unsupported(w: ir.Value) -> str | None:
 
 @dataclass
 class Unsupported:
-    """A MatMul with a constant B that no backend can take, and why (one report row)."""
+    """A weight layer no backend can take, and why (one report row): a MatMul whose constant B is
+    not a 2-D float32 weight, a weight already quantized (MatMulNBits …), or the weight of a fused
+    op (com.microsoft Attention's packed QKV, Gemm)."""
     node: ir.Node
     name: str
     weight: ir.Value
     why: str
+    shape: list | None = None       # [K, N] when the stored weight's shape is not it (packed, quantized)
 
 
 def node_name(node: ir.Node) -> str:
-    return node.name or f"MatMul_{node.outputs[0].name}"
+    return node.name or f"{node.op_type}_{node.outputs[0].name}"
+
+
+def _quantized_why(node: ir.Node) -> tuple[str, list | None]:
+    a = {k: v.value for k, v in node.attributes.items()}
+    dom = f"{node.domain}::" if node.domain else ""
+    if node.op_type == "MatMulNBits":
+        return (f"already quantized: {dom}MatMulNBits int{a.get('bits', 4)}, block {a.get('block_size')}",
+                [int(a["K"]), int(a["N"])] if "K" in a and "N" in a else None)
+    return f"already quantized: {dom}{node.op_type}", None
 
 
 def find_unsupported(model: ir.Model) -> list[Unsupported]:
-    return [Unsupported(node, node_name(node), wt[0], why) for node in model.graph
-            for wt in [_weight_of(node)] if wt is not None for why in [_unsupported(wt[0])] if why]
+    out = []
+    for node in model.graph:
+        wt = _weight_of(node)
+        if wt is not None:
+            why = _unsupported(wt[0])
+            if why:
+                out.append(Unsupported(node, node_name(node), wt[0], why))
+            continue
+        if node.op_type in _QUANTIZED_OPS and node.op_type != "GatherBlockQuantized":
+            w = _const_input(node, _QUANTIZED_OPS[node.op_type])
+            if w is not None:
+                why, shape = _quantized_why(node)
+                out.append(Unsupported(node, node_name(node), w, why, shape))
+        elif node.op_type in _FUSED_WEIGHT_OPS and (w := _const_input(node, _FUSED_WEIGHT_OPS[node.op_type])) is not None:
+            dom = f"{node.domain}::" if node.domain else ""
+            what = ("the packed QKV weight inside a fused attention op" if _is_attn_core(node)
+                    else "a weight inside a fused op (MatMul + bias + transposes)")
+            out.append(Unsupported(node, node_name(node), w, f"{dom}{node.op_type}: {what}; no weight backend takes it"))
+    return out
 
 
 def find_candidates(model: ir.Model) -> list[Candidate]:

@@ -170,7 +170,7 @@ def default_output(model: str) -> str:
 
 
 SIDECARS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-            "generation_config.json", "vocab.txt", "ortlean.json")
+            "generation_config.json", "vocab.txt", "ortlean.json", "genai_config.json")
 
 
 def copy_sidecars(inp: Path, out: Path) -> list[Path]:
@@ -193,12 +193,29 @@ def check(path: Path, out: Path) -> None:
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as e:
-        raise OrtleanError(f"{out}: rewritten model fails onnx.checker: {e}") from None
+        if not any(f"No Op registered for {op} " in str(e) for op in ORT_ONNX_DOMAIN_OPS):
+            raise OrtleanError(f"{out}: rewritten model fails onnx.checker: {e}") from None
+        # ONNX Runtime registers a few contrib ops in the ONNX domain (the fused graph's and the genai
+        # builder's SimplifiedLayerNormalization): check the rest with those nodes in a schema-less domain
+        proto = onnx.load(str(path), load_external_data=False)
+        for n in proto.graph.node:
+            if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_OPS:
+                n.domain = "com.microsoft"
+        if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+        try:
+            onnx.checker.check_model(proto)
+        except onnx.checker.ValidationError as e2:
+            raise OrtleanError(f"{out}: rewritten model fails onnx.checker: {e2}") from None
 
 
-def model_io(model: ir.Model):
+# contrib ops ONNX Runtime registers in the ONNX domain (no onnx schema: onnx.checker does not know them)
+ORT_ONNX_DOMAIN_OPS = ("SimplifiedLayerNormalization",)
+
+
+def model_io(model: ir.Model, path=None):
     """`custom_ops.runtime.ModelIO` of a loaded model (what `ModelIO.from_model` reads from its
-    file, without parsing the file again)."""
+    file, without parsing the file again; `path` resolves a genai builder model's symbolic KV dims)."""
     from custom_ops.runtime import ModelIO
 
     inits = model.graph.initializers
@@ -208,4 +225,4 @@ def model_io(model: ir.Model):
         return v.name, shape, (v.dtype.numpy().type if v.dtype is not None else np.float32)
 
     return ModelIO.from_signature([sig(v) for v in model.graph.inputs if v.name not in inits],
-                                  [sig(v) for v in model.graph.outputs])
+                                  [sig(v) for v in model.graph.outputs]).resolve_dims(path)

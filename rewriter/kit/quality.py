@@ -66,7 +66,7 @@ class QualityProbe:
     def loss(self, model) -> float:
         sess = session(model, self.threads)
         if self.io.kind == "causal-lm":
-            io = runtime.ModelIO.from_session(sess)  # a rewrite may add state inputs (event caches)
+            io = runtime.ModelIO.from_session(sess).fill_from(self.io)  # a rewrite may add states (event caches)
             nll = runtime.perplexity(sess, io, self.ids, window=self.window)["nll"]
             return float(np.exp(nll - self.ref) - 1.0)
         e = runtime.embeddings(sess, self.io, self.tok, self.sents)

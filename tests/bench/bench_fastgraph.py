@@ -9,7 +9,8 @@ Models (ONNX Runtime CPU EP):
   fused fp32       rewriter.fuse.fuse_decoder(optimum export)
   fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS)
   genai fp32/int4  onnxruntime-genai 0.15.2's model builder on the same fp32 checkpoint (models.peers)
-Drivers (the row name says which):
+Drivers (the row name says which; custom_ops.runtime.bench.LoopRow / SharedRow / OgRow, the table
+loop is custom_ops.runtime.bench.decode_table, the same code `ortlean bench` runs):
   "<model>"              custom_ops.runtime's loop on a plain InferenceSession: feeds with
                          past_key_values.*, the presents (new arrays, the cache copied) fed back
   "<model> | shared KV"  custom_ops.runtime.shared_kv on the same kind of session: past and present bound to
@@ -64,104 +65,6 @@ def isa_line() -> str:
 
     return (f"CPU: {model}, {os.cpu_count()} logical cores; ISA: {' '.join(keep)}; onnxruntime {ort.__version__}; "
             f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-
-
-# ---------------------------------------------------------------------------------------------
-# the three ways a row is driven; each has prefill(ids) -> seconds and decode(past, steps) -> [seconds]
-class OrtRow:
-    """custom_ops.runtime's loop on a plain InferenceSession: presents come back as new arrays."""
-
-    def __init__(self, sess, io, states):
-        from custom_ops import runtime
-
-        self.runtime, self.sess, self.io, self.states = runtime, sess, io, states
-
-    def prefill(self, ids) -> float:
-        f = self.runtime.feeds(self.io, ids)
-        self.sess.run(None, f)  # untimed first: another session's spinning pool must not steal the cores
-        t0 = time.perf_counter()
-        self.sess.run(None, f)
-        return time.perf_counter() - t0
-
-    def decode(self, p: int, step_ids) -> list[float]:
-        past, plen, out_t = self.states[p], p, []
-        for s in range(step_ids.shape[1]):
-            f = self.runtime.feeds(self.io, step_ids[:, s: s + 1], past, plen)
-            t0 = time.perf_counter()
-            out = self.runtime.run(self.sess, self.io, f)
-            out_t.append(time.perf_counter() - t0)
-            past, plen = self.io.next_state(out), plen + 1
-        return out_t
-
-
-class SharedRow:
-    """custom_ops.runtime.shared_kv: the same session, past and present bound to one buffer per layer."""
-
-    def __init__(self, sess, io, states, steps, prefill_len):
-        from custom_ops.runtime.shared_kv import SharedKV
-
-        self.kv = {p: SharedKV(sess, io, max_len=p + steps) for p in states}
-        for p, st in states.items():
-            self.kv[p].fill(p, st)
-        self.kv_prefill = SharedKV(sess, io, max_len=prefill_len)
-
-    def prefill(self, ids) -> float:
-        self.kv_prefill.prefill(ids)  # untimed first (see OrtRow.prefill)
-        t0 = time.perf_counter()
-        self.kv_prefill.prefill(ids)
-        return time.perf_counter() - t0
-
-    def decode(self, p: int, step_ids) -> list[float]:
-        kv = self.kv[p]
-        kv.length = p  # rows beyond the length are masked by seqlens_k; the cache itself is unchanged
-        out_t = []
-        for s in range(step_ids.shape[1]):
-            t0 = time.perf_counter()
-            kv.step(step_ids[:, s: s + 1])
-            out_t.append(time.perf_counter() - t0)
-        return out_t
-
-
-class OgRow:
-    """onnxruntime_genai's generator (append_tokens / generate_next_token, shared KV buffers)."""
-
-    def __init__(self, model_dir: Path, threads: int, past_ids: dict, steps: int, rounds: int):
-        import onnxruntime_genai as og
-
-        self.og = og
-        cfg = og.Config(str(model_dir))
-        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-        self.model = og.Model(cfg)
-        self.past_ids, self.steps, self.rounds = past_ids, steps, rounds
-        self.gens: dict[int, object] = {}
-
-    def _gen(self, max_length: int):
-        p = self.og.GeneratorParams(self.model)
-        p.set_search_options(max_length=max_length, do_sample=False)
-        return self.og.Generator(self.model, p)
-
-    def prefill(self, ids) -> float:
-        ids = np.asarray(ids).reshape(-1).astype(np.int32)
-        self._gen(ids.size + 4).append_tokens(ids)
-        g = self._gen(ids.size + 4)
-        t0 = time.perf_counter()
-        g.append_tokens(ids)
-        return time.perf_counter() - t0
-
-    def decode(self, p: int, step_ids) -> list[float]:
-        # one generator per past length, built once (untimed) and continued: its past grows by
-        # `steps` tokens per round (og has no way to rewind a shared-buffer cache cheaply)
-        if p not in self.gens:
-            g = self._gen(p + self.steps * (self.rounds + 2) + 2)
-            g.append_tokens(np.asarray(self.past_ids[p]).reshape(-1).astype(np.int32))
-            self.gens[p] = g
-        g, out = self.gens[p], []
-        for _ in range(step_ids.shape[1]):
-            t0 = time.perf_counter()
-            g.generate_next_token()
-            out.append(time.perf_counter() - t0)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,61 +147,32 @@ def main():
                 res["models"][n]["delta_ppl"] = res["models"][n]["ppl"] / ref - 1
         res["ppl_tokens"] = int(ids.size)
 
-    # ---- speed --------------------------------------------------------------------------------
-    rng = np.random.default_rng(0)
-    prefill_ids = rng.integers(100, 40000, (1, a.prefill))
-    past_ids = {p: rng.integers(100, 40000, (1, p)) for p in pasts}
-    step_ids = rng.integers(100, 40000, (1, a.steps))
+    # ---- speed: custom_ops.runtime.bench.decode_table (what `ortlean bench` runs) ---------------
+    from custom_ops.runtime.bench import decode_table
+
     for t in threads:
         sessions = {n: ort_session(p, t) for n, p in models.items()}
-        ios = {n: io_for(n, s) for n, s in sessions.items()}
-        # past caches: short ones from each model itself, long ones once from fused fp32 (shared arrays)
-        states: dict[str, dict[int, dict]] = {n: {} for n in sessions}
-        for p in pasts:
-            if p <= 512:
-                for n, s in sessions.items():
-                    states[n][p] = ios[n].next_state(runtime.run(s, ios[n], runtime.feeds(ios[n], past_ids[p])))
-            else:
-                t0 = time.perf_counter()
-                f = ios["fused fp32"]
-                shared = f.next_state(runtime.run(sessions["fused fp32"], f, runtime.feeds(f, past_ids[p])))
-                print(f"[t{t}] past {p}: cache built in {time.perf_counter() - t0:.1f} s", flush=True)
-                for n in sessions:
-                    states[n][p] = {k: shared[k] for k in ios[n].past_to_present}
-        drivers = {}
-        for r in row_names:
-            m, _, how = r.partition(" | ")
-            if how == "":
-                drivers[r] = OrtRow(sessions[m], ios[m], states[m])
-            elif how == "shared KV":
-                drivers[r] = SharedRow(sessions[m], ios[m], states[m], a.steps, a.prefill)
-            else:
-                drivers[r] = OgRow(genai_dirs[m], t, past_ids, a.steps, 1 + a.repeats)
-        times = {r: {"prefill": [], **{f"decode{p}": [] for p in pasts}} for r in drivers}
-        names = list(drivers)
-        for rnd in range(1 + a.repeats):
-            k = rnd % len(names)
-            for r in names[k:] + names[:k]:
-                pt = drivers[r].prefill(prefill_ids)
-                dts = {p: drivers[r].decode(p, step_ids) for p in pasts}
-                if rnd > 0:  # round 0 warms up
-                    times[r]["prefill"].append(pt)
-                    for p in pasts:
-                        times[r][f"decode{p}"].extend(dts[p])
-            print(f"[t{t}] round {rnd}/{a.repeats} ({time.monotonic() - t_start:.0f} s)", flush=True)
-        for r, tt in times.items():
-            res["rows"][r][f"t{t}"] = {key: float(np.median(v)) * 1e3 for key, v in tt.items()}
+        table = decode_table({n: (s, io_for(n, s)) for n, s in sessions.items()}, pasts, prefill_len=a.prefill,
+                             steps=a.steps, repeats=a.repeats, shared=() if a.no_shared else tuple(gqa),
+                             og=None if a.no_og else {m: genai_dirs[m] for m in models if m in genai_dirs},
+                             threads=t, long_past_from="fused fp32",
+                             say=lambda m: print(f"[t{t}] {m} ({time.monotonic() - t_start:.0f} s)", flush=True))
+        for r, v in table.items():
+            res["rows"][r][f"t{t}"] = v
         if a.profile:
             res.setdefault("profile", {})[f"t{t}"] = prof = {}
+            rng = np.random.default_rng(1)
             for n in ("fused int4", "genai int4"):
                 if n not in sessions:
                     continue
+                io = io_for(n, sessions[n])
                 for p in pasts:
-                    f = runtime.feeds(ios[n], step_ids[:, :1], states[n][p], p)
+                    past = io.next_state(runtime.run(sessions[n], io, runtime.feeds(io, rng.integers(100, 40000, (1, p)))))
+                    f = runtime.feeds(io, rng.integers(100, 40000, (1, 1)), past, p)
                     ps = runtime.profile_summary(models[n], lambda path, so=None: _prof_session(path, so, t),
                                                 feeds=f, runs=10, warmup=2)
                     prof[f"{n} past{p}"] = {"total_ms": ps.total_ms, "ops": list(ps)[:8]}
-        del sessions, drivers, states
+        del sessions
         gc.collect()
 
     # ---- llama.cpp ------------------------------------------------------------------------------
