@@ -21,6 +21,16 @@ struct AttnKernels {
   float (*expsum)(float* x, float mx, int64_t n);
   // max_i x[i] (-inf when n == 0)
   float (*maxv)(const float* x, int64_t n);
+  // Quantized cache rows: out[h] = sum_d q[h * ldq + d] * code_d for h < nq; codes: D int8
+  // (qdots8) or D int4 packed two per byte, element 2i in the low nibble (qdots4); D % 8 == 0.
+  void (*qdots8)(const int8_t* k, int64_t D, const float* q, int64_t ldq, int nq, float* out);
+  void (*qdots4)(const uint8_t* k, int64_t D, const float* q, int64_t ldq, int nq, float* out);
+  // y[h * ldy + d] += a[h] * code_d for h < na (same code layouts); Dv % 8 == 0.
+  void (*qaxpys8)(const float* a, int na, const int8_t* v, int64_t Dv, float* y, int64_t ldy);
+  void (*qaxpys4)(const float* a, int na, const uint8_t* v, int64_t Dv, float* y, int64_t ldy);
+  // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
+  // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
+  void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);
 };
 
 // kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ)

@@ -1,0 +1,271 @@
+"""PackedAttention's quantized cache mode (kv_quant = int8 | int4): native kernel vs the numpy
+reference (custom_ops/reference/attn.py: packed_attention_kv) on random and adversarial shapes,
+every ISA path, exact at full budget against dense attention over the dequantized cache, carried
+state across steps, one shared past/present buffer (seqlens_k), sliding window, softcap, batch
+with padding, and the refusal of bad nodes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP, helper
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import custom_ops  # noqa: E402
+from custom_ops.reference.attn import (kv_row_words, n_words, pack_keys, pack_kv, packed_attention_kv,  # noqa: E402
+                                       unpack_kv)
+
+from conftest import requires_native  # noqa: E402
+
+IN_NAMES = ("Q", "K", "V", "mask", "past_bits", "past_kv", "seqlens_k")
+
+
+def kv_model(attrs, *, use=("Q", "K", "V", "past_bits", "past_kv"), outs=3, name="pkv") -> bytes:
+    types = {"past_bits": TP.INT32, "past_kv": TP.INT32, "seqlens_k": TP.INT32}
+    ins = [helper.make_tensor_value_info(n, types.get(n, TP.FLOAT), None) for n in IN_NAMES if n in use]
+    names = [n if n in use else "" for n in IN_NAMES]
+    while names and not names[-1]:
+        names.pop()
+    out_vi = [helper.make_tensor_value_info(n, TP.FLOAT if n == "Y" else TP.INT32, None)
+              for n in ("Y", "bits", "kv")[:outs]]
+    node = helper.make_node("PackedAttention", names, [o.name for o in out_vi], domain="ai.ortlean", name=name,
+                            **attrs)
+    m = helper.make_model(helper.make_graph([node], "g", ins, out_vi),
+                          opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.ortlean", 1)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, mode="sign", eps=0.0):
+    """Random new tokens and a past cache whose keys have a few hot rows aligned with the queries."""
+    r = np.random.default_rng(seed)
+    Dv = Dv or D
+    Q = r.standard_normal((B, Hq, S, D), dtype=np.float32)
+    Kp = r.standard_normal((B, Hkv, P, D), dtype=np.float32)
+    if P:
+        hot = r.choice(P, size=max(1, P // 20), replace=False)
+        Kp[:, :, hot] += 2.0 * Q.reshape(B, Hkv, Hq // Hkv, S, D).mean((2, 3))[:, :, None]
+    Vp = r.standard_normal((B, Hkv, P, Dv), dtype=np.float32)
+    K = r.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    V = r.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
+    feed = {"Q": Q, "K": K, "V": V, "past_kv": pack_kv(Kp, Vp, q), "past_bits": pack_keys(Kp, mode, eps)}
+    return feed
+
+
+def run_native(attrs, feed, outs=3):
+    use = tuple(feed)
+    s = custom_ops.session(kv_model(attrs, use=use, outs=outs), threads=2)
+    return s.run(None, feed)
+
+
+def run_ref(attrs, feed):
+    f = dict(feed)
+    return packed_attention_kv(f.pop("Q"), f.pop("K"), f.pop("V"), f.pop("mask", None), f.pop("past_bits", None),
+                               f.pop("past_kv", None), f.pop("seqlens_k", None), **attrs)
+
+
+def dense_over_cache(feed, kv, D, Dv, q, scale, total=None, local_window=-1, softcap=0.0):
+    """Plain attention (float64) of the new query rows over the dequantized present cache."""
+    Kd, Vd = unpack_kv(kv, D, Dv, q)
+    Q = feed["Q"]
+    B, Hq, S, _ = Q.shape
+    rep = Hq // Kd.shape[1]
+    Y = np.zeros((B, Hq, S, Dv), np.float32)
+    for b in range(B):
+        tot = kv.shape[2] if total is None else total[b]
+        for h in range(Hq):
+            for m in range(S):
+                pos = max(0, tot - S) + m
+                if pos >= tot:
+                    continue
+                lo = max(0, pos - local_window) if local_window > 0 else 0
+                l = (Kd[b, h // rep, lo:pos + 1].astype(np.float64) @ Q[b, h, m].astype(np.float64)) * scale
+                if softcap > 0:
+                    l = softcap * np.tanh(l / softcap)
+                e = np.exp(l - l.max())
+                Y[b, h, m] = (e / e.sum()) @ Vd[b, h // rep, lo:pos + 1]
+    return Y
+
+
+# --------------------------------------------------------------------------- reference
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_reference_row_format_roundtrip(q):
+    r = np.random.default_rng(1)
+    K = r.standard_normal((2, 3, 7, 16), dtype=np.float32)
+    V = r.standard_normal((2, 3, 7, 24), dtype=np.float32)
+    K[0, 0, 0] = 0.0                                   # an all-zero row: scale 0, codes 0
+    rows = pack_kv(K, V, q)
+    assert rows.shape == (2, 3, 7, kv_row_words(16, 24, q)) and rows.dtype == np.int32
+    Kd, Vd = unpack_kv(rows, 16, 24, q)
+    L = 127 if q == "int8" else 7
+    tolk = np.abs(K).max(-1, keepdims=True) / L / 2 + 1e-7
+    assert (np.abs(Kd - K) <= tolk).all() and (np.abs(Vd - V) <= np.abs(V).max(-1, keepdims=True) / L / 2 + 1e-7).all()
+    assert (Kd[0, 0, 0] == 0).all()
+    # bytes: int8 row = D + Dv + 8 bytes, int4 = (D + Dv) / 2 + 8 (vs 4 (D + Dv) in fp32)
+    assert rows.shape[-1] * 4 == ((16 + 24) if q == "int8" else 20) + 8
+
+
+def test_reference_full_budget_is_dense_over_cache():
+    f = case(P=300, S=1)
+    for budget in (0.0, 1.0):
+        Y, bits, kv = run_ref(dict(kv_quant="int8", scale=0.125, budget=budget, min_context=0), f)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=1e-5)
+    assert (bits[:, :, :300] == f["past_bits"]).all() and (kv[:, :, :300] == f["past_kv"]).all()
+
+
+# --------------------------------------------------------------------------- kernel vs reference
+KERNEL_CASES = [
+    # (B, Hq, Hkv, S, P, D, Dv, q, attrs)
+    (1, 9, 3, 1, 700, 64, 64, "int8", dict(budget=0.25, window=64, min_context=128)),
+    (1, 9, 3, 1, 700, 64, 64, "int4", dict(budget=0.25, window=64, min_context=128)),
+    (2, 4, 2, 1, 333, 48, 40, "int8", dict(budget=0.3, window=17, sinks=3, min_candidates=5, min_context=10)),
+    (1, 4, 1, 1, 1100, 64, 64, "int8", dict(budget=0.1, window=32, mode="ternary", eps=0.5)),
+    (1, 2, 2, 1, 600, 32, 32, "int8", dict(budget=0.5, window=0, sinks=0, min_candidates=0, min_context=0, qbits=3)),
+    (1, 6, 3, 1, 640, 64, 64, "int8", dict(budget=0.2, select="exact")),
+    (1, 4, 2, 5, 90, 16, 16, "int8", dict(budget=0.0)),                              # prefill continuation
+    (1, 4, 2, 7, 0, 16, 16, "int4", dict()),                                          # first prompt
+    (1, 4, 2, 1, 0, 8, 8, "int8", dict(budget=0.5, min_context=0)),                   # a single key
+    (1, 6, 2, 4, 700, 64, 64, "int8", dict(budget=0.25, approx_prefill=1, min_context=64)),
+    (1, 4, 2, 1, 700, 64, 64, "int8", dict(budget=0.25, local_window=300, min_context=64, softcap=5.0)),
+]
+
+
+@requires_native
+@pytest.mark.parametrize("B,Hq,Hkv,S,P,D,Dv,q,attrs", KERNEL_CASES)
+def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs):
+    attrs = dict(kv_quant=q, scale=float(D) ** -0.5, **attrs)
+    f = case(B=B, Hq=Hq, Hkv=Hkv, S=S, P=P, D=D, Dv=Dv, q=q, mode=attrs.get("mode", "sign"),
+             eps=attrs.get("eps", 0.0))
+    if not P:
+        f.pop("past_kv"), f.pop("past_bits")
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_array_equal(kv, kr)
+    np.testing.assert_array_equal(bits, br)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+@requires_native
+def test_carried_state_across_steps_equals_one_call():
+    """Decode steps feeding present_* back as past_* equal one call over the same tokens."""
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.3, window=16, min_context=32)
+    f = case(P=200, S=1, seed=3)
+    r = np.random.default_rng(4)
+    s = custom_ops.session(kv_model(attrs), threads=1)
+    past_kv, past_bits = f["past_kv"], f["past_bits"]
+    for step in range(5):
+        feed = {"Q": r.standard_normal((1, 9, 1, 64), dtype=np.float32),
+                "K": r.standard_normal((1, 3, 1, 64), dtype=np.float32),
+                "V": r.standard_normal((1, 3, 1, 64), dtype=np.float32), "past_bits": past_bits, "past_kv": past_kv}
+        Y, past_bits, past_kv = s.run(None, feed)
+        Yr, br, kr = run_ref(attrs, feed)
+        np.testing.assert_allclose(Y, Yr, atol=2e-5)
+        assert past_kv.shape[2] == 201 + step and (past_kv == kr).all() and (past_bits == br).all()
+
+
+@requires_native
+def test_shared_buffer_with_seqlens_and_padding():
+    """seqlens_k: a buffer of capacity Tc holds sequences of different lengths (batch 2); present
+    has the buffer's shape, the new row of each sequence lands at its own position, padding rows
+    are untouched, and binding past and present to one OrtValue (IOBinding) gives the same Y."""
+    import onnxruntime as ort
+
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.25, window=32, min_context=64)
+    cap = 512
+    f = case(B=2, Hq=4, Hkv=2, P=cap, S=1, D=32, seed=5)
+    f["seqlens_k"] = np.array([300, 450], np.int32)          # totals 301 and 451 (new row at 300 / 450)
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5)
+    assert kv.shape == f["past_kv"].shape and (kv == kr).all() and (bits == br).all()
+    assert (kv[0, :, 301:] == f["past_kv"][0, :, 301:]).all()
+    sess = custom_ops.session(kv_model(attrs, use=tuple(f)), threads=2)
+    kv_buf = f["past_kv"].copy()
+    bits_buf = f["past_bits"].copy()
+    b = sess.io_binding()
+    ov_kv, ov_bits = ort.OrtValue.ortvalue_from_numpy(kv_buf), ort.OrtValue.ortvalue_from_numpy(bits_buf)
+    for n in ("Q", "K", "V", "seqlens_k"):
+        b.bind_cpu_input(n, f[n])
+    b.bind_ortvalue_input("past_kv", ov_kv)
+    b.bind_ortvalue_input("past_bits", ov_bits)
+    b.bind_output("Y")
+    b.bind_ortvalue_output("bits", ov_bits)
+    b.bind_ortvalue_output("kv", ov_kv)
+    sess.run_with_iobinding(b)
+    np.testing.assert_allclose(b.get_outputs()[0].numpy(), Yr, atol=2e-5)
+    assert (ov_kv.numpy() == kr).all() and (ov_bits.numpy() == br).all()
+
+
+@requires_native
+def test_padded_first_prompt_rows_are_zero():
+    attrs = dict(kv_quant="int4", scale=0.25)
+    f = case(B=2, Hq=2, Hkv=1, P=0, S=6, D=16, seed=6)
+    f.pop("past_kv"), f.pop("past_bits")
+    f["seqlens_k"] = np.array([5, 2], np.int32)               # lengths 6 and 3 (rows 3..5 of b=1: padding)
+    Y, bits, kv = run_native(attrs, f)
+    Yr, br, kr = run_ref(attrs, f)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5)
+    assert (Y[1, :, 3:] == 0).all() and (kv == kr).all()
+
+
+@requires_native
+def test_exact_at_full_budget_matches_dense_and_gqa_shapes():
+    """budget 1 (exact): dense attention over the dequantized cache to 1e-5, for GQA ratios 1, 3, 8."""
+    for Hq, Hkv in ((3, 3), (9, 3), (8, 1)):
+        f = case(Hq=Hq, Hkv=Hkv, P=257, D=64)
+        Y, bits, kv = run_native(dict(kv_quant="int8", scale=0.125, budget=1.0), f)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=1e-5)
+
+
+def _isa_worker() -> None:
+    f = case(P=500, seed=8, q=sys.argv[2])
+    attrs = dict(kv_quant=sys.argv[2], scale=0.125, budget=0.25, window=32, min_context=64)
+    Y, bits, kv = run_native(attrs, f)
+    Yr, _, kr = run_ref(attrs, f)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5)
+    assert (kv == kr).all()
+    print("ok", custom_ops.isa())
+
+
+@requires_native
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_isa_paths(isa, q):
+    env = dict(os.environ, ORTLEAN_ISA=isa)
+    code = f"import sys; sys.argv=['x', 'w', '{q}']; sys.path.insert(0, {str(ROOT / 'tests')!r}); " \
+           "import test_packed_gqa as t; t._isa_worker()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == isa
+
+
+@requires_native
+@pytest.mark.parametrize("attrs,needle", [
+    (dict(kv_quant="int9"), "kv_quant"),
+    (dict(kv_quant="int8", mix=0.5), "mix"),
+    (dict(kv_quant="int8", k_layout="bhdt"), "k_layout"),
+    (dict(kv_quant="int8", local_window=-2), "local_window"),
+    (dict(kv_quant="int8", softcap=-1.0), "softcap"),
+])
+def test_invalid_node_fails_with_name(attrs, needle):
+    with pytest.raises(Exception) as e:
+        custom_ops.session(kv_model(attrs, name="bad_kv_node"))
+    assert "bad_kv_node" in str(e.value) and needle in str(e.value)
+
+
+@requires_native
+def test_bad_shapes_are_refused():
+    f = case(P=10, D=12)  # D not a multiple of 8
+    with pytest.raises(Exception, match="multiples of 8"):
+        run_native(dict(kv_quant="int8"), f)
+    f = case(P=10)
+    f["past_bits"] = f["past_bits"][:, :, :5]
+    with pytest.raises(Exception, match="past_bits"):
+        run_native(dict(kv_quant="int8"), f)
