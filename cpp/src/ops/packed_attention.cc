@@ -893,42 +893,50 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const float* q = c.Q + ((b * c.Hq + h0) * M + m) * D;  // heads at stride M * D
     float* buf;
     try {
-      buf = task_scratch().get(static_cast<size_t>(rep * kKvBlock + 2 * rep + 64));
+      buf = task_scratch().get(static_cast<size_t>(rep * kKvBlock + kKvBlock * (D + Dv) + 64));
     } catch (...) {
       oom = true;
       return;
     }
-    float* L = buf;                    // [rep][kKvBlock] logits, then p
-    float* a = L + rep * kKvBlock;     // [rep]
-    float* dots = a + rep;             // [rep]
-    float* pr = part + k * ps;         // [rep][Dv + 2]: max, sum, y
+    float* L = buf;                      // [rep][kKvBlock] logits, then p * vscale
+    float* kf = L + rep * kKvBlock;      // [kKvBlock][D] key codes as floats
+    float* vf = kf + kKvBlock * D;       // [kKvBlock][Dv]
+    const uint8_t* kr[kKvBlock];
+    const uint8_t* vr[kKvBlock];
+    float ksc[kKvBlock], vsc[kKvBlock];
+    float* pr = part + k * ps;           // [rep][Dv + 2]: max, sum, y
     for (int64_t h = 0; h < rep; ++h) {
       pr[h * (Dv + 2)] = -INFINITY;
       pr[h * (Dv + 2) + 1] = 0.0f;
       std::fill(pr + h * (Dv + 2) + 2, pr + (h + 1) * (Dv + 2), 0.0f);
     }
     const int irep = static_cast<int>(rep);
+    const int kbits = c.kf.bits;
     for (int64_t i0 = 0; i0 < cn; i0 += kKvBlock) {
       const int64_t nb = std::min(kKvBlock, cn - i0);
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t t = list ? list[i0 + i] : start + i0 + i;
-        if (list && i0 + i + kAhead < cn) {
-          const char* pf = reinterpret_cast<const char*>(base + list[i0 + i + kAhead] * R);
+        const uint32_t* row = base + t * R;
+        kr[i] = c.kf.k(row);
+        vr[i] = c.kf.v(row);
+        ksc[i] = c.kf.kscale(row) * p.scale;
+        vsc[i] = c.kf.vscale(row);
+        if (list && i0 + i + kKvBlock < cn) {  // next block's rows (scattered): prefetch
+          const char* pf = reinterpret_cast<const char*>(base + list[i0 + i + kKvBlock] * R);
           for (int64_t o = 0; o < R * 4; o += 64) __builtin_prefetch(pf + o);
         }
-        const uint32_t* row = base + t * R;
-        if (c.kf.bits == 8) ak.qdots8(reinterpret_cast<const int8_t*>(c.kf.k(row)), D, q, M * D, irep, dots);
-        else ak.qdots4(c.kf.k(row), D, q, M * D, irep, dots);
-        const float ks = c.kf.kscale(row);
-        for (int64_t h = 0; h < rep; ++h) {
-          float l = dots[h] * ks * p.scale;
-          if (p.softcap > 0) l = p.softcap * std::tanh(l / p.softcap);
-          const float* mr = c.mask_row(b, h0 + h, m);
-          L[h * kKvBlock + i] = l + (mr ? mr[t * c.mst] : 0.0f);
-        }
       }
+      ak.deq_rows(kr, nb, D, kbits, kf);
+      ak.dots_tile(q, irep, M * D, kf, nb, D, L);
       for (int64_t h = 0; h < rep; ++h) {
-        float* lh = L + h * kKvBlock;
+        float* lh = L + h * nb;
+        const float* mr = c.mask_row(b, h0 + h, m);
+        for (int64_t i = 0; i < nb; ++i) {
+          float l = lh[i] * ksc[i];
+          if (p.softcap > 0) l = p.softcap * std::tanh(l / p.softcap);
+          if (mr) l += mr[(list ? list[i0 + i] : start + i0 + i) * c.mst];
+          lh[i] = l;
+        }
         float* ph = pr + h * (Dv + 2);
         const float bm = ak.maxv(lh, nb);
         const float nm = std::max(ph[0], bm);
@@ -943,15 +951,10 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
           ph[0] = nm;
         }
         ph[1] += ak.expsum(lh, nm, nb);
+        for (int64_t i = 0; i < nb; ++i) lh[i] *= vsc[i];
       }
-      for (int64_t i = 0; i < nb; ++i) {
-        const int64_t t = list ? list[i0 + i] : start + i0 + i;
-        const uint32_t* row = base + t * R;
-        const float vs = c.kf.vscale(row);
-        for (int64_t h = 0; h < rep; ++h) a[h] = L[h * kKvBlock + i] * vs;
-        if (c.kf.bits == 8) ak.qaxpys8(a, irep, reinterpret_cast<const int8_t*>(c.kf.v(row)), Dv, pr + 2, Dv + 2);
-        else ak.qaxpys4(a, irep, c.kf.v(row), Dv, pr + 2, Dv + 2);
-      }
+      ak.deq_rows(vr, nb, Dv, kbits, vf);
+      ak.pv_tile(L, irep, vf, nb, Dv, pr + 2, Dv + 2);
     }
   };
   parallel_for(ctx, static_cast<size_t>(nchunks), task);
