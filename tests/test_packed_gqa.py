@@ -122,6 +122,7 @@ def test_reference_full_budget_is_dense_over_cache():
 
 # --------------------------------------------------------------------------- kernel vs reference
 KERNEL_CASES = [
+    (1, 6, 2, 1, 300, 24, 20, "fp32", dict(budget=0.3, window=16, min_context=32)),
     # (B, Hq, Hkv, S, P, D, Dv, q, attrs)
     (1, 9, 3, 1, 700, 64, 64, "int8", dict(budget=0.25, window=64, min_context=128)),
     (1, 9, 3, 1, 700, 64, 64, "int4", dict(budget=0.25, window=64, min_context=128)),

@@ -30,12 +30,13 @@ binary) the key-bit density is above rho. On the candidate set S: logits = scale
 (+ mix * (approx - exact logits) when mix > 0), softmax over S, Y = Σ p v; a row whose logits
 are all -inf gives Y = 0 (the dense graph's IsNaN → 0).
 
-Quantized cache mode (kv_quant = "int8" | "int4"): K [B, Hkv, S, D] and V [B, Hkv, S, Dv] are the
+Cache mode (kv_quant = "fp32" | "int8" | "int4"; "none" is the mode above): K [B, Hkv, S, D] and V [B, Hkv, S, Dv] are the
 NEW tokens only; the cache is graph state (int32 rows, like the key bits):
   past_kv int32 [B, Hkv, P, R] → present_kv [B, Hkv, Tc, R], one row per key (kv_row_words):
     K codes (D bytes int8, or D/2 bytes of int4 pairs: element 2i low nibble, 2i+1 high, two's
     complement), K scale (float32), V codes, V scale; scale = max|x| / L (L = 127 | 7), code =
-    clip(rint(x * (L / max|x|)), -L, L) (all zero when max|x| = 0); x̂ = code * scale.
+    clip(rint(x * (L / max|x|)), -L, L) (all zero when max|x| = 0); x̂ = code * scale. fp32: the
+    "codes" are the float32 values and both scales 1 (exact; GroupQueryAttention's cache).
   seqlens_k int32 [B] (optional, GroupQueryAttention's: total length − 1 per sequence; default
     P + S for all): total_b = seqlens_k[b] + 1, the new rows go to positions
     pos0_b = max(0, total_b − S) .. total_b − 1 (rows at or beyond total_b are padding: not stored,
@@ -228,15 +229,20 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, **attrs):
 KV_LEVELS = {"int8": 127, "int4": 7}
 
 
+_CODE_BYTES = {"fp32": lambda n: 4 * n, "int8": lambda n: n, "int4": lambda n: n // 2}
+
+
 def kv_row_words(D: int, Dv: int, kv_quant: str = "int8") -> int:
     """int32 words per cached key: K codes, K scale, V codes, V scale."""
-    cb = (lambda n: n) if kv_quant == "int8" else (lambda n: n // 2)
+    cb = _CODE_BYTES[kv_quant]
     return cb(D) // 4 + 1 + cb(Dv) // 4 + 1
 
 
 def quantize_rows(x: np.ndarray, kv_quant: str) -> tuple[np.ndarray, np.ndarray]:
     """x [..., n] float32 → (codes [..., n] int8, scale [...] float32), per row."""
     x = np.asarray(x, np.float32)
+    if kv_quant == "fp32":
+        return x, np.ones(x.shape[:-1], np.float32)
     L = np.float32(KV_LEVELS[kv_quant])
     a = np.abs(x).max(-1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -246,6 +252,8 @@ def quantize_rows(x: np.ndarray, kv_quant: str) -> tuple[np.ndarray, np.ndarray]
 
 
 def _codes_bytes(codes: np.ndarray, kv_quant: str) -> np.ndarray:
+    if kv_quant == "fp32":
+        return np.ascontiguousarray(codes, np.float32).view(np.uint8)
     if kv_quant == "int8":
         return codes.view(np.uint8)
     c = codes.astype(np.uint8) & 0x0F
@@ -253,6 +261,8 @@ def _codes_bytes(codes: np.ndarray, kv_quant: str) -> np.ndarray:
 
 
 def _bytes_codes(b: np.ndarray, n: int, kv_quant: str) -> np.ndarray:
+    if kv_quant == "fp32":
+        return np.ascontiguousarray(b).view(np.float32)
     if kv_quant == "int8":
         return b.view(np.int8)
     lo = (b & 0x0F).astype(np.int8)
@@ -276,8 +286,7 @@ def pack_kv(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8") -> np.ndarray:
 def unpack_kv(rows: np.ndarray, D: int, Dv: int, kv_quant: str = "int8") -> tuple[np.ndarray, np.ndarray]:
     """Cache rows [..., T, R] int32 → (K̂ [..., T, D], V̂ [..., T, Dv]) float32 (dequantized)."""
     b = np.ascontiguousarray(rows).view(np.uint8)
-    kb = D if kv_quant == "int8" else D // 2
-    vb = Dv if kv_quant == "int8" else Dv // 2
+    kb, vb = _CODE_BYTES[kv_quant](D), _CODE_BYTES[kv_quant](Dv)
     kc = _bytes_codes(b[..., :kb], D, kv_quant)
     ks = np.ascontiguousarray(b[..., kb:kb + 4]).view(np.float32)
     vc = _bytes_codes(b[..., kb + 4:kb + 4 + vb], Dv, kv_quant)

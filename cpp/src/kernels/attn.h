@@ -21,18 +21,12 @@ struct AttnKernels {
   float (*expsum)(float* x, float mx, int64_t n);
   // max_i x[i] (-inf when n == 0)
   float (*maxv)(const float* x, int64_t n);
-  // Quantized cache rows: out[h] = sum_d q[h * ldq + d] * code_d for h < nq; codes: D int8
-  // (qdots8) or D int4 packed two per byte, element 2i in the low nibble (qdots4); D % 8 == 0.
-  void (*qdots8)(const int8_t* k, int64_t D, const float* q, int64_t ldq, int nq, float* out);
-  void (*qdots4)(const uint8_t* k, int64_t D, const float* q, int64_t ldq, int nq, float* out);
-  // y[h * ldy + d] += a[h] * code_d for h < na (same code layouts); Dv % 8 == 0.
-  void (*qaxpys8)(const float* a, int na, const int8_t* v, int64_t Dv, float* y, int64_t ldy);
-  void (*qaxpys4)(const float* a, int na, const uint8_t* v, int64_t Dv, float* y, int64_t ldy);
-  // Tiles of a block of cached rows: out[i * n + d] = code d of rows[i] as float (bits 8 | 4), i < nb
+  // Cache rows (kv_quant): int8 codes, or int4 pairs (element 2i in the low nibble, two's complement).
+  // Tiles of a block of cached rows: out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the float32 values), i < nb
   void (*deq_rows)(const uint8_t* const* rows, int64_t nb, int64_t n, int bits, float* out);
   // out[h * nb + i] = sum_d q[h * ldq + d] * kf[i * D + d], h < nq, i < nb
   void (*dots_tile)(const float* q, int nq, int64_t ldq, const float* kf, int64_t nb, int64_t D, float* out);
-  // y[h * ldy + d] += sum_i p[h * nb + i] * vf[i * Dv + d], h < nq (Dv % 8 == 0)
+  // y[h * ldy + d] += sum_i p[h * nb + i] * vf[i * Dv + d], h < nq
   void (*pv_tile)(const float* p, int nq, const float* vf, int64_t nb, int64_t Dv, float* y, int64_t ldy);
   // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
   // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)

@@ -217,7 +217,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   std::string kvq;
   at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
   at.read({{"local_window", &p.local_window}});
-  p.kv_bits = kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
+  p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
   if (p.kv_bits && p.mix > 0) fail("attribute mix must be 0 with kv_quant " + kvq);
   if (p.kv_bits && layout != "bhtd") fail("attribute k_layout must be bhtd with kv_quant " + kvq);
   p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : KeyMode::Sign;
@@ -485,10 +485,10 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
 
 // One cached key row (int32 words): K codes, K scale, V codes, V scale (custom_ops/reference/attn.py).
 struct KvRowFormat {
-  int bits;             // 8 | 4
+  int bits;             // 32 | 8 | 4
   int64_t kbytes, vbytes, words;
   KvRowFormat(int b, int64_t D, int64_t Dv)
-      : bits(b), kbytes(b == 8 ? D : D / 2), vbytes(b == 8 ? Dv : Dv / 2), words(kbytes / 4 + 1 + vbytes / 4 + 1) {}
+      : bits(b), kbytes(D * b / 8), vbytes(Dv * b / 8), words(kbytes / 4 + 1 + vbytes / 4 + 1) {}
   const uint8_t* k(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row); }
   float kscale(const uint32_t* row) const { return f32(row + kbytes / 4); }
   const uint8_t* v(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row + kbytes / 4 + 1); }
@@ -500,6 +500,10 @@ struct KvRowFormat {
   }
   // quantizes x[0:n) into codes (n bytes int8, or n/2 bytes of int4 pairs), returns the scale
   float quantize(const float* x, int64_t n, uint8_t* codes) const {
+    if (bits == 32) {
+      std::memcpy(codes, x, sizeof(float) * static_cast<size_t>(n));
+      return 1.0f;
+    }
     const float L = bits == 8 ? 127.0f : 7.0f;
     float a = 0.0f;
     for (int64_t d = 0; d < n; ++d) a = std::max(a, std::fabs(x[d]));
@@ -573,7 +577,7 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
   if (Hkv < 1 || Hq % Hkv != 0)
     fail("query heads " + std::to_string(Hq) + " not a multiple of KV heads " + std::to_string(Hkv));
   if (M != S) fail("kv_quant: Q has " + std::to_string(M) + " rows, K " + std::to_string(S) + " new tokens");
-  if (D % 8 || Dv % 8)
+  if (p.kv_bits != 32 && (D % 8 || Dv % 8))
     fail("kv_quant: head dims must be multiples of 8, got D " + std::to_string(D) + ", Dv " + std::to_string(Dv));
   check_list_lengths(Hkv, D);
   KvCall c{B, Hq, M, D, Hkv, S, Dv, Hq / Hkv, 0, 0, PackedKeyFormat(p.mode, D), KvRowFormat(p.kv_bits, D, Dv)};
@@ -673,11 +677,9 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
       for (int64_t t = 0; t < P; ++t) {
         const uint32_t* row = c.kv + (bh * Tc + t) * R;
         const float ks = c.kf.kscale(row);
-        for (int64_t d = 0; d < c.D; ++d) {
-          const int code = c.kf.bits == 8 ? static_cast<int8_t>(c.kf.k(row)[d])
-                                          : [&] { const int v = (c.kf.k(row)[d >> 1] >> ((d & 1) * 4)) & 15; return v > 7 ? v - 16 : v; }();
-          kx[static_cast<size_t>(d)] = static_cast<float>(code) * ks;
-        }
+        const uint8_t* kr = c.kf.k(row);
+        ak_->deq_rows(&kr, 1, c.D, c.kf.bits, kx.data());
+        for (int64_t d = 0; d < c.D; ++d) kx[static_cast<size_t>(d)] *= ks;
         c.fmt.pack(kx.data(), 1, eps, c.bits + (bh * Tc + t) * W);
       }
     }
@@ -778,9 +780,9 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     if (p.oracle) {  // exact scores on the dequantized keys (measurement only)
       for (int64_t t = 0; t < nctx; ++t) {
         const uint32_t* row = kvb + t * c.kf.words;
-        float dot;
-        if (c.kf.bits == 8) ak.qdots8(reinterpret_cast<const int8_t*>(c.kf.k(row)), D, qg, D, 1, &dot);
-        else ak.qdots4(c.kf.k(row), D, qg, D, 1, &dot);
+        const uint8_t* kr = c.kf.k(row);
+        ak.deq_rows(&kr, 1, D, c.kf.bits, kd);
+        const float dot = ak.dot(qg, kd, D);
         // reference: (K̂ @ q) * scale with K̂ = code * kscale
         g[t] = dot * c.kf.kscale(row) * p.scale;
       }

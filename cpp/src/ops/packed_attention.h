@@ -23,7 +23,7 @@ struct AttnParams {
   bool k_bhdt;                   // K is [B, Hkv, D, T]
   std::vector<float> kscale;     // [Hkv * D] per-channel key scale folded into q for the popcount score
   std::vector<float> eps_heads;  // per KV head (eps modes), empty = eps for all
-  int kv_bits = 0;               // 0: fp32 K/V are the context; 8 / 4: quantized cache (past_kv)
+  int kv_bits = 0;               // 0: K/V are the context; 32 / 8 / 4: cache rows (past_kv) of fp32 / int8 / int4
   int64_t local_window = -1;     // kv cache mode: keys [pos - w, pos] when > 0
   float softcap = 0.0f;          // kv cache mode: softcap * tanh(logit / softcap) when > 0
 };
@@ -55,7 +55,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_list("eps_heads", AttrType::Floats).at_least(0),  // one per KV head
       attr_list("kscale", AttrType::Floats).at_least(0),     // KV heads x head dim
       attr_string("select", "popcount").one_of("popcount|exact"),
-      attr_string("kv_quant", "none").one_of("none|int8|int4"),
+      attr_string("kv_quant", "none").one_of("none|fp32|int8|int4"),
       attr_int("local_window", -1).range(-1, kMaxDim),
       attr_float("softcap", 0.0f).at_least(0),
       attr_optional("layer", AttrType::String),
