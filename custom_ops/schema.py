@@ -275,7 +275,7 @@ SCHEMAS: tuple[OpSchema, ...] = (
             Attr("kscale", "floats", default=(), valid=Valid(lo=0, finite=True), doc="KV heads x head dim; empty: none"),
             Attr("kv_quant", "string", default="none", valid=Valid(choices=("none", "fp32", "int8", "int4")),
                  doc="none: K/V are the whole context; fp32/int8/int4: K/V are the new tokens, the cache is past_kv"),
-            Attr("local_window", "int", default=-1, valid=Valid(lo=-1), doc="kv_quant: keys [pos - w, pos]; -1/0: all"),
+            Attr("local_window", "int", default=-1, valid=Valid(lo=-1), doc="kv_quant: the last w keys [pos - w + 1, pos]; -1/0: all"),
             Attr("softcap", "float", default=0.0, valid=Valid(lo=0, finite=True), doc="kv_quant: softcap * tanh(l / softcap)"),
             Attr("layer", "string", meta=True),
         ),

@@ -85,7 +85,7 @@ def dense_over_cache(feed, kv, D, Dv, q, scale, total=None, local_window=-1, sof
                 pos = max(0, tot - S) + m
                 if pos >= tot:
                     continue
-                lo = max(0, pos - local_window) if local_window > 0 else 0
+                lo = max(0, pos - local_window + 1) if local_window > 0 else 0
                 l = (Kd[b, h // rep, lo:pos + 1].astype(np.float64) @ Q[b, h, m].astype(np.float64)) * scale
                 if softcap > 0:
                     l = softcap * np.tanh(l / softcap)
@@ -270,3 +270,170 @@ def test_bad_shapes_are_refused():
     f["past_bits"] = f["past_bits"][:, :, :5]
     with pytest.raises(Exception, match="past_bits"):
         run_native(dict(kv_quant="int8"), f)
+
+
+# --------------------------------------------------------------------------- GroupQueryAttention → PackedAttention
+def _fused(family):
+    import onnx_ir as ir
+
+    import tiny_hf
+    from rewriter.fuse import fuse_decoder
+
+    fused, _ = fuse_decoder(ir.load(str(tiny_hf.models()[family] / "model.onnx")))
+    return fused
+
+
+def _rewrite_gqa(model, **cfg):
+    from rewriter.backends import packed_attention as attn
+
+    c = attn.AttnConfig(enabled=True, **cfg)
+    c.validate()
+    recs = attn.apply_gqa(model, c)
+    return model, recs
+
+
+def _save(model, path):
+    import onnx_ir as ir
+
+    ir.save(model, str(path))
+    return str(path)
+
+
+def _decode_logits(sess, ids_prompt, steps, batch_mask=None):
+    from custom_ops import runtime
+
+    io = runtime.ModelIO.from_session(sess)
+    out = runtime.run(sess, io, runtime.feeds(io, ids_prompt))
+    logits = [out[io.logits_name][:, -1]]
+    past, plen = io.next_state(out), ids_prompt.shape[1]
+    for t in steps.T:
+        out = runtime.run(sess, io, runtime.feeds(io, t[:, None], past, plen))
+        logits.append(out[io.logits_name][:, -1])
+        past, plen = io.next_state(out), plen + 1
+    return np.stack(logits, 1), past
+
+
+@requires_native
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gqa_replaced_exact_at_full_budget(tmp_path, family):
+    """Fused tiny Llama (head dim 16) / Qwen2 (head dim 32, biases): GroupQueryAttention →
+    PackedAttention (fp32 rows, budget 1) gives the same logits to 1e-5 over a prompt and decode
+    steps; the GQA cache I/O is replaced by .kv / .key_bits state."""
+    import onnxruntime as ort
+
+    g = _fused(family)
+    src = _save(g, tmp_path / "gqa.onnx")
+    m, recs = _rewrite_gqa(_fused(family), kv_quant="fp32", budget=1.0)
+    assert [r["backend"] for r in recs] == ["packed_attention"] * 2, recs
+    assert not any(n.op_type == "GroupQueryAttention" for n in m.graph)
+    names = {i.name for i in m.graph.inputs}
+    assert "past_key_values.0.kv" in names and "past_key_values.0.key" not in names
+    dst = _save(m, tmp_path / "packed.onnx")
+    r = np.random.default_rng(0)
+    prompt, steps = r.integers(0, 256, (1, 23)), r.integers(0, 256, (1, 6))
+    ref, _ = _decode_logits(ort.InferenceSession(src, providers=["CPUExecutionProvider"]), prompt, steps)
+    got, past = _decode_logits(custom_ops.session(dst, threads=2), prompt, steps)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert past["past_key_values.1.kv"].shape[2] == 23 + 6
+
+
+@requires_native
+def test_gqa_replaced_int8_close_and_shared_buffer(tmp_path):
+    """int8 rows: logits close to GQA's; the shared-buffer decode loop (runtime.shared_kv, one
+    buffer per state, capacity > length) gives the same logits as the growing-state loop."""
+    import onnxruntime as ort
+
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+
+    src = _save(_fused("qwen2"), tmp_path / "gqa.onnx")
+    r = np.random.default_rng(1)
+    prompt, steps = r.integers(0, 256, (1, 40)), r.integers(0, 256, (1, 5))
+    ref, _ = _decode_logits(ort.InferenceSession(src, providers=["CPUExecutionProvider"]), prompt, steps)
+    exact8, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=1.0)
+    got8, _ = _decode_logits(custom_ops.session(_save(exact8, tmp_path / "p8.onnx"), threads=1), prompt, steps)
+    assert np.abs(got8 - ref).max() < 0.02 * np.abs(ref).max()       # int8 rows: quantization error only
+    m, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=0.5, min_context=8, window=4, sinks=2,
+                        min_candidates=4)
+    sess = custom_ops.session(_save(m, tmp_path / "packed.onnx"), threads=1)
+    got, _ = _decode_logits(sess, prompt, steps)
+    kv = SharedKV(sess, runtime.ModelIO.from_session(sess), max_len=64)
+    shared = [kv.prefill(prompt)[:, -1]] + [kv.step(t[:, None])[:, -1] for t in steps.T]
+    np.testing.assert_allclose(np.stack(shared, 1), got, atol=1e-5)
+
+
+def _gqa_layer_model(Hq, Hkv, D, *, window=-1, softcap=0.0, packed=True, rotary=True, max_pos=256):
+    """One GroupQueryAttention node as the genai builder writes it (packed QKV, rotary inside),
+    with its own seqlens_k / total_sequence_length inputs."""
+    from onnx import numpy_helper
+
+    r = np.random.default_rng(7)
+    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+    ang = np.arange(max_pos)[:, None] * inv[None]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    ins = [helper.make_tensor_value_info("qkv", TP.FLOAT, ["batch_size", "sequence_length", (Hq + 2 * Hkv) * D]),
+           helper.make_tensor_value_info("past_key_values.0.key", TP.FLOAT, ["batch_size", Hkv, "past_sequence_length", D]),
+           helper.make_tensor_value_info("past_key_values.0.value", TP.FLOAT, ["batch_size", Hkv, "past_sequence_length", D]),
+           helper.make_tensor_value_info("seqlens_k", TP.INT32, ["batch_size"]),
+           helper.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
+    outs = [helper.make_tensor_value_info("y", TP.FLOAT, None),
+            helper.make_tensor_value_info("present.0.key", TP.FLOAT, ["batch_size", Hkv, "total_sequence_length", D]),
+            helper.make_tensor_value_info("present.0.value", TP.FLOAT, ["batch_size", Hkv, "total_sequence_length", D])]
+    attrs = dict(num_heads=Hq, kv_num_heads=Hkv, do_rotary=int(rotary), local_window_size=window)
+    if softcap:
+        attrs["softcap"] = softcap
+    node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "past_key_values.0.key", "past_key_values.0.value",
+                                                    "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+                            ["y", "present.0.key", "present.0.value"], domain="com.microsoft",
+                            name="/model/layers.0/attn/GroupQueryAttention", **attrs)
+    g = helper.make_graph([node], "g", ins, outs, initializer=[numpy_helper.from_array(cos, "cos_cache"),
+                                                               numpy_helper.from_array(sin, "sin_cache")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    del r
+    return m
+
+
+@requires_native
+@pytest.mark.parametrize("Hq,Hkv,D,window,softcap", [(6, 2, 48, 7, 0.0), (4, 1, 32, -1, 3.0), (8, 4, 16, 20, 0.0)])
+def test_gqa_layer_semantics(tmp_path, Hq, Hkv, D, window, softcap):
+    """One GQA layer (packed QKV, rotary inside, sliding window, softcap, head dims 48/32/16, batch 2
+    with right padding in the prompt, then decode steps of different lengths per sequence) →
+    PackedAttention fp32 at full budget: the same outputs to 1e-5."""
+    import onnx
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    if D % 16:
+        pytest.skip("ORT's CPU GroupQueryAttention needs head_dim % 16 == 0")
+    m = _gqa_layer_model(Hq, Hkv, D, window=window, softcap=softcap)
+    onnx.save(m, tmp_path / "gqa.onnx")
+    lean, recs = _rewrite_gqa(ir.from_proto(m), kv_quant="fp32", budget=1.0)
+    assert recs[0]["backend"] == "packed_attention", recs
+    dst = _save(lean, tmp_path / "packed.onnx")
+    gq = ort.InferenceSession(str(tmp_path / "gqa.onnx"), providers=["CPUExecutionProvider"])
+    pa = custom_ops.session(dst, threads=2)
+    r = np.random.default_rng(2)
+    B, S, W = 2, 11, (Hq + 2 * Hkv) * D
+    lens = np.array([11, 8])
+    qkv = r.standard_normal((B, S, W), dtype=np.float32)
+    f = {"qkv": qkv, "seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(S, np.int32)}
+    g_out = gq.run(None, {**f, "past_key_values.0.key": np.zeros((B, Hkv, 0, D), np.float32),
+                          "past_key_values.0.value": np.zeros((B, Hkv, 0, D), np.float32)})
+    p_out = pa.run(None, {"qkv": qkv, "seqlens_k": f["seqlens_k"], "total_sequence_length": f["total_sequence_length"],
+                          "past_key_values.0.key_bits": np.zeros((B, Hkv, 0, n_words(D)), np.int32),
+                          "past_key_values.0.kv": np.zeros((B, Hkv, 0, kv_row_words(D, D, "fp32")), np.int32)})
+    for b in range(B):  # padding rows are unspecified in GQA (0 here)
+        np.testing.assert_allclose(p_out[0][b, :lens[b]], g_out[0][b, :lens[b]], atol=1e-5)
+    pk, pv, pbits, pkv = g_out[1], g_out[2], p_out[1], p_out[2]
+    for step in range(4):  # decode: sequence 1 continues after its own length (right padding)
+        x = r.standard_normal((B, 1, W), dtype=np.float32)
+        lens = lens + 1
+        sl = (lens - 1).astype(np.int32)
+        tot = np.array(max(lens.max(), pk.shape[2] + 1), np.int32)
+        g_out = gq.run(None, {"qkv": x, "seqlens_k": sl, "total_sequence_length": tot,
+                              "past_key_values.0.key": pk, "past_key_values.0.value": pv})
+        p_out = pa.run(None, {"qkv": x, "seqlens_k": sl, "total_sequence_length": tot, "past_key_values.0.key_bits": pbits,
+                              "past_key_values.0.kv": pkv})
+        np.testing.assert_allclose(p_out[0], g_out[0], atol=1e-5)
+        pk, pv, pbits, pkv = g_out[1], g_out[2], p_out[1], p_out[2]

@@ -44,7 +44,8 @@ NEW tokens only; the cache is graph state (int32 rows, like the key bits):
     written, so a caller may bind past and present to one buffer of capacity Tc (the kernel then
     writes only the new rows). past_bits/present_bits follow the same rows.
   Query row m of sequence b sits at pos = pos0_b + m and attends keys [lo, pos] (causal), lo =
-  max(0, pos − local_window) when local_window > 0 (GroupQueryAttention's local_window_size).
+  max(0, pos − local_window + 1) when local_window > 0: the last local_window keys, as ONNX
+  Runtime's GroupQueryAttention local_window_size (checked against ORT 1.32).
   Logits scale · q·k̂ (softcap > 0: softcap · tanh(logits / softcap)) + mask (mask broadcast to
   [B, Hq, M, Tc]); softmax · V̂ over the context or the candidates. Candidates are chosen once per
   KV-head group (all query heads of a KV head read the same keys): group score = the approximate
@@ -346,7 +347,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                 pos = int(pos0[b]) + m
                 if pos >= total[b]:
                     continue
-                lo = max(0, pos - local_window) if local_window > 0 else 0
+                lo = max(0, pos - local_window + 1) if local_window > 0 else 0
                 ctx = np.arange(lo, pos + 1)
                 n_ctx = ctx.size
                 heads = range(hk * rep, (hk + 1) * rep)

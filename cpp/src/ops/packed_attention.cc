@@ -733,7 +733,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const int64_t b = r / (c.Hkv * M), m = r % M;
     const int64_t pos = c.pos0[static_cast<size_t>(b)] + m;
     if (pos >= c.total[static_cast<size_t>(b)]) continue;  // padding row: Y = 0
-    const int64_t lo = p.local_window > 0 ? std::max<int64_t>(0, pos - p.local_window) : 0;
+    const int64_t lo = p.local_window > 0 ? std::max<int64_t>(0, pos - p.local_window + 1) : 0;
     const int64_t nctx = pos + 1 - lo;
     c.lo[static_cast<size_t>(r)] = lo;
     c.hi[static_cast<size_t>(r)] = pos + 1;

@@ -24,7 +24,7 @@ struct AttnParams {
   std::vector<float> kscale;     // [Hkv * D] per-channel key scale folded into q for the popcount score
   std::vector<float> eps_heads;  // per KV head (eps modes), empty = eps for all
   int kv_bits = 0;               // 0: K/V are the context; 32 / 8 / 4: cache rows (past_kv) of fp32 / int8 / int4
-  int64_t local_window = -1;     // kv cache mode: keys [pos - w, pos] when > 0
+  int64_t local_window = -1;     // kv cache mode: the last w keys [pos - w + 1, pos] when > 0
   float softcap = 0.0f;          // kv cache mode: softcap * tanh(logit / softcap) when > 0
 };
 
