@@ -437,3 +437,39 @@ def test_gqa_layer_semantics(tmp_path, Hq, Hkv, D, window, softcap):
                               "past_key_values.0.kv": pkv})
         np.testing.assert_allclose(p_out[0], g_out[0], atol=1e-5)
         pk, pv, pbits, pkv = g_out[1], g_out[2], p_out[1], p_out[2]
+
+
+# --------------------------------------------------------------------------- decode-mode quality
+@requires_native
+def test_decode_perplexity_equals_full_forward_and_sees_the_budget(tmp_path):
+    """Teacher-forced decode through the cache scores the same NLL as one forward pass over the
+    same tokens (exact graph: fused GQA, shared and growing loops); a PackedAttention model with
+    a candidate budget is detected as approximate and its decode-mode NLL differs from its exact
+    prefill's (what window perplexity would report)."""
+    import onnxruntime as ort
+
+    from custom_ops import runtime
+
+    src = _save(_fused("llama"), tmp_path / "gqa.onnx")
+    sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    io = runtime.ModelIO.from_session(sess)
+    ids = np.random.default_rng(3).integers(0, 256, 200)
+    c, s = 60, 30
+    full = runtime.run(sess, io, runtime.feeds(io, ids[None, :c + s + 1]))[io.logits_name][0]
+    lp = full[c:c + s].astype(np.float64)
+    lp = lp - lp.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    nll = -lp[np.arange(s), ids[c + 1:c + s + 1]].mean()
+    for shared in (True, False):
+        d = runtime.decode_perplexity(sess, io, ids, context=c, score=s, windows=1, shared=shared)
+        assert d["tokens"] == s and d["loop"] == ("shared" if shared else "growing")
+        assert abs(d["nll"] - nll) < 1e-4
+    assert not runtime.approximate_decode(src)
+    m, _ = _rewrite_gqa(_fused("llama"), kv_quant="fp32", budget=0.25, min_context=16, window=4, sinks=2,
+                        min_candidates=4)
+    dst = _save(m, tmp_path / "packed.onnx")
+    assert runtime.approximate_decode(dst)
+    ps = custom_ops.session(dst, threads=1)
+    pio = runtime.ModelIO.from_session(ps)
+    d = runtime.decode_perplexity(ps, pio, ids, context=c, score=s, windows=1)
+    assert d["loop"] == "shared" and abs(d["nll"] - nll) > 1e-3   # the decode-time approximation is seen
