@@ -135,7 +135,26 @@ KERNEL_CASES = [
     (1, 4, 2, 1, 0, 8, 8, "int8", dict(budget=0.5, min_context=0)),                   # a single key
     (1, 6, 2, 4, 700, 64, 64, "int8", dict(budget=0.25, approx_prefill=1, min_context=64)),
     (1, 4, 2, 1, 700, 64, 64, "int8", dict(budget=0.25, local_window=300, min_context=64, softcap=5.0)),
+    (1, 4, 2, 1, 900, 32, 32, "int8", dict(budget=0.2, qbits=2, min_context=0)),       # heavy score ties
 ]
+
+
+@requires_native
+def test_kernel_vs_reference_with_mask_ties_and_zero_query():
+    """An additive mask with -inf stretches (per head), a query of zeros (all scores equal: ties
+    broken by index), scores with few distinct values: the selection equals the reference's."""
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.15, window=8, sinks=2, min_candidates=4, min_context=16)
+    for seed, zero in ((11, False), (12, True)):
+        f = case(B=2, Hq=4, Hkv=2, P=500, seed=seed)
+        if zero:
+            f["Q"][1] = 0.0
+        mask = np.zeros((2, 4, 1, 501), np.float32)
+        mask[0, :, :, 100:300] = -np.inf
+        mask[1, 1, :, :50] = -np.inf
+        f = {"Q": f["Q"], "K": f["K"], "V": f["V"], "mask": mask, "past_bits": f["past_bits"], "past_kv": f["past_kv"]}
+        Yr, br, kr = run_ref(attrs, f)
+        Y, bits, kv = run_native(attrs, f)
+        np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
 
 
 @requires_native

@@ -718,6 +718,58 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
   }
 }
 
+namespace {
+// g[t] += mask (the group's first head), NaN -> -inf
+void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo, int64_t n, float* g) {
+  const float* mr = c.mask_row(b, h0, m);
+  for (int64_t t = 0; t < n; ++t) {
+    const float v = g[t] + (mr ? mr[(lo + t) * c.mst] : 0.0f);
+    g[t] = v == v ? v : -INFINITY;
+  }
+}
+
+// The k-th largest of x[0:n) (1 <= k < n; no NaN): a 4096-bucket histogram over [min, max] of the
+// finite values finds the bucket holding it, nth_element runs on that bucket only. tmp: n floats.
+float kth_largest(const float* x, int64_t n, int64_t k, float* tmp) {
+  constexpr int kBuckets = 4096;
+  float mn = INFINITY, mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    if (v > -INFINITY && v < INFINITY) {
+      mn = v < mn ? v : mn;
+      mx = v > mx ? v : mx;
+    }
+  }
+  if (!(mx > mn)) {  // at most one distinct finite value: plain selection
+    std::memcpy(tmp, x, sizeof(float) * static_cast<size_t>(n));
+    std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
+    return tmp[k - 1];
+  }
+  const float sc = static_cast<float>(kBuckets - 1) / (mx - mn);
+  auto bucket = [&](float v) -> int {  // -inf -> -1 (below all), +inf -> kBuckets (above all)
+    if (!(v > -INFINITY)) return -1;
+    if (!(v < INFINITY)) return kBuckets;
+    const int bi = static_cast<int>((v - mn) * sc);
+    return bi < 0 ? 0 : bi >= kBuckets ? kBuckets - 1 : bi;
+  };
+  int32_t cnt[kBuckets + 2] = {0};
+  for (int64_t i = 0; i < n; ++i) ++cnt[bucket(x[i]) + 1];
+  int64_t above = 0;
+  int bsel = kBuckets + 1;
+  for (; bsel >= 0; --bsel) {
+    if (above + cnt[bsel] >= k) break;
+    above += cnt[bsel];
+  }
+  const int target = bsel - 1;
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (bucket(x[i]) == target) tmp[m++] = x[i];
+  const int64_t kk = k - above;  // 1 <= kk <= m
+  std::nth_element(tmp, tmp + (kk - 1), tmp + m, std::greater<float>());
+  return tmp[kk - 1];
+}
+}  // namespace
+
 // Per query row (b, hk, m): its context, and for decode rows that approximate, the candidate list
 // (group query's popcount score by byte tables, top by nth_element threshold, index order).
 void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const {
@@ -786,6 +838,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         // reference: (K̂ @ q) * scale with K̂ = code * kscale
         g[t] = dot * c.kf.kscale(row) * p.scale;
       }
+      masked_scores(c, b, h0, m, lo, nctx, g);
     } else {
       const float* qa = qg;
       if (!p.kscale.empty()) {
@@ -797,6 +850,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
       for (int64_t d = 0; d < D; ++d) a = std::max(a, std::fabs(qa[d]));
       if (!(a > 0)) {
         std::fill(g, g + nctx, 0.0f);
+        masked_scores(c, b, h0, m, lo, nctx, g);
       } else {
         const float L = static_cast<float>((1 << (p.qbits - 1)) - 1);
         const float inv = L / a;
@@ -826,13 +880,13 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
           for (int64_t t = 0; t < nctx; ++t) core[t] = 2 * core[t] - static_cast<int32_t>(qsum);
         }
         const float coef = (a / L) * p.scale;
-        for (int64_t t = 0; t < nctx; ++t) g[t] = static_cast<float>(core[t]) * c.fmt.gamma_of(kb + t * W) * coef;
+        const float* mr = c.mask_row(b, h0, m);
+        for (int64_t t = 0; t < nctx; ++t) {
+          float v = static_cast<float>(core[t]) * c.fmt.gamma_of(kb + t * W) * coef;
+          if (mr) v += mr[(lo + t) * c.mst];
+          g[t] = v == v ? v : -INFINITY;
+        }
       }
-    }
-    const float* mr = c.mask_row(b, h0, m);
-    for (int64_t t = 0; t < nctx; ++t) {
-      const float v = g[t] + (mr ? mr[(lo + t) * c.mst] : 0.0f);
-      g[t] = std::isnan(v) ? -INFINITY : v;
     }
     // candidates: first `sinks` of the context, last `window`, top of the rest (ties: lower index)
     const int64_t C = n_candidates(p, nctx);
@@ -844,9 +898,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     if (k >= nr) {
       for (int64_t t = ns; t < w0; ++t) out[n++] = static_cast<int32_t>(lo + t);
     } else if (k > 0) {
-      std::memcpy(tmp, g + ns, sizeof(float) * nr);
-      std::nth_element(tmp, tmp + (k - 1), tmp + nr, std::greater<float>());
-      const float thr = tmp[k - 1];
+      const float thr = kth_largest(g + ns, nr, k, tmp);
       int64_t above = 0;
       for (int64_t t = ns; t < w0; ++t) above += g[t] > thr;
       int64_t ties = k - above;
