@@ -313,7 +313,9 @@ def bench_decode(a) -> dict:
                 t0 = time.perf_counter()
                 s.run_with_iobinding(bnd)
                 dt = time.perf_counter() - t0
-                ts = _stream_time(lib, arrays[n], bytes_read[n], a.threads)
+                # bytes_read is per layer; GQA's layers are two arrays (K, V) of half of it each
+                per_array = bytes_read[n] * L // len(arrays[n])
+                ts = _stream_time(lib, arrays[n], per_array, a.threads)
                 if r >= 2:
                     times[n].append(dt / L)
                     stream[n].append(ts / L)
