@@ -101,15 +101,15 @@ def run(a) -> dict:
     variants = [(v.split(":")[0], float(v.split(":")[1])) for v in a.variants.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-longctx-"))
     paths = {"gqa int4": base, **_variant_models(base, variants, tmp)}
-    pasts = [int(x) for x in a.pasts.split(",")]
+    pasts = [int(x) for x in a.pasts.split(",") if x]  # --pasts "": quality only
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
            "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {}}
     rng = np.random.default_rng(0)
-    prompt = rng.integers(100, 49000, size=max(pasts), dtype=np.int64)
+    prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps, dtype=np.int64)
-    for th in threads:
+    for th in threads if pasts else []:
         sess = {n: custom_ops.session(str(p), threads=th) for n, p in paths.items()}
         ios = {n: runtime.ModelIO.from_session(s) for n, s in sess.items()}
         if th == threads[0]:
@@ -197,7 +197,8 @@ def plot(a) -> None:
                 ax.annotate(lab, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.axhline(2.0, color="grey", ls="--", lw=0.8)
         ax.set_xlabel("decode tok/s vs GroupQueryAttention (same run)")
-        ax.set_ylabel("decode-mode Δppl vs GQA, % (Persuasion)")
+        ctx = next(iter(q.values()), {}).get("context", "?")
+        ax.set_ylabel(f"decode-mode Δppl vs GQA, % (Persuasion, {ctx}-token context)")
         ax.set_title(f"SmolLM2 int4, {th} thread(s), {res['isa']}")
         ax.legend(fontsize=8)
     fig.tight_layout()
