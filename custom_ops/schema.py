@@ -265,8 +265,9 @@ SCHEMAS: tuple[OpSchema, ...] = (
     ),
     OpSchema(
         "PackedAttention",
-        inputs=(Port("Q"), Port("K"), Port("V"), Port("mask", optional=True), Port("past_bits", "int32", optional=True)),
-        outputs=(Port("Y"), Port("present_bits", "int32", optional=True)),
+        inputs=(Port("Q"), Port("K"), Port("V"), Port("mask", optional=True), Port("past_bits", "int32", optional=True),
+                Port("past_kv", "int32", optional=True), Port("seqlens_k", "int32", optional=True)),
+        outputs=(Port("Y"), Port("present_bits", "int32", optional=True), Port("present_kv", "int32", optional=True)),
         attrs=(
             Attr("scale", "float", default=1.0, valid=Valid(finite=True)),
             Attr("mode", "string", default="sign", valid=Valid(choices=("sign", "ternary", "binary"))),
@@ -285,6 +286,10 @@ SCHEMAS: tuple[OpSchema, ...] = (
             Attr("select", "string", default="popcount", valid=Valid(choices=("popcount", "exact"))),
             Attr("eps_heads", "floats", default=(), valid=Valid(lo=0, finite=True), doc="one per KV head; empty: eps for all"),
             Attr("kscale", "floats", default=(), valid=Valid(lo=0, finite=True), doc="KV heads x head dim; empty: none"),
+            Attr("kv_quant", "string", default="none", valid=Valid(choices=("none", "fp32", "int8", "int4")),
+                 doc="none: K/V are the whole context; fp32/int8/int4: K/V are the new tokens, the cache is past_kv"),
+            Attr("local_window", "int", default=-1, valid=Valid(lo=-1), doc="kv_quant: the last w keys [pos - w + 1, pos]; -1/0: all"),
+            Attr("softcap", "float", default=0.0, valid=Valid(lo=0, finite=True), doc="kv_quant: softcap * tanh(l / softcap)"),
             Attr("layer", "string", meta=True),
         ),
         reference="custom_ops.reference.attn:op",

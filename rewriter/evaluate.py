@@ -91,17 +91,27 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
     tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else model, tokenizer)
     res = {"model": model, "ref": ref, "text": str(tp), "kind": io.kind}
     if io.kind == "causal-lm":
-        ids = np.asarray(tok.encode(text, add_special_tokens=False).ids[: window * windows], dtype=np.int64)
+        all_ids = tok.encode(text, add_special_tokens=False).ids
+        ids = np.asarray(all_ids[: window * windows], dtype=np.int64)
         if ids.size < 2:
             raise OrtleanError(f"--text {tp}: {ids.size} tokens, perplexity needs at least 2")
-        d = runtime.perplexity(s_ref, io, ids, window=window)
-        l = runtime.perplexity(s_lean, io_l, ids, window=window)
+        if runtime.approximate_decode(model):  # the approximation only runs in decode: measure there
+            dm = dict(context=1024, score=128, windows=max(1, windows // 4))
+            res["mode"] = f"decode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode steps)"
+
+            def score(s, io_):
+                return runtime.decode_perplexity(s, io_, all_ids, **dm)
+        else:
+            def score(s, io_):
+                return runtime.perplexity(s, io_, ids, window=window)
+        d = score(s_ref, io)
+        l = score(s_lean, io_l)
         res.update({"tokens": int(d["tokens"]), "window": window, "ppl_ref": float(d["ppl"]), "ppl": float(l["ppl"]),
                     "delta_ppl": float(l["ppl"] / d["ppl"] - 1.0)})
         rows, notes = {}, []
         for name, path in peer_models(ref, peers, notes).items():  # the peers a user compares, same text
             s = _session(path, threads)
-            p = runtime.perplexity(s, runtime.ModelIO.from_session(s, path), ids, window=window)
+            p = score(s, runtime.ModelIO.from_session(s, path))
             rows[name] = {"path": path, "ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
             del s
         res.update({"peers": rows, "notes": notes})
@@ -119,7 +129,8 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
 
 def format_eval(r: dict) -> str:
     if r["kind"] == "causal-lm":
-        out = (f"perplexity on {r['tokens']} tokens ({r['window']}-token windows) of {Path(r['text']).name}: "
+        how = f"decode-mode, {r['mode']}" if r.get("mode") else f"{r['window']}-token windows"
+        out = (f"perplexity on {r['tokens']} tokens ({how}) of {Path(r['text']).name}: "
                f"dense {r['ppl_ref']:.3f}, lean {r['ppl']:.3f}, Δppl {100 * r['delta_ppl']:+.2f} %")
         for k, v in (r.get("peers") or {}).items():
             out += f"\n  {k:<12} ppl {v['ppl']:.3f}, Δppl {100 * v['delta_ppl']:+.2f} % (same text, vs the same dense model)"

@@ -29,6 +29,30 @@ attention (all keys) when M > 1 (unless approx_prefill), T <= min_context, budge
 binary) the key-bit density is above rho. On the candidate set S: logits = scale * q·k + mask
 (+ mix * (approx - exact logits) when mix > 0), softmax over S, Y = Σ p v; a row whose logits
 are all -inf gives Y = 0 (the dense graph's IsNaN → 0).
+
+Cache mode (kv_quant = "fp32" | "int8" | "int4"; "none" is the mode above): K [B, Hkv, S, D] and V [B, Hkv, S, Dv] are the
+NEW tokens only; the cache is graph state (int32 rows, like the key bits):
+  past_kv int32 [B, Hkv, P, R] → present_kv [B, Hkv, Tc, R], one row per key (kv_row_words):
+    K codes (D bytes int8, or D/2 bytes of int4 pairs: element 2i low nibble, 2i+1 high, two's
+    complement), K scale (float32), V codes, V scale; scale = max|x| / L (L = 127 | 7), code =
+    clip(rint(x * (L / max|x|)), -L, L) (all zero when max|x| = 0); x̂ = code * scale. fp32: the
+    "codes" are the float32 values and both scales 1 (exact; GroupQueryAttention's cache).
+  seqlens_k int32 [B] (optional, GroupQueryAttention's: total length − 1 per sequence; default
+    P + S for all): total_b = seqlens_k[b] + 1, the new rows go to positions
+    pos0_b = max(0, total_b − S) .. total_b − 1 (rows at or beyond total_b are padding: not stored,
+    Y = 0). Tc = max(P, max_b total_b): present = past (zero-padded to Tc) with the new rows
+    written, so a caller may bind past and present to one buffer of capacity Tc (the kernel then
+    writes only the new rows). past_bits/present_bits follow the same rows.
+  Query row m of sequence b sits at pos = pos0_b + m and attends keys [lo, pos] (causal), lo =
+  max(0, pos − local_window + 1) when local_window > 0: the last local_window keys, as ONNX
+  Runtime's GroupQueryAttention local_window_size (checked against ORT 1.32).
+  Logits scale · q·k̂ (softcap > 0: softcap · tanh(logits / softcap)) + mask (mask broadcast to
+  [B, Hq, M, Tc]); softmax · V̂ over the context or the candidates. Candidates are chosen once per
+  KV-head group (all query heads of a KV head read the same keys): group score = the approximate
+  score above of the group query q_g = Σ_h q_h (float32, heads in order), plus the mask row of
+  the group's first head; the sinks are the first `sinks` keys of the context, the window its
+  last `window` keys; decode rows (M == 1, or approx_prefill) use them under the same rules as
+  above with the context length pos − lo + 1 for T. `mix` must be 0 in this mode.
 """
 from __future__ import annotations
 
@@ -203,6 +227,164 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, **attrs):
     return Y, bits
 
 
-def op(q, k, v, mask=None, past_bits=None, **attrs):
+KV_LEVELS = {"int8": 127, "int4": 7}
+
+
+_CODE_BYTES = {"fp32": lambda n: 4 * n, "int8": lambda n: n, "int4": lambda n: n // 2}
+
+
+def kv_row_words(D: int, Dv: int, kv_quant: str = "int8") -> int:
+    """int32 words per cached key: K codes, K scale, V codes, V scale."""
+    cb = _CODE_BYTES[kv_quant]
+    return cb(D) // 4 + 1 + cb(Dv) // 4 + 1
+
+
+def quantize_rows(x: np.ndarray, kv_quant: str) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., n] float32 → (codes [..., n] int8, scale [...] float32), per row."""
+    x = np.asarray(x, np.float32)
+    if kv_quant == "fp32":
+        return x, np.ones(x.shape[:-1], np.float32)
+    L = np.float32(KV_LEVELS[kv_quant])
+    a = np.abs(x).max(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(a > 0, L / a, np.float32(0)).astype(np.float32)
+    codes = np.clip(np.rint(x * inv[..., None]), -L, L).astype(np.int8)
+    return codes, (a / L).astype(np.float32)
+
+
+def _codes_bytes(codes: np.ndarray, kv_quant: str) -> np.ndarray:
+    if kv_quant == "fp32":
+        return np.ascontiguousarray(codes, np.float32).view(np.uint8)
+    if kv_quant == "int8":
+        return codes.view(np.uint8)
+    c = codes.astype(np.uint8) & 0x0F
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _bytes_codes(b: np.ndarray, n: int, kv_quant: str) -> np.ndarray:
+    if kv_quant == "fp32":
+        return np.ascontiguousarray(b).view(np.float32)
+    if kv_quant == "int8":
+        return b.view(np.int8)
+    lo = (b & 0x0F).astype(np.int8)
+    hi = (b >> 4).astype(np.int8)
+    lo = np.where(lo > 7, lo - 16, lo)
+    hi = np.where(hi > 7, hi - 16, hi)
+    out = np.empty(b.shape[:-1] + (n,), np.int8)
+    out[..., 0::2], out[..., 1::2] = lo, hi
+    return out
+
+
+def pack_kv(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8") -> np.ndarray:
+    """K [..., T, D], V [..., T, Dv] float32 → cache rows [..., T, R] int32 (layout: module docstring)."""
+    kc, ks = quantize_rows(K, kv_quant)
+    vc, vs = quantize_rows(V, kv_quant)
+    parts = [_codes_bytes(kc, kv_quant), ks[..., None].view(np.uint8),
+             _codes_bytes(vc, kv_quant), vs[..., None].view(np.uint8)]
+    return np.ascontiguousarray(np.concatenate(parts, -1)).view(np.int32)
+
+
+def unpack_kv(rows: np.ndarray, D: int, Dv: int, kv_quant: str = "int8") -> tuple[np.ndarray, np.ndarray]:
+    """Cache rows [..., T, R] int32 → (K̂ [..., T, D], V̂ [..., T, Dv]) float32 (dequantized)."""
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    kb, vb = _CODE_BYTES[kv_quant](D), _CODE_BYTES[kv_quant](Dv)
+    kc = _bytes_codes(b[..., :kb], D, kv_quant)
+    ks = np.ascontiguousarray(b[..., kb:kb + 4]).view(np.float32)
+    vc = _bytes_codes(b[..., kb + 4:kb + 4 + vb], Dv, kv_quant)
+    vs = np.ascontiguousarray(b[..., kb + 4 + vb:kb + 8 + vb]).view(np.float32)
+    return (kc.astype(np.float32) * ks).astype(np.float32), (vc.astype(np.float32) * vs).astype(np.float32)
+
+
+def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
+    """The quantized cache mode (module docstring). Returns (Y, present_bits, present_kv)."""
+    a = _SCHEMA.resolve(attrs)
+    kvq = a["kv_quant"]
+    scale, mode, eps, budget, rho = np.float32(a["scale"]), a["mode"], a["eps"], float(np.float32(a["budget"])), a["rho"]
+    min_candidates, sinks, window, min_context = a["min_candidates"], a["sinks"], a["window"], a["min_context"]
+    qbits, approx_prefill, select = a["qbits"], a["approx_prefill"], a["select"]
+    local_window, softcap = a["local_window"], np.float32(a["softcap"])
+    eps_heads, kscale = a.get("eps_heads"), a.get("kscale")
+    if a["mix"] > 0 or a["k_layout"] != "bhtd":
+        raise ValueError("kv_quant: mix must be 0 and k_layout bhtd")
+    Q, K, V = (np.asarray(x, np.float32) for x in (Q, K, V))
+    B, Hq, M, D = Q.shape
+    _, Hkv, S, _ = K.shape
+    Dv = V.shape[-1]
+    rep = Hq // Hkv
+    R, W = kv_row_words(D, Dv, kvq), n_words(D, mode)
+    P = 0 if past_kv is None or np.asarray(past_kv).size == 0 else np.asarray(past_kv).shape[2]
+    total = (np.full(B, P + S, np.int64) if seqlens_k is None or np.asarray(seqlens_k).size == 0
+             else np.asarray(seqlens_k, np.int64).reshape(B) + 1)
+    Tc = int(max(P, total.max()))
+    kv = np.zeros((B, Hkv, Tc, R), np.int32)
+    bits = np.zeros((B, Hkv, Tc, W), np.int32)
+    if P:
+        kv[:, :, :P] = past_kv
+        if past_bits is not None and np.asarray(past_bits).size:
+            bits[:, :, :P] = past_bits
+        else:
+            kh, _ = unpack_kv(kv[:, :, :P], D, Dv, kvq)
+            bits[:, :, :P] = pack_keys(kh, mode, eps, eps_heads)
+    new_kv = pack_kv(K, V, kvq)
+    new_bits = pack_keys(K, mode, eps, eps_heads)
+    pos0 = np.maximum(0, total - S)
+    for b in range(B):
+        n = int(min(S, total[b] - pos0[b]))
+        kv[b, :, pos0[b]:pos0[b] + n] = new_kv[b, :, :n]
+        bits[b, :, pos0[b]:pos0[b] + n] = new_bits[b, :, :n]
+    Kd, Vd = unpack_kv(kv, D, Dv, kvq)
+    mask = None if mask is None or np.asarray(mask).size == 0 else np.asarray(mask, np.float32)
+    # density: eps modes over every key in context (auto-disable), sign mode informational
+    live = np.concatenate([bits[b, :, :total[b]].reshape(-1, W) for b in range(B)], 0)
+    dens = density(live, D, mode)
+    global_exact = not (0 < budget < 1) or (mode != "sign" and dens > rho)
+    Y = np.zeros((B, Hq, M, Dv), np.float32)
+    ks_all = None if kscale is None or not len(kscale) else np.asarray(kscale, np.float32).reshape(Hkv, D)
+    for b in range(B):
+        for hk in range(Hkv):
+            Kh, Vh = Kd[b, hk], Vd[b, hk]
+            for m in range(M):
+                pos = int(pos0[b]) + m
+                if pos >= total[b]:
+                    continue
+                lo = max(0, pos - local_window + 1) if local_window > 0 else 0
+                ctx = np.arange(lo, pos + 1)
+                n_ctx = ctx.size
+                heads = range(hk * rep, (hk + 1) * rep)
+                mrows = {h: _mask_row(mask, b, h, m, Tc) for h in heads}
+                exact = (global_exact or (M > 1 and not approx_prefill) or n_ctx <= min_context
+                         or max(min_candidates, math.ceil(budget * n_ctx)) >= n_ctx)
+                if exact:
+                    idx = ctx
+                else:
+                    qg = Q[b, hk * rep, m].copy()              # the group's query: sum of its heads' (in order)
+                    for h in heads[1:]:
+                        qg = (qg + Q[b, h, m]).astype(np.float32)
+                    if select == "exact":
+                        ap = (Kh[ctx] @ qg) * scale
+                    else:
+                        qa = qg if ks_all is None else qg * ks_all[hk]
+                        s_, coef = approx_int(qa, bits[b, hk, ctx], D, mode, qbits)
+                        ap = s_.astype(np.float32) * unpack_gamma(bits[b, hk, ctx]) * np.float32(coef * scale)
+                    g = (ap + mrows[hk * rep][ctx]).astype(np.float32)
+                    g = np.where(np.isnan(g), np.float32(-np.inf), g)
+                    idx = lo + select_candidates(n_ctx, g, budget, min_candidates, sinks, window)
+                for h in heads:
+                    logits = (Kh[idx] @ Q[b, h, m]) * scale
+                    if softcap > 0:
+                        logits = softcap * np.tanh(logits / softcap)
+                    logits = logits + mrows[h][idx]
+                    mx = logits.max() if idx.size else -np.inf
+                    if not np.isfinite(mx):
+                        continue
+                    e = np.exp(logits - mx)
+                    Y[b, h, m] = (e / e.sum()) @ Vh[idx]
+    return Y, bits, kv
+
+
+def op(q, k, v, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
     """The op as ONNX Runtime calls it (custom_ops.schema: PackedAttention.reference)."""
-    return packed_attention(q, k, v, mask, past_bits, **attrs)
+    if _SCHEMA.resolve(attrs)["kv_quant"] != "none":
+        return packed_attention_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, **attrs)
+    Y, bits = packed_attention(q, k, v, mask, past_bits, **attrs)
+    return Y, bits, np.zeros((0,), np.int32)

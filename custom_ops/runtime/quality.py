@@ -123,3 +123,76 @@ def sentences_from_text(text: str, n: int, min_words: int = 8, max_words: int = 
     return [sents[i] for i in idx]
 
 
+
+
+# decode-mode quality (approximate decode paths: PackedAttention's candidate budget)
+def approximate_decode(model) -> bool:
+    """Whether a model (path or ModelProto) decodes through an approximation that its prefill does
+    not use: an ai.ortlean PackedAttention node with 0 < budget < 1 (perplexity over prompt windows
+    runs its exact prefill path and cannot see it)."""
+    import onnx
+
+    m = onnx.load(str(model), load_external_data=False) if not isinstance(model, onnx.ModelProto) else model
+    for n in m.graph.node:
+        if n.op_type == "PackedAttention" and n.domain == "ai.ortlean":
+            for a in n.attribute:
+                if a.name == "budget" and 0.0 < a.f < 1.0:
+                    return True
+    return False
+
+
+def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 128, windows: int = 2,
+                      shared: bool = True, progress: bool = False) -> dict:
+    """Teacher-forced decode-mode perplexity: per window, the first ``context`` tokens are one
+    prefill, then the next ``score`` tokens are fed one at a time through the KV cache (the decode
+    path), each step's logits scoring the following token — so every scored token is predicted by
+    a decode step after a past of ``context`` .. ``context + score - 1`` tokens. Windows start
+    ``context + score + 1`` tokens apart. ``shared``: one K/V buffer per state (runtime.shared_kv,
+    as onnxruntime-genai runs fused graphs) when the graph allows it, else the growing-state loop.
+    Returns ``ppl``, ``nll``, ``tokens``, ``windows``, ``context``, ``loop`` (shared | growing)."""
+    from .shared_kv import SharedKV, SharedKVError
+
+    if io.kind != "causal-lm" or not io.logits_name:
+        raise ValueError("decode_perplexity needs a causal LM with a logits output")
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    span = context + score + 1
+    n_win = min(windows, ids.size // span)
+    if n_win < 1:
+        raise ValueError(f"decode_perplexity: {ids.size} tokens, need context {context} + score {score} + 1")
+    kv = None
+    if shared and io.has_past:
+        try:
+            kv = SharedKV(sess, io, max_len=context + score)
+        except SharedKVError:
+            kv = None
+    total, count = 0.0, 0
+    loop = "shared" if kv is not None else "growing"
+    it = range(n_win)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="decode-mode ppl", unit="win", leave=False)
+    for w in it:
+        chunk = ids[w * span:(w + 1) * span]
+        if kv is not None:
+            try:
+                kv.prefill(chunk[None, :context])
+            except SharedKVError:
+                kv, loop = None, "growing"
+        if kv is None:
+            out = run(sess, io, feeds(io, chunk[None, :context]))
+            past, plen = io.next_state(out), context
+        for i in range(score):
+            tok = chunk[context + i: context + i + 1][None, :]
+            if kv is not None:
+                logits = kv.step(tok)[0, -1]
+            else:
+                out = run(sess, io, feeds(io, tok, past, plen))
+                logits = out[io.logits_name][0, -1]
+                past, plen = io.next_state(out), plen + 1
+            lp = _log_softmax_rows(logits[None, :])[0]
+            total -= float(lp[chunk[context + i + 1]])
+            count += 1
+    nll = total / count
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": n_win, "context": context,
+            "score": score, "loop": loop}

@@ -1,5 +1,8 @@
 """PackedAttention (seed 001, KV-cache half): every matched attention core (builders/attention.py)
-becomes one ``ai.ortlean::PackedAttention`` node.
+becomes one ``ai.ortlean::PackedAttention`` node, and every ``com.microsoft::GroupQueryAttention``
+(the fused fast graph: ``rewriter.fuse`` or the onnxruntime-genai builder) becomes one in its
+cache mode (:func:`apply_gqa`: quantized K/V rows + key bits as graph state, GQA's seqlens_k, so
+one shared past/present buffer per layer works as it does for GQA).
 
 For decoders whose key is the cache (``present.N.key = Concat(past_key_values.N.key, k)``) the
 packed key bits become cache state: a graph input ``past_key_values.N.key_bits`` (int32
@@ -9,6 +12,7 @@ O(new tokens) per step. Attention that does not match is left as is and reported
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -16,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from custom_ops import runtime
-from custom_ops.reference.attn import n_words
+from custom_ops.reference.attn import kv_row_words, n_words
 from custom_ops.schema import DOMAIN
 
 from ..builders.attention import find_attention
@@ -38,8 +42,10 @@ class AttnConfig(Options):
     min_candidates: int = flag("--attn-min-candidates", 64, "at least this many candidates (default 64)", type=int)
     sinks: int = flag("--attn-sinks", 4, "first tokens always attended (default 4)", type=int)
     window: int = flag("--attn-window", 256, "most recent tokens always attended (default 256)", type=int)
-    min_context: int = flag("--attn-min-context", 256, "exact attention up to this context length (default 256)",
-                            type=int)
+    min_context: int = flag("--attn-min-context", 256, "exact attention up to this context length (default 256: "
+                            "below it the candidate path saves < 10 us per layer and decode step, < 1 %% of a SmolLM2 "
+                            "int4 step; measured by tests/bench/attn_speed.py decode --pasts 128,256,512,768 "
+                            "--budgets 1,0.25 --min-context 0)", type=int)
     rho: float = flag("--attn-rho", 0.15, "eps modes: exact attention when the key-bit density is above this "
                       "(default 0.15)", type=float)
     qbits: int = flag("--attn-qbits", 8, "query bits for the popcount score (default 8)", type=int)
@@ -54,6 +60,9 @@ class AttnConfig(Options):
     select: str = flag("--attn-select", "popcount", "how candidates are chosen: popcount score (default) or exact "
                        "scores (oracle: measures what the budget alone costs, no speed benefit)",
                        choices=("popcount", "exact"))
+    kv_quant: str = flag("--attn-kv", "int8", "fused graphs (GroupQueryAttention): the K/V cache rows PackedAttention "
+                         "keeps — int8 (default, 0.29x the fp32 bytes with the key bits), int4 (0.16x), fp32 (exact)",
+                         choices=("int8", "int4", "fp32"))
     mix: float = flag("--attn-mix", 0.0, "seed behaviour: mix this fraction of the approximate score into the exact "
                       "logits (default 0)", type=float)
     # from the shared --state-pack* group (kit.options.StatePack) and --attn-pack-bits
@@ -177,6 +186,163 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | N
 
 
 
+# --------------------------------------------------------------------------- GroupQueryAttention
+_GQA_ATTRS = {"num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size", "softcap"}
+_PAST_KEY = re.compile(r"^past_key_values\.(\d+)\.key$")
+
+
+def _gqa_problem(node: ir.Node, graph: ir.Graph) -> str | None:
+    extra = sorted(set(node.attributes) - _GQA_ATTRS)
+    if extra:
+        return f"attributes {extra} not supported"
+    if len(node.inputs) < 7 or any(i is not None for i in node.inputs[9:]):
+        return "attention_bias / extra inputs not supported"
+    if node.attributes.get_float("softcap", 0.0) < 0:
+        return "negative softcap"
+    pk, pv = node.inputs[3], node.inputs[4]
+    if pk is None or pv is None or not _PAST_KEY.match(pk.name or "") or pk not in graph.inputs:
+        return "past_key is not a past_key_values.N.key graph input"
+    shp = pk.shape
+    if shp is None or len(shp) != 4 or not isinstance(shp[1], int) or not isinstance(shp[3], int):
+        return f"past key shape {shp} has no static kv_heads / head_dim"
+    if pk.dtype != ir.DataType.FLOAT:
+        return f"KV cache type {pk.dtype}, not float32"
+    if len(pk.uses()) != 1 or len(pv.uses()) != 1:
+        return "past K/V read by other nodes"
+    if node.attributes.get_int("do_rotary", 0) and (len(node.inputs) < 9 or node.inputs[7] is None):
+        return "do_rotary without cos/sin caches"
+    return None
+
+
+def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | None = None) -> list[dict]:
+    """Every GroupQueryAttention → [Split] → [RotaryEmbedding ×2] → Reshape/Transpose →
+    PackedAttention (kv_quant = cfg.kv_quant) → Transpose/Reshape. GQA's semantics: causal, query
+    positions from seqlens_k (pos0 = max(0, seqlens_k + 1 − S)), local_window_size, softcap, scale
+    (0 → 1/sqrt(head_dim)); the cache becomes graph state past_key_values.N.kv / .key_bits →
+    present.N.kv / .key_bits (int32 rows, custom_ops/reference/attn.py) instead of .key/.value."""
+    graph = model.graph
+    records = []
+    counter = [0]
+    positions: dict[int, ir.Value] = {}
+
+    def const(name, arr):
+        counter[0] += 1
+        return surgery.initializer(graph, f"/ortlean/gqa/{name}_{counter[0]}", np.asarray(arr))
+
+    def node(op, inputs, attrs=None, domain="", n_out=1, name=None):
+        nd = ir.node(op, inputs, attributes=attrs or {}, domain=domain, num_outputs=n_out, name=name)
+        return nd
+
+    for g in [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]:
+        layer = _layer_of(g)
+        why = _gqa_problem(g, graph)
+        if why:
+            records.append({"layer": layer, "backend": "dense", "node": g.name,
+                            "decision": f"kept GroupQueryAttention: {why}"})
+            continue
+        if include is not None and not include(g):
+            records.append({"layer": layer, "backend": "dense", "node": g.name, "decision": "kept dense: excluded"})
+            continue
+        a = g.attributes
+        Hq, Hkv = a.get_int("num_heads"), a.get_int("kv_num_heads")
+        pk, pv = g.inputs[3], g.inputs[4]
+        N = int(_PAST_KEY.match(pk.name).group(1))
+        B_dim, D = pk.shape[0], int(pk.shape[3])
+        Dv = int(pv.shape[3]) if pv.shape is not None and isinstance(pv.shape[3], int) else D
+        scale = a.get_float("scale", 0.0) or 1.0 / math.sqrt(D)
+        seqlens, cos, sin = g.inputs[5], (g.inputs[7] if len(g.inputs) > 7 else None), (g.inputs[8] if len(g.inputs) > 8 else None)
+        new = []
+        q, k, v = g.inputs[0], g.inputs[1], g.inputs[2]
+        if k is None:  # packed QKV
+            sp = node("Split", [q, const("split", np.array([Hq * D, Hkv * D, Hkv * Dv], np.int64))], {"axis": -1},
+                      n_out=3, name=f"{g.name}/ortlean_split")
+            new.append(sp)
+            q, k, v = sp.outputs
+        if a.get_int("do_rotary", 0):
+            # positions [B, S] = max(seqlens_k + 1 - S, 0)[:, None] + arange(S): computed once per
+            # seqlens_k value and shared by every layer (all layers see the same S)
+            pos = positions.get(id(seqlens))
+            if pos is None:
+                shp = node("Shape", [q], {"start": 1, "end": 2}); new.append(shp)
+                s32 = node("Cast", [shp.outputs[0]], {"to": int(ir.DataType.INT32)}); new.append(s32)
+                p0 = node("Sub", [seqlens, s32.outputs[0]]); new.append(p0)
+                p1 = node("Add", [p0.outputs[0], const("one", np.array([1], np.int32))]); new.append(p1)
+                p2 = node("Max", [p1.outputs[0], const("zero", np.array([0], np.int32))]); new.append(p2)
+                p3 = node("Unsqueeze", [p2.outputs[0], const("ax1", np.array([1], np.int64))]); new.append(p3)
+                sc = node("Squeeze", [shp.outputs[0], const("ax0", np.array([0], np.int64))]); new.append(sc)
+                rg = node("Range", [const("r0", np.array(0, np.int64)), sc.outputs[0],
+                                    const("r1", np.array(1, np.int64))])
+                new.append(rg)
+                p64 = node("Cast", [p3.outputs[0]], {"to": int(ir.DataType.INT64)}); new.append(p64)
+                pn = node("Add", [p64.outputs[0], rg.outputs[0]], name=f"/ortlean/gqa/positions_{len(positions)}")
+                new.append(pn)
+                pos = positions[id(seqlens)] = pn.outputs[0]
+            inter = a.get_int("rotary_interleaved", 0)
+            rq = node("RotaryEmbedding", [q, pos, cos, sin], {"interleaved": inter, "num_heads": Hq},
+                      domain="com.microsoft", name=f"{g.name}/ortlean_rotary_q")
+            rk = node("RotaryEmbedding", [k, pos, cos, sin], {"interleaved": inter, "num_heads": Hkv},
+                      domain="com.microsoft", name=f"{g.name}/ortlean_rotary_k")
+            new += [rq, rk]
+            q, k = rq.outputs[0], rk.outputs[0]
+
+        def heads(x, H, d):
+            r = node("Reshape", [x, const("hs", np.array([0, 0, H, d], np.int64))])
+            t = node("Transpose", [r.outputs[0]], {"perm": [0, 2, 1, 3]})
+            new.extend([r, t])
+            return t.outputs[0]
+
+        Q4, K4, V4 = heads(q, Hq, D), heads(k, Hkv, D), heads(v, Hkv, Dv)
+        W, R = n_words(D, cfg.mode), kv_row_words(D, Dv, cfg.kv_quant)
+        bits_in = ir.Value(name=f"past_key_values.{N}.key_bits", type=ir.TensorType(ir.DataType.INT32),
+                           shape=ir.Shape([_sym(B_dim), Hkv, "past_sequence_length", W]))
+        kv_in = ir.Value(name=f"past_key_values.{N}.kv", type=ir.TensorType(ir.DataType.INT32),
+                         shape=ir.Shape([_sym(B_dim), Hkv, "past_sequence_length", R]))
+        graph.inputs.extend([bits_in, kv_in])
+        attrs = dict(scale=float(scale), mode=cfg.mode, eps=float(cfg.eps), budget=float(cfg.budget),
+                     min_candidates=int(cfg.min_candidates), sinks=int(cfg.sinks), window=int(cfg.window),
+                     min_context=int(cfg.min_context), rho=float(cfg.rho), qbits=int(cfg.qbits),
+                     popcnt=cfg.popcnt, layer=f"layers.{N}", approx_prefill=int(cfg.approx_prefill),
+                     kv_quant=cfg.kv_quant, local_window=int(a.get_int("local_window_size", -1)),
+                     softcap=float(a.get_float("softcap", 0.0)))
+        if cfg.select != "popcount":
+            attrs["select"] = cfg.select
+        if kscale and N in kscale:
+            attrs["kscale"] = kscale[N]
+        pa = surgery.op_node(OP_TYPE, [Q4, K4, V4, None, bits_in, kv_in, seqlens], attrs,
+                             name=f"/ortlean/layers.{N}/PackedAttention", num_outputs=3)
+        new.append(pa)
+        ty = node("Transpose", [pa.outputs[0]], {"perm": [0, 2, 1, 3]})
+        ry = node("Reshape", [ty.outputs[0], const("ys", np.array([0, 0, Hq * Dv], np.int64))])
+        new += [ty, ry]
+        graph.insert_before(g, new)
+        y_old = g.outputs[0]
+        ry.outputs[0].shape, ry.outputs[0].type = y_old.shape, y_old.type
+        y_old.replace_all_uses_with(ry.outputs[0], replace_graph_outputs=True)
+        for o, nm, width in ((pa.outputs[1], f"present.{N}.key_bits", W), (pa.outputs[2], f"present.{N}.kv", R)):
+            o.name = nm
+            o.type = ir.TensorType(ir.DataType.INT32)
+            o.shape = ir.Shape([_sym(B_dim), Hkv, "total_sequence_length", width])
+            graph.outputs.append(o)
+        for o in g.outputs[1:]:
+            if o is not None and o.is_graph_output():
+                graph.outputs.remove(o)
+        graph.remove(g, safe=False)
+        for i in (pk, pv):
+            graph.inputs.remove(i)
+        records.append({"layer": f"layers.{N}", "backend": "packed_attention", "node": pa.name, "cache": True,
+                        "decision": f"PackedAttention replaces GroupQueryAttention ({cfg.kv_quant} K/V rows, "
+                                    f"{cfg.mode} key bits, budget {cfg.budget})"})
+    if any(r["backend"] == "packed_attention" for r in records):
+        surgery.remove_dead(graph)
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return records
+
+
+def _layer_of(node: ir.Node) -> str:
+    m = re.search(r"layers?\.(\d+)", node.name or "")
+    return f"layers.{m.group(1)}" if m else (node.name or "?")
+
+
 class PackedAttentionPass(GraphPassBase):
     name = "packed_attention"
     stage = "post"
@@ -203,6 +369,11 @@ class PackedAttentionPass(GraphPassBase):
                                "--attn-target-density")
         if ctx.opts.calib_text and (need_eps or cfg.kscale == "auto") and ctx.io is not None and ctx.io.has_past:
             cal = calibrate_eps(ctx.source(), ctx.calib, cfg)
+        if any(n.op_type == "GroupQueryAttention" for n in model.graph):
+            if need_eps:
+                raise OrtleanError("fused graph (GroupQueryAttention): eps-mode key bits need --state-pack-eps E "
+                                   "(per-head calibration reads the optimum graph's present keys)")
+            return apply_gqa(model, cfg)
         recs = apply(model, cfg, eps_heads=cal.get("eps") if need_eps else None,
                      kscale=cal.get("kscale") if cfg.kscale == "auto" else None)
         if cfg.kscale == "auto" and not cal and any(r.get("cache") for r in recs):

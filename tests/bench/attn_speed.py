@@ -9,6 +9,19 @@ QKᵀ·scale + mask, Softmax, IsNaN → 0, ·V) vs the same block after the Pack
 in the same process, interleaved, medians; also the 512-row prefill of the same block.
 model: SmolLM2 decode tokens/s at a cache of --past tokens, dense vs rewritten
 (runtime.bench_sessions: interleaved rounds, medians).
+
+    python tests/bench/attn_speed.py decode [--pasts 128,4096] [--budgets 1,0.25,0.125] [--kv int8,int4]
+                                            [--layers 30] [--threads 1] [--json FILE]
+
+decode: one decode step of attention alone on SmolLM2 shapes (9 query heads, 3 KV heads, head dim
+64), --layers independent nodes in one graph (each with its own cache, as a model's layers: the
+caches do not stay in the CPU caches between steps), past and present bound to one buffer per
+layer (IOBinding; GroupQueryAttention's shared-buffer mode, PackedAttention's seqlens_k mode):
+com.microsoft GroupQueryAttention (fp32 cache) vs PackedAttention kv_quant int8/int4 at each budget
+(1 = exact over the quantized cache). Beside each: the bytes the op reads per step (GQA: K and V;
+PackedAttention: the key bits of the context when it approximates + the selected quantized rows)
+and the streaming bound — the time to read those bytes from the same buffers with a plain
+streaming loop (tests/bench/attn_stream.c, same threads, same run, interleaved) — and op/bound.
 """
 from __future__ import annotations
 
@@ -144,9 +157,189 @@ def bench_model(a) -> dict:
     return res
 
 
+def _stream_lib(tmp: Path):
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise SystemExit("decode bench: no C compiler for the streaming bound (tests/bench/attn_stream.c)")
+    so = tmp / "attn_stream.so"
+    subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", str(ROOT / "tests" / "bench" / "attn_stream.c"),
+                    "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.stream_read.restype = ctypes.c_uint64
+    lib.stream_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
+    return lib
+
+
+def _stream_time(lib, arrays, nbytes: int, threads: int) -> float:
+    """Seconds to read the first nbytes of every array (threads split each array's range)."""
+    import ctypes
+    import threading
+
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    words = nbytes // 8
+    if threads <= 1:
+        t0 = time.perf_counter()
+        lib.stream_read(ptrs, len(arrays), 0, words)
+        return time.perf_counter() - t0
+    part = (words + threads - 1) // threads
+    ths = [threading.Thread(target=lib.stream_read, args=(ptrs, len(arrays), i * part, max(0, min(part, words - i * part))))
+           for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def bench_decode(a) -> dict:
+    """One decode step of attention alone at each past length (module docstring)."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto as TP, helper
+
+    import custom_ops
+    from custom_ops.reference.attn import kv_row_words, n_words
+
+    Hq, Hkv, D, L = 9, 3, 64, a.layers
+    tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnd-"))
+    lib = _stream_lib(tmp)
+    rng = np.random.default_rng(0)
+
+    def vi(n, t=TP.FLOAT):
+        return helper.make_tensor_value_info(n, t, None)
+
+    def model(nodes, ins, outs, ms=False):
+        ops = [helper.make_opsetid("", 18), helper.make_opsetid("ai.ortlean", 1)]
+        if ms:
+            ops.append(helper.make_opsetid("com.microsoft", 1))
+        m = helper.make_model(helper.make_graph(nodes, "g", ins, outs), opset_imports=ops)
+        m.ir_version = 10
+        return m.SerializeToString()
+
+    def gqa_model():
+        nodes, ins, outs = [], [vi("query"), vi("key"), vi("value"), vi("seqlens_k", TP.INT32),
+                                vi("total_sequence_length", TP.INT32)], []
+        for i in range(L):
+            ins += [vi(f"pk{i}"), vi(f"pv{i}")]
+            outs += [vi(f"y{i}"), vi(f"k{i}"), vi(f"v{i}")]
+            nodes.append(helper.make_node("GroupQueryAttention", ["query", "key", "value", f"pk{i}", f"pv{i}",
+                                                                  "seqlens_k", "total_sequence_length"],
+                                          [f"y{i}", f"k{i}", f"v{i}"], domain="com.microsoft", num_heads=Hq,
+                                          kv_num_heads=Hkv, scale=D ** -0.5))
+        return model(nodes, ins, outs, ms=True)
+
+    def packed_model(kvq, budget):
+        nodes, ins, outs = [], [vi("Q"), vi("K"), vi("V"), vi("seqlens_k", TP.INT32)], []
+        for i in range(L):
+            ins += [vi(f"pb{i}", TP.INT32), vi(f"pkv{i}", TP.INT32)]
+            outs += [vi(f"y{i}"), vi(f"b{i}", TP.INT32), vi(f"kv{i}", TP.INT32)]
+            nodes.append(helper.make_node("PackedAttention", ["Q", "K", "V", "", f"pb{i}", f"pkv{i}", "seqlens_k"],
+                                          [f"y{i}", f"b{i}", f"kv{i}"], domain="ai.ortlean", name=f"pa{i}",
+                                          scale=D ** -0.5, kv_quant=kvq, budget=float(budget), window=a.window,
+                                          min_context=a.min_context))
+        return model(nodes, ins, outs)
+
+    res = {"threads": a.threads, "isa": custom_ops.isa(), "layers": L, "shape": dict(Hq=Hq, Hkv=Hkv, D=D),
+           "window": a.window, "min_context": a.min_context, "pasts": {}}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = a.threads
+    so.inter_op_num_threads = 1
+    gqa = ort.InferenceSession(gqa_model(), so, providers=["CPUExecutionProvider"])
+    configs = [(kvq, float(b)) for kvq in a.kv.split(",") for b in a.budgets.split(",")]
+    packed = {c: custom_ops.session(packed_model(*c), threads=a.threads) for c in configs}
+    for past in [int(x) for x in a.pasts.split(",")]:
+        cap = past + 1
+        runs, bytes_read, arrays = {}, {}, {}
+        # GroupQueryAttention, fp32 cache, one buffer per layer for past and present
+        bnd = gqa.io_binding()
+        q = rng.standard_normal((1, 1, Hq * D), dtype=np.float32)
+        k = rng.standard_normal((1, 1, Hkv * D), dtype=np.float32)
+        bnd.bind_cpu_input("query", q)
+        bnd.bind_cpu_input("key", k)
+        bnd.bind_cpu_input("value", k.copy())
+        bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
+        bnd.bind_cpu_input("total_sequence_length", np.array([past + 1], np.int32))
+        bufs = []
+        for i in range(L):
+            for nm, out in ((f"pk{i}", f"k{i}"), (f"pv{i}", f"v{i}")):
+                arr = rng.standard_normal((1, Hkv, cap, D), dtype=np.float32)
+                ov = ort.OrtValue.ortvalue_from_numpy(arr)
+                bufs.append((arr, ov))
+                bnd.bind_ortvalue_input(nm, ov)
+                bnd.bind_ortvalue_output(out, ov)
+            bnd.bind_output(f"y{i}")
+        runs["gqa_fp32"] = (gqa, bnd)
+        bytes_read["gqa_fp32"] = 2 * Hkv * cap * D * 4
+        arrays["gqa_fp32"] = [b[0] for b in bufs]
+        for (kvq, budget), s in packed.items():
+            name = f"packed_{kvq}_b{budget:g}"
+            R, W = kv_row_words(D, D, kvq), n_words(D, "sign")
+            bnd = s.io_binding()
+            bnd.bind_cpu_input("Q", rng.standard_normal((1, Hq, 1, D), dtype=np.float32))
+            bnd.bind_cpu_input("K", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
+            bnd.bind_cpu_input("V", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
+            bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
+            kvs = []
+            for i in range(L):
+                kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
+                kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
+                bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
+                bits[..., -1] = np.float32(0.8).view(np.int32)
+                ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)
+                kvs.append((kv, bits, ov_kv, ov_b))
+                bnd.bind_ortvalue_input(f"pkv{i}", ov_kv)
+                bnd.bind_ortvalue_output(f"kv{i}", ov_kv)
+                bnd.bind_ortvalue_input(f"pb{i}", ov_b)
+                bnd.bind_ortvalue_output(f"b{i}", ov_b)
+                bnd.bind_output(f"y{i}")
+            runs[name] = (s, bnd)
+            approx = 0 < budget < 1 and cap > a.min_context and max(64, int(np.ceil(budget * cap))) < cap
+            ncand = max(64, int(np.ceil(budget * cap))) if approx else cap
+            bytes_read[name] = Hkv * ((cap * W * 4 if approx else 0) + ncand * R * 4)
+            arrays[name] = [x[0] for x in kvs]
+            bufs.append(kvs)
+        names = list(runs)
+        times = {n: [] for n in names}
+        stream = {n: [] for n in names}
+        for r in range(a.repeats + 2):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for n in order:
+                s, bnd = runs[n]
+                t0 = time.perf_counter()
+                s.run_with_iobinding(bnd)
+                dt = time.perf_counter() - t0
+                # bytes_read is per layer; GQA's layers are two arrays (K, V) of half of it each
+                per_array = bytes_read[n] * L // len(arrays[n])
+                ts = _stream_time(lib, arrays[n], per_array, a.threads)
+                if r >= 2:
+                    times[n].append(dt / L)
+                    stream[n].append(ts / L)
+        row = {}
+        g = statistics.median(times["gqa_fp32"])
+        for n in names:
+            t, sb = statistics.median(times[n]), statistics.median(stream[n])
+            row[n] = {"us": round(t * 1e6, 1), "bytes": bytes_read[n], "stream_us": round(sb * 1e6, 1),
+                      "vs_stream": round(t / sb, 2), "speedup_vs_gqa": round(g / t, 2),
+                      "GBps_stream": round(bytes_read[n] / sb / 1e9, 1)}
+            print(f"past {past:5d} {n:22s} {t * 1e6:8.1f} us/op  x{g / t:5.2f} vs GQA  reads {bytes_read[n] / 1e3:8.1f} kB"
+                  f"  stream {sb * 1e6:7.1f} us  op/stream {t / sb:5.2f}  [{res['isa']}, {a.threads} thr]", flush=True)
+        res["pasts"][str(past)] = row
+        del bufs, runs, arrays
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["op", "model"])
+    ap.add_argument("what", choices=["op", "model", "decode"])
+    ap.add_argument("--pasts", default="128,4096")
+    ap.add_argument("--kv", default="int8,int4")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--min-context", type=int, default=256)
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--budgets", default="0,0.125,0.25,0.5")
     ap.add_argument("--budget", type=float, default=0.5)
@@ -158,7 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    res = bench_op(a) if a.what == "op" else bench_model(a)
+    res = bench_op(a) if a.what == "op" else bench_model(a) if a.what == "model" else bench_decode(a)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

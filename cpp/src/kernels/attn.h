@@ -21,6 +21,16 @@ struct AttnKernels {
   float (*expsum)(float* x, float mx, int64_t n);
   // max_i x[i] (-inf when n == 0)
   float (*maxv)(const float* x, int64_t n);
+  // Cache rows (kv_quant): int8 codes, or int4 pairs (element 2i in the low nibble, two's complement).
+  // Tiles of a block of cached rows: out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the float32 values), i < nb
+  void (*deq_rows)(const uint8_t* const* rows, int64_t nb, int64_t n, int bits, float* out);
+  // out[h * nb + i] = sum_d q[h * ldq + d] * kf[i * D + d], h < nq, i < nb
+  void (*dots_tile)(const float* q, int nq, int64_t ldq, const float* kf, int64_t nb, int64_t D, float* out);
+  // y[h * ldy + d] += sum_i p[h * nb + i] * vf[i * Dv + d], h < nq
+  void (*pv_tile)(const float* p, int nq, const float* vf, int64_t nb, int64_t Dv, float* y, int64_t ldy);
+  // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
+  // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
+  void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);
 };
 
 // kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ)

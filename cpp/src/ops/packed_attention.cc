@@ -214,6 +214,12 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   at.read({{"min_candidates", &p.min_candidates}, {"sinks", &p.sinks}, {"window", &p.window},
            {"min_context", &p.min_context}, {"qbits", &p.qbits}, {"approx_prefill", &p.approx_prefill},
            {"eps_heads", &p.eps_heads}, {"kscale", &p.kscale}});
+  std::string kvq;
+  at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
+  at.read({{"local_window", &p.local_window}});
+  p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
+  if (p.kv_bits && p.mix > 0) fail("attribute mix must be 0 with kv_quant " + kvq);
+  if (p.kv_bits && layout != "bhtd") fail("attribute k_layout must be bhtd with kv_quant " + kvq);
   p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : KeyMode::Sign;
   p.k_bhdt = layout == "bhdt";
   p.oracle = select == "exact";
@@ -456,6 +462,10 @@ void PackedAttentionKernel::attend_blocked(const AttnCall& c, Ort::KernelContext
 }
 
 void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
+  if (p_.kv_bits) {
+    compute_kv(ctx);
+    return;
+  }
   AttnCall c = read_inputs(ctx);
   if (c.want_bits || !c.exact || p_.mix > 0) pack_keys(c, ctx);
   metrics::add(m_calls_, 1.0);
@@ -465,6 +475,574 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
     attend_rows(c, ctx);
   else
     attend_blocked(c, ctx);
+}
+
+// ================================================================== cache mode (kv_quant)
+// K/V are the new tokens; the cache is past_kv rows (KvRowFormat) + past_bits rows; new rows go to
+// positions pos0_b .. total_b - 1. Decode: candidates chosen once per KV-head group (popcount score
+// of the group query through byte tables), then the group's query heads read each selected row once
+// (online softmax in blocks, split over ORT's pool by (row, block of keys), merged at the end).
+
+// One cached key row (int32 words): K codes, K scale, V codes, V scale (custom_ops/reference/attn.py).
+struct KvRowFormat {
+  int bits;             // 32 | 8 | 4
+  int64_t kbytes, vbytes, words;
+  KvRowFormat(int b, int64_t D, int64_t Dv)
+      : bits(b), kbytes(D * b / 8), vbytes(Dv * b / 8), words(kbytes / 4 + 1 + vbytes / 4 + 1) {}
+  const uint8_t* k(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row); }
+  float kscale(const uint32_t* row) const { return f32(row + kbytes / 4); }
+  const uint8_t* v(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row + kbytes / 4 + 1); }
+  float vscale(const uint32_t* row) const { return f32(row + kbytes / 4 + 1 + vbytes / 4); }
+  static float f32(const uint32_t* w) {
+    float f;
+    std::memcpy(&f, w, 4);
+    return f;
+  }
+  // quantizes x[0:n) into codes (n bytes int8, or n/2 bytes of int4 pairs), returns the scale
+  float quantize(const float* x, int64_t n, uint8_t* codes) const {
+    if (bits == 32) {
+      std::memcpy(codes, x, sizeof(float) * static_cast<size_t>(n));
+      return 1.0f;
+    }
+    const float L = bits == 8 ? 127.0f : 7.0f;
+    float a = 0.0f;
+    for (int64_t d = 0; d < n; ++d) a = std::max(a, std::fabs(x[d]));
+    const float inv = a > 0 ? L / a : 0.0f;
+    for (int64_t d = 0; d < n; ++d) {
+      float v = std::nearbyint(x[d] * inv);
+      v = v > L ? L : v < -L ? -L : v;  // NaN stays NaN -> cast below gives 0 via the check
+      const int c = std::isnan(v) ? 0 : static_cast<int>(v);
+      if (bits == 8) {
+        codes[d] = static_cast<uint8_t>(static_cast<int8_t>(c));
+      } else {
+        const uint8_t nb = static_cast<uint8_t>(c & 0x0F);
+        if (d & 1) codes[d >> 1] = static_cast<uint8_t>(codes[d >> 1] | (nb << 4));
+        else codes[d >> 1] = nb;
+      }
+    }
+    return a / L;
+  }
+  void store(const float* kx, int64_t D, const float* vx, int64_t Dv, uint32_t* row) const {
+    uint8_t* b = reinterpret_cast<uint8_t*>(row);
+    const float ks = quantize(kx, D, b);
+    std::memcpy(b + kbytes, &ks, 4);
+    const float vs = quantize(vx, Dv, b + kbytes + 4);
+    std::memcpy(b + kbytes + 4 + vbytes, &vs, 4);
+  }
+};
+
+struct KvCall {
+  int64_t B, Hq, M, D, Hkv, S, Dv, rep, P = 0, Tc = 0;
+  PackedKeyFormat fmt;
+  KvRowFormat kf;
+  const float *Q = nullptr, *K = nullptr, *V = nullptr;
+  float* Y = nullptr;
+  const float* mask = nullptr;
+  int64_t msb = 0, msh = 0, msm = 0, mst = 0;
+  const uint32_t *past_bits = nullptr, *past_kv = nullptr;
+  uint32_t *bits = nullptr, *kv = nullptr;  // [B, Hkv, Tc, W] / [.., R]
+  std::vector<int64_t> total, pos0;         // per sequence
+  bool global_exact = false;
+  // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
+  std::vector<int64_t> lo, hi, n, off;      // off: candidate list offset (or -1: the range)
+  std::vector<int32_t> idx;  // candidate lists of the approximating rows (Tc apart)
+  const float* mask_row(int64_t b, int64_t h, int64_t m) const {
+    return mask ? mask + b * msb + h * msh + m * msm : nullptr;
+  }
+};
+
+namespace {
+constexpr int64_t kKvChunk = 512;  // keys per task in the attend phase
+constexpr int64_t kKvBlock = 32;   // keys per online-softmax block
+
+template <class T>
+const T* data_or_null(Ort::KernelContext& ctx, size_t i) {
+  if (ctx.GetInputCount() <= i) return nullptr;
+  Ort::ConstValue v = ctx.GetInput(i);
+  return v ? v.GetTensorData<T>() : nullptr;
+}
+}  // namespace
+
+KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
+  const AttnParams& p = p_;
+  Ort::ConstValue qv = ctx.GetInput(0), kv = ctx.GetInput(1), vv = ctx.GetInput(2);
+  const auto qs = qv.GetTensorTypeAndShapeInfo().GetShape();
+  const auto ks = kv.GetTensorTypeAndShapeInfo().GetShape();
+  const auto vs = vv.GetTensorTypeAndShapeInfo().GetShape();
+  if (qs.size() != 4 || ks.size() != 4 || vs.size() != 4)
+    fail("Q, K, V must have rank 4, got " + shape_str(qs) + ", " + shape_str(ks) + ", " + shape_str(vs));
+  const int64_t B = qs[0], Hq = qs[1], M = qs[2], D = qs[3], Hkv = ks[1], S = ks[2], Dv = vs[3];
+  if (ks[0] != B || vs[0] != B || vs[1] != Hkv || vs[2] != S || ks[3] != D)
+    fail("shapes do not agree: Q " + shape_str(qs) + ", K (new tokens) " + shape_str(ks) + ", V " + shape_str(vs));
+  if (Hkv < 1 || Hq % Hkv != 0)
+    fail("query heads " + std::to_string(Hq) + " not a multiple of KV heads " + std::to_string(Hkv));
+  if (M != S) fail("kv_quant: Q has " + std::to_string(M) + " rows, K " + std::to_string(S) + " new tokens");
+  if (p.kv_bits != 32 && (D % 8 || Dv % 8))
+    fail("kv_quant: head dims must be multiples of 8, got D " + std::to_string(D) + ", Dv " + std::to_string(Dv));
+  check_list_lengths(Hkv, D);
+  KvCall c{B, Hq, M, D, Hkv, S, Dv, Hq / Hkv, 0, 0, PackedKeyFormat(p.mode, D), KvRowFormat(p.kv_bits, D, Dv)};
+  const int64_t W = c.fmt.words, R = c.kf.words;
+  if (ctx.GetInputCount() > 5) {
+    Ort::ConstValue pv = ctx.GetInput(5);
+    if (pv) {
+      const auto ps = pv.GetTensorTypeAndShapeInfo().GetShape();
+      if (ps.size() != 4 || ps[0] != B || ps[1] != Hkv || ps[3] != R)
+        fail("past_kv " + shape_str(ps) + " must be [B, Hkv, P, R] = [" + std::to_string(B) + ", " +
+             std::to_string(Hkv) + ", P, " + std::to_string(R) + "]");
+      c.P = ps[2];
+      c.past_kv = reinterpret_cast<const uint32_t*>(pv.GetTensorData<int32_t>());
+    }
+  }
+  if (ctx.GetInputCount() > 4) {
+    Ort::ConstValue pv = ctx.GetInput(4);
+    if (pv) {
+      const auto ps = pv.GetTensorTypeAndShapeInfo().GetShape();
+      if (ps.size() != 4 || ps[0] != B || ps[1] != Hkv || ps[2] != c.P || ps[3] != W)
+        fail("past_bits " + shape_str(ps) + " must be [B, Hkv, P, W] = [" + std::to_string(B) + ", " +
+             std::to_string(Hkv) + ", " + std::to_string(c.P) + ", " + std::to_string(W) + "] (P of past_kv)");
+      if (c.P) c.past_bits = reinterpret_cast<const uint32_t*>(pv.GetTensorData<int32_t>());
+    }
+  }
+  c.total.assign(static_cast<size_t>(B), c.P + S);
+  if (ctx.GetInputCount() > 6) {
+    Ort::ConstValue sv = ctx.GetInput(6);
+    if (sv) {
+      const auto ss = sv.GetTensorTypeAndShapeInfo().GetShape();
+      if (sv.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B))
+        fail("seqlens_k " + shape_str(ss) + " must hold one length per sequence (B = " + std::to_string(B) + ")");
+      const int32_t* sl = sv.GetTensorData<int32_t>();
+      for (int64_t b = 0; b < B; ++b) {
+        if (sl[b] < 0 || sl[b] >= kMaxDim) fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(sl[b]));
+        c.total[static_cast<size_t>(b)] = int64_t{sl[b]} + 1;
+      }
+    }
+  }
+  c.Tc = c.P;
+  c.pos0.resize(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    c.Tc = std::max(c.Tc, c.total[static_cast<size_t>(b)]);
+    c.pos0[static_cast<size_t>(b)] = std::max<int64_t>(0, c.total[static_cast<size_t>(b)] - S);
+  }
+  if (ctx.GetInputCount() > 3) {
+    Ort::ConstValue mv = ctx.GetInput(3);
+    if (mv) {
+      const auto ms = mv.GetTensorTypeAndShapeInfo().GetShape();
+      const int64_t full[4] = {B, Hq, M, c.Tc};
+      bool ok = ms.size() == 4;
+      for (size_t i = 0; ok && i < 4; ++i) ok = ms[i] == 1 || ms[i] == full[i];
+      if (!ok) fail("mask " + shape_str(ms) + " does not broadcast to [B, Hq, M, Tc] = " + shape_str({B, Hq, M, c.Tc}));
+      c.mask = mv.GetTensorData<float>();
+      c.mst = ms[3] == 1 ? 0 : 1;
+      c.msm = ms[2] == 1 ? 0 : ms[3];
+      c.msh = ms[1] == 1 ? 0 : ms[2] * ms[3];
+      c.msb = ms[0] == 1 ? 0 : ms[1] * ms[2] * ms[3];
+    }
+  }
+  c.Q = qv.GetTensorData<float>();
+  c.K = kv.GetTensorData<float>();
+  c.V = vv.GetTensorData<float>();
+  c.Y = ctx.GetOutput(0, {B, Hq, M, Dv}).GetTensorMutableData<float>();
+  c.global_exact = !(p.budget > 0 && p.budget < 1);
+  return c;
+}
+
+// present_bits / present_kv: the carried rows (skipped when the output is the past buffer: a caller
+// binding past and present to one buffer), zeros up to Tc, then the new rows quantized and packed.
+void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
+  const AttnParams& p = p_;
+  const int64_t B = c.B, Hkv = c.Hkv, Tc = c.Tc, W = c.fmt.words, R = c.kf.words, BH = B * Hkv;
+  const size_t nout = ctx.GetOutputCount();
+  uint32_t* sb = nullptr;
+  const size_t need = (nout > 1 ? 0 : static_cast<size_t>(BH * Tc * W)) + (nout > 2 ? 0 : static_cast<size_t>(BH * Tc * R));
+  if (need) sb = reinterpret_cast<uint32_t*>(outer_scratch().get(need + 16));
+  c.bits = nout > 1 ? reinterpret_cast<uint32_t*>(ctx.GetOutput(1, {B, Hkv, Tc, W}).GetTensorMutableData<int32_t>()) : sb;
+  c.kv = nout > 2 ? reinterpret_cast<uint32_t*>(ctx.GetOutput(2, {B, Hkv, Tc, R}).GetTensorMutableData<int32_t>())
+                  : sb + (nout > 1 ? 0 : BH * Tc * W);
+  const int64_t P = c.P;
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    uint32_t* kd = c.kv + bh * Tc * R;
+    uint32_t* bd = c.bits + bh * Tc * W;
+    if (P && c.past_kv + bh * P * R != kd) std::memcpy(kd, c.past_kv + bh * P * R, sizeof(uint32_t) * P * R);
+    if (P && c.past_bits && c.past_bits + bh * P * W != bd) std::memcpy(bd, c.past_bits + bh * P * W, sizeof(uint32_t) * P * W);
+    if (Tc > P && !(c.past_kv && c.past_kv + bh * P * R == kd)) {
+      std::memset(kd + P * R, 0, sizeof(uint32_t) * (Tc - P) * R);
+      std::memset(bd + P * W, 0, sizeof(uint32_t) * (Tc - P) * W);
+    }
+  }
+  // past_kv without past_bits: the carried keys' bits from their dequantized values
+  std::vector<float> kx(static_cast<size_t>(c.D));
+  if (P && !c.past_bits) {
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      const float eps = p.eps_heads.empty() ? p.eps : p.eps_heads[static_cast<size_t>(bh % Hkv)];
+      for (int64_t t = 0; t < P; ++t) {
+        const uint32_t* row = c.kv + (bh * Tc + t) * R;
+        const float ks = c.kf.kscale(row);
+        const uint8_t* kr = c.kf.k(row);
+        ak_->deq_rows(&kr, 1, c.D, c.kf.bits, kx.data());
+        for (int64_t d = 0; d < c.D; ++d) kx[static_cast<size_t>(d)] *= ks;
+        c.fmt.pack(kx.data(), 1, eps, c.bits + (bh * Tc + t) * W);
+      }
+    }
+  }
+  int64_t packed = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p0 = c.pos0[static_cast<size_t>(b)], nnew = std::min(c.S, c.total[static_cast<size_t>(b)] - p0);
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      const float eps = p.eps_heads.empty() ? p.eps : p.eps_heads[static_cast<size_t>(hk)];
+      for (int64_t m = 0; m < nnew; ++m) {
+        const float* kx0 = c.K + ((b * Hkv + hk) * c.S + m) * c.D;
+        const float* vx0 = c.V + ((b * Hkv + hk) * c.S + m) * c.Dv;
+        const int64_t t = p0 + m;
+        c.kf.store(kx0, c.D, vx0, c.Dv, c.kv + ((b * Hkv + hk) * Tc + t) * R);
+        c.fmt.pack(kx0, 1, eps, c.bits + ((b * Hkv + hk) * Tc + t) * W);
+        ++packed;
+      }
+    }
+  }
+  metrics::add(m_packed_, static_cast<double>(packed));
+  // plane-0 density: eps modes over every key in context (auto-disable), sign mode over the new keys
+  const int64_t plane_words = c.fmt.planes * c.fmt.nw;
+  int64_t set = 0, nbits = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tot = c.total[static_cast<size_t>(b)];
+    const int64_t t0 = p.mode == KeyMode::Sign ? c.pos0[static_cast<size_t>(b)] : 0;
+    for (int64_t hk = 0; hk < Hkv; ++hk)
+      for (int64_t t = t0; t < tot; ++t)
+        for (int64_t j = 0; j < plane_words; ++j) set += popc(c.bits[((b * Hkv + hk) * Tc + t) * W + j]);
+    nbits += Hkv * std::max<int64_t>(0, tot - t0) * c.D;
+  }
+  if (nbits > 0) {
+    const double dens = static_cast<double>(set) / static_cast<double>(nbits);
+    metrics::set(m_density_, dens);
+    if (p.mode != KeyMode::Sign && dens > p.rho) c.global_exact = true;
+  }
+}
+
+namespace {
+// g[t] += mask (the group's first head), NaN -> -inf
+void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo, int64_t n, float* g) {
+  const float* mr = c.mask_row(b, h0, m);
+  for (int64_t t = 0; t < n; ++t) {
+    const float v = g[t] + (mr ? mr[(lo + t) * c.mst] : 0.0f);
+    g[t] = v == v ? v : -INFINITY;
+  }
+}
+
+// The k-th largest of x[0:n) (1 <= k < n; no NaN): a 4096-bucket histogram over [min, max] of the
+// finite values finds the bucket holding it, nth_element runs on that bucket only. tmp: n floats.
+float kth_largest(const float* x, int64_t n, int64_t k, float* tmp) {
+  constexpr int kBuckets = 4096;
+  float mn = INFINITY, mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    if (v > -INFINITY && v < INFINITY) {
+      mn = v < mn ? v : mn;
+      mx = v > mx ? v : mx;
+    }
+  }
+  if (!(mx > mn)) {  // at most one distinct finite value: plain selection
+    std::memcpy(tmp, x, sizeof(float) * static_cast<size_t>(n));
+    std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
+    return tmp[k - 1];
+  }
+  const float sc = static_cast<float>(kBuckets - 1) / (mx - mn);
+  auto bucket = [&](float v) -> int {  // -inf -> -1 (below all), +inf -> kBuckets (above all)
+    if (!(v > -INFINITY)) return -1;
+    if (!(v < INFINITY)) return kBuckets;
+    const int bi = static_cast<int>((v - mn) * sc);
+    return bi < 0 ? 0 : bi >= kBuckets ? kBuckets - 1 : bi;
+  };
+  int32_t cnt[kBuckets + 2] = {0};
+  for (int64_t i = 0; i < n; ++i) ++cnt[bucket(x[i]) + 1];
+  int64_t above = 0;
+  int bsel = kBuckets + 1;
+  for (; bsel >= 0; --bsel) {
+    if (above + cnt[bsel] >= k) break;
+    above += cnt[bsel];
+  }
+  const int target = bsel - 1;
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (bucket(x[i]) == target) tmp[m++] = x[i];
+  const int64_t kk = k - above;  // 1 <= kk <= m
+  std::nth_element(tmp, tmp + (kk - 1), tmp + m, std::greater<float>());
+  return tmp[kk - 1];
+}
+}  // namespace
+
+// Per query row (b, hk, m): its context, and for decode rows that approximate, the candidate list
+// (group query's popcount score by byte tables, top by nth_element threshold, index order).
+void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const {
+  const AttnParams& p = p_;
+  const AttnKernels& ak = *ak_;
+  const int64_t rows = c.B * c.Hkv * c.M, M = c.M, Tc = c.Tc, D = c.D, W = c.fmt.words, nw = c.fmt.nw;
+  c.lo.assign(static_cast<size_t>(rows), 0);
+  c.hi.assign(static_cast<size_t>(rows), 0);
+  c.n.assign(static_cast<size_t>(rows), 0);
+  c.off.assign(static_cast<size_t>(rows), -1);
+  std::vector<int64_t> approx_rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / (c.Hkv * M), m = r % M;
+    const int64_t pos = c.pos0[static_cast<size_t>(b)] + m;
+    if (pos >= c.total[static_cast<size_t>(b)]) continue;  // padding row: Y = 0
+    const int64_t lo = p.local_window > 0 ? std::max<int64_t>(0, pos - p.local_window + 1) : 0;
+    const int64_t nctx = pos + 1 - lo;
+    c.lo[static_cast<size_t>(r)] = lo;
+    c.hi[static_cast<size_t>(r)] = pos + 1;
+    c.n[static_cast<size_t>(r)] = nctx;
+    const bool exact = c.global_exact || (M > 1 && !p.approx_prefill) || nctx <= p.min_context ||
+                       n_candidates(p, nctx) >= nctx;
+    if (!exact) {
+      c.off[static_cast<size_t>(r)] = static_cast<int64_t>(approx_rows.size()) * Tc;
+      approx_rows.push_back(r);
+    }
+  }
+  if (approx_rows.empty()) return;
+  c.idx.resize(approx_rows.size() * static_cast<size_t>(Tc));
+  std::atomic<bool> oom{false};
+  auto task = [&](size_t i) noexcept {
+    const int64_t r = approx_rows[i];
+    const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M;
+    const int64_t lo = c.lo[static_cast<size_t>(r)], nctx = c.n[static_cast<size_t>(r)];
+    const int64_t h0 = hk * c.rep;
+    float* buf;
+    const int64_t nbytes = (D + 7) / 8, lut_n = nbytes * 256;
+    try {
+      buf = task_scratch().get(static_cast<size_t>(4 * nctx + lut_n + 2 * D + 64));
+    } catch (...) {
+      oom = true;
+      return;
+    }
+    float* g = buf;                                        // [nctx] group score
+    int32_t* core = reinterpret_cast<int32_t*>(g + nctx);  // [nctx]
+    int32_t* core1 = core + nctx;                          // [nctx] ternary plane 1
+    float* tmp = reinterpret_cast<float*>(core1 + nctx);   // [nctx]
+    int32_t* lut = reinterpret_cast<int32_t*>(tmp + nctx); // [nbytes][256]
+    float* qg = reinterpret_cast<float*>(lut + lut_n);     // [D]
+    float* kd = qg + D;                                    // [D]
+    // the group query: sum of its heads' rows, in head order
+    const float* q0 = c.Q + ((b * c.Hq + h0) * M + m) * D;
+    for (int64_t d = 0; d < D; ++d) qg[d] = q0[d];
+    for (int64_t h = 1; h < c.rep; ++h) {
+      const float* qh = c.Q + ((b * c.Hq + h0 + h) * M + m) * D;
+      for (int64_t d = 0; d < D; ++d) qg[d] = qg[d] + qh[d];
+    }
+    const uint32_t* kb = c.bits + ((b * c.Hkv + hk) * Tc + lo) * W;
+    const uint32_t* kvb = c.kv + ((b * c.Hkv + hk) * Tc + lo) * c.kf.words;
+    if (p.oracle) {  // exact scores on the dequantized keys (measurement only)
+      for (int64_t t = 0; t < nctx; ++t) {
+        const uint32_t* row = kvb + t * c.kf.words;
+        const uint8_t* kr = c.kf.k(row);
+        ak.deq_rows(&kr, 1, D, c.kf.bits, kd);
+        const float dot = ak.dot(qg, kd, D);
+        // reference: (K̂ @ q) * scale with K̂ = code * kscale
+        g[t] = dot * c.kf.kscale(row) * p.scale;
+      }
+      masked_scores(c, b, h0, m, lo, nctx, g);
+    } else {
+      const float* qa = qg;
+      if (!p.kscale.empty()) {
+        const float* ks = p.kscale.data() + hk * D;
+        for (int64_t d = 0; d < D; ++d) kd[d] = qg[d] * ks[d];
+        qa = kd;
+      }
+      float a = 0.0f;
+      for (int64_t d = 0; d < D; ++d) a = std::max(a, std::fabs(qa[d]));
+      if (!(a > 0)) {
+        std::fill(g, g + nctx, 0.0f);
+        masked_scores(c, b, h0, m, lo, nctx, g);
+      } else {
+        const float L = static_cast<float>((1 << (p.qbits - 1)) - 1);
+        const float inv = L / a;
+        // byte tables: lut[j][byte] = sum of qi over the set bits of byte j
+        int64_t qsum = 0;
+        int32_t qi8[8];
+        for (int64_t j = 0; j < nbytes; ++j) {
+          for (int i = 0; i < 8; ++i) {
+            const int64_t d = j * 8 + i;
+            int32_t qi = 0;
+            if (d < D) {
+              const float v = qa[d] * inv;
+              qi = std::isnan(v) ? 0 : static_cast<int32_t>(std::nearbyint(v));
+            }
+            qi8[i] = qi;
+            qsum += qi;
+          }
+          int32_t* lj = lut + j * 256;
+          lj[0] = 0;
+          for (int x = 1; x < 256; ++x) lj[x] = lj[x & (x - 1)] + qi8[__builtin_ctz(static_cast<unsigned>(x))];
+        }
+        ak.lutscore(kb, W, nctx, nbytes, lut, core);
+        if (p.mode == KeyMode::Ternary) {
+          ak.lutscore(kb + nw, W, nctx, nbytes, lut, core1);
+          for (int64_t t = 0; t < nctx; ++t) core[t] -= core1[t];
+        } else if (p.mode == KeyMode::Sign) {
+          for (int64_t t = 0; t < nctx; ++t) core[t] = 2 * core[t] - static_cast<int32_t>(qsum);
+        }
+        const float coef = (a / L) * p.scale;
+        const float* mr = c.mask_row(b, h0, m);
+        for (int64_t t = 0; t < nctx; ++t) {
+          float v = static_cast<float>(core[t]) * c.fmt.gamma_of(kb + t * W) * coef;
+          if (mr) v += mr[(lo + t) * c.mst];
+          g[t] = v == v ? v : -INFINITY;
+        }
+      }
+    }
+    // candidates: first `sinks` of the context, last `window`, top of the rest (ties: lower index)
+    const int64_t C = n_candidates(p, nctx);
+    const int64_t ns = std::min(p.sinks, nctx), w0 = std::max(ns, nctx - p.window);
+    int32_t* out = c.idx.data() + c.off[static_cast<size_t>(r)];
+    int64_t n = 0;
+    for (int64_t t = 0; t < ns; ++t) out[n++] = static_cast<int32_t>(lo + t);
+    const int64_t nr = w0 - ns, k = std::min(std::max<int64_t>(0, C - ns - (nctx - w0)), nr);
+    if (k >= nr) {
+      for (int64_t t = ns; t < w0; ++t) out[n++] = static_cast<int32_t>(lo + t);
+    } else if (k > 0) {
+      const float thr = kth_largest(g + ns, nr, k, tmp);
+      int64_t above = 0;
+      for (int64_t t = ns; t < w0; ++t) above += g[t] > thr;
+      int64_t ties = k - above;
+      for (int64_t t = ns; t < w0; ++t)
+        if (g[t] > thr || (g[t] == thr && ties-- > 0)) out[n++] = static_cast<int32_t>(lo + t);
+    }
+    for (int64_t t = w0; t < nctx; ++t) out[n++] = static_cast<int32_t>(lo + t);
+    c.n[static_cast<size_t>(r)] = n;
+  };
+  parallel_for(ctx, approx_rows.size(), task);
+  if (oom) throw std::bad_alloc();
+  metrics::add(m_active_, 1.0);
+}
+
+// softmax . V over each row's keys (range or candidate list) for the rep query heads of its group:
+// tasks of kKvChunk keys write partial (max, sum, y) per head, merged per row at the end.
+void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const {
+  const AttnParams& p = p_;
+  const AttnKernels& ak = *ak_;
+  const int64_t rows = c.B * c.Hkv * c.M, M = c.M, D = c.D, Dv = c.Dv, rep = c.rep, Tc = c.Tc, R = c.kf.words;
+  std::vector<int64_t> first_chunk(static_cast<size_t>(rows) + 1, 0);
+  int64_t nchunks = 0, cands = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    first_chunk[static_cast<size_t>(r)] = nchunks;
+    nchunks += (c.n[static_cast<size_t>(r)] + kKvChunk - 1) / kKvChunk;
+    cands += c.n[static_cast<size_t>(r)] * rep;
+  }
+  first_chunk[static_cast<size_t>(rows)] = nchunks;
+  metrics::add(m_cands_, static_cast<double>(cands));
+  std::vector<int64_t> chunk_row(static_cast<size_t>(nchunks));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = first_chunk[static_cast<size_t>(r)]; k < first_chunk[static_cast<size_t>(r) + 1]; ++k)
+      chunk_row[static_cast<size_t>(k)] = r;
+  const int64_t ps = rep * (Dv + 2);
+  std::vector<float> part_buf(static_cast<size_t>(nchunks * ps));
+  float* part = part_buf.data();
+  std::atomic<bool> oom{false};
+  auto task = [&](size_t k_) noexcept {
+    const int64_t k = static_cast<int64_t>(k_), r = chunk_row[static_cast<size_t>(k)];
+    const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M, h0 = hk * rep;
+    const int64_t c0 = (k - first_chunk[static_cast<size_t>(r)]) * kKvChunk;
+    const int64_t cn = std::min(kKvChunk, c.n[static_cast<size_t>(r)] - c0);
+    const int32_t* list = c.off[static_cast<size_t>(r)] >= 0 ? c.idx.data() + c.off[static_cast<size_t>(r)] + c0 : nullptr;
+    const int64_t start = c.lo[static_cast<size_t>(r)] + c0;
+    const uint32_t* base = c.kv + (b * c.Hkv + hk) * Tc * R;
+    const float* q = c.Q + ((b * c.Hq + h0) * M + m) * D;  // heads at stride M * D
+    float* buf;
+    try {
+      buf = task_scratch().get(static_cast<size_t>(rep * kKvBlock + kKvBlock * (D + Dv) + 64));
+    } catch (...) {
+      oom = true;
+      return;
+    }
+    float* L = buf;                      // [rep][kKvBlock] logits, then p * vscale
+    float* kf = L + rep * kKvBlock;      // [kKvBlock][D] key codes as floats
+    float* vf = kf + kKvBlock * D;       // [kKvBlock][Dv]
+    const uint8_t* kr[kKvBlock];
+    const uint8_t* vr[kKvBlock];
+    float ksc[kKvBlock], vsc[kKvBlock];
+    float* pr = part + k * ps;           // [rep][Dv + 2]: max, sum, y
+    for (int64_t h = 0; h < rep; ++h) {
+      pr[h * (Dv + 2)] = -INFINITY;
+      pr[h * (Dv + 2) + 1] = 0.0f;
+      std::fill(pr + h * (Dv + 2) + 2, pr + (h + 1) * (Dv + 2), 0.0f);
+    }
+    const int irep = static_cast<int>(rep);
+    const int kbits = c.kf.bits;
+    for (int64_t i0 = 0; i0 < cn; i0 += kKvBlock) {
+      const int64_t nb = std::min(kKvBlock, cn - i0);
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t t = list ? list[i0 + i] : start + i0 + i;
+        const uint32_t* row = base + t * R;
+        kr[i] = c.kf.k(row);
+        vr[i] = c.kf.v(row);
+        ksc[i] = c.kf.kscale(row) * p.scale;
+        vsc[i] = c.kf.vscale(row);
+        if (list && i0 + i + kKvBlock < cn) {  // next block's rows (scattered): prefetch
+          const char* pf = reinterpret_cast<const char*>(base + list[i0 + i + kKvBlock] * R);
+          for (int64_t o = 0; o < R * 4; o += 64) __builtin_prefetch(pf + o);
+        }
+      }
+      ak.deq_rows(kr, nb, D, kbits, kf);
+      ak.dots_tile(q, irep, M * D, kf, nb, D, L);
+      for (int64_t h = 0; h < rep; ++h) {
+        float* lh = L + h * nb;
+        const float* mr = c.mask_row(b, h0 + h, m);
+        for (int64_t i = 0; i < nb; ++i) {
+          float l = lh[i] * ksc[i];
+          if (p.softcap > 0) l = p.softcap * std::tanh(l / p.softcap);
+          if (mr) l += mr[(list ? list[i0 + i] : start + i0 + i) * c.mst];
+          lh[i] = l;
+        }
+        float* ph = pr + h * (Dv + 2);
+        const float bm = ak.maxv(lh, nb);
+        const float nm = std::max(ph[0], bm);
+        if (!(nm > -INFINITY)) {
+          std::fill(lh, lh + nb, 0.0f);
+          continue;
+        }
+        if (nm > ph[0]) {
+          const float f = ph[0] > -INFINITY ? std::exp(ph[0] - nm) : 0.0f;
+          ph[1] *= f;
+          if (f != 1.0f) ak.scal(f, ph + 2, Dv);
+          ph[0] = nm;
+        }
+        ph[1] += ak.expsum(lh, nm, nb);
+        for (int64_t i = 0; i < nb; ++i) lh[i] *= vsc[i];
+      }
+      ak.deq_rows(vr, nb, Dv, kbits, vf);
+      ak.pv_tile(L, irep, vf, nb, Dv, pr + 2, Dv + 2);
+    }
+  };
+  parallel_for(ctx, static_cast<size_t>(nchunks), task);
+  if (oom) throw std::bad_alloc();
+  // merge the chunks of each row into Y (padding rows: 0)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M;
+    const int64_t k0 = first_chunk[static_cast<size_t>(r)], k1 = first_chunk[static_cast<size_t>(r) + 1];
+    for (int64_t h = 0; h < rep; ++h) {
+      float* y = c.Y + ((b * c.Hq + hk * rep + h) * M + m) * Dv;
+      float mx = -INFINITY;
+      for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, part[k * ps + h * (Dv + 2)]);
+      std::fill(y, y + Dv, 0.0f);
+      if (!(mx > -INFINITY)) continue;
+      float sum = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float* ph = part + k * ps + h * (Dv + 2);
+        if (!(ph[0] > -INFINITY)) continue;
+        const float f = std::exp(ph[0] - mx);
+        sum += ph[1] * f;
+        ak.axpy(f, ph + 2, y, Dv);
+      }
+      ak.scal(1.0f / sum, y, Dv);
+    }
+  }
+}
+
+void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
+  KvCall c = read_kv_inputs(ctx);
+  store_kv(c, ctx);
+  metrics::add(m_calls_, 1.0);
+  select_kv(c, ctx);
+  metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));
+  attend_kv(c, ctx);
 }
 
 }  // namespace ortlean

@@ -23,14 +23,20 @@ struct AttnParams {
   bool k_bhdt;                   // K is [B, Hkv, D, T]
   std::vector<float> kscale;     // [Hkv * D] per-channel key scale folded into q for the popcount score
   std::vector<float> eps_heads;  // per KV head (eps modes), empty = eps for all
+  int kv_bits = 0;               // 0: K/V are the context; 32 / 8 / 4: cache rows (past_kv) of fp32 / int8 / int4
+  int64_t local_window = -1;     // kv cache mode: the last w keys [pos - w + 1, pos] when > 0
+  float softcap = 0.0f;          // kv cache mode: softcap * tanh(logit / softcap) when > 0
 };
+
+struct KvCall;
 
 class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
  public:
   static constexpr const char* kOpType = "PackedAttention";
-  // Q, K, V, [mask], [past_bits] -> Y, [present_bits]
-  static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kI32, kOptional}};
-  static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}};
+  // Q, K, V, [mask], [past_bits], [past_kv], [seqlens_k] -> Y, [present_bits], [present_kv]
+  static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kI32, kOptional},
+                                       {kI32, kOptional}, {kI32, kOptional}};
+  static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}, {kI32, kOptional}};
   static constexpr AttrSpec kAttrs[] = {
       attr_float("scale", 1.0f),  // any finite value
       attr_string("mode", "sign").one_of("sign|ternary|binary"),
@@ -49,6 +55,9 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_list("eps_heads", AttrType::Floats).at_least(0),  // one per KV head
       attr_list("kscale", AttrType::Floats).at_least(0),     // KV heads x head dim
       attr_string("select", "popcount").one_of("popcount|exact"),
+      attr_string("kv_quant", "none").one_of("none|fp32|int8|int4"),
+      attr_int("local_window", -1).range(-1, kMaxDim),
+      attr_float("softcap", 0.0f).at_least(0),
       attr_optional("layer", AttrType::String),
   };
 
@@ -62,6 +71,12 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   void pack_keys(AttnCall& c, Ort::KernelContext& ctx) const;
   void attend_rows(AttnCall& c, Ort::KernelContext& ctx) const;
   void attend_blocked(const AttnCall& c, Ort::KernelContext& ctx) const;
+  // quantized cache mode (kv_quant = int8 | int4): packed_attention.cc "cache mode"
+  void compute_kv(Ort::KernelContext& ctx) const;
+  KvCall read_kv_inputs(Ort::KernelContext& ctx) const;
+  void store_kv(KvCall& c, Ort::KernelContext& ctx) const;
+  void select_kv(KvCall& c, Ort::KernelContext& ctx) const;
+  void attend_kv(KvCall& c, Ort::KernelContext& ctx) const;
 
   AttnParams p_{};
   const AttnKernels* ak_ = nullptr;

@@ -1,0 +1,235 @@
+"""Long-context decode: SmolLM2 int4 (ortlean's fused graph, MatMulNBits int4 + GroupQueryAttention,
+tests/bench/fastgraph_models.py) vs the same graph with every GroupQueryAttention replaced by
+PackedAttention (rewriter.backends.packed_attention.apply_gqa) at several K/V formats and budgets.
+
+    python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
+                                             [--variants int8:1,int8:0.25,int8:0.125,int4:0.125]
+                                             [--steps 8] [--rounds 3] [--ppl-context 4096] [--ppl-score 64]
+                                             [--ppl-windows 1] [--json FILE]
+    python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
+
+run: per past length, every model decodes --steps tokens after a cache of that many tokens, in
+interleaved rounds (rotating order), each with one K/V buffer per state bound to past and present
+(runtime.shared_kv, as onnxruntime-genai runs these graphs); the median step → tokens/s and the
+ratio to the GQA model in the same run. The caches: GQA's from its own chunked prefill of the same
+random tokens; PackedAttention's from that cache's K/V quantized and packed exactly as the op stores
+new rows (custom_ops.reference.attn.pack_kv / pack_keys), so no model pays a slow prefill. Also per
+variant: KV-cache bytes per token (all layers) against GQA's fp32 cache, and decode-mode Δppl on
+held-out Persuasion (runtime.decode_perplexity: --ppl-context tokens of prefill through the model
+itself, then --ppl-score teacher-forced decode steps scored) against the GQA model.
+plot: the quality/speed frontier (Δppl vs speedup at each past, one point per variant) to a PNG.
+Every line printed carries the ISA and thread count; --json writes everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _variant_models(base: Path, variants: list[tuple[str, float]], out: Path) -> dict[str, Path]:
+    import onnx_ir as ir
+
+    from rewriter.backends import packed_attention as attn
+
+    paths = {}
+    for kvq, budget in variants:
+        name = f"packed {kvq} b{budget:g}"
+        p = out / name.replace(" ", "_") / "model.onnx"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        m = ir.load(str(base))
+        cfg = attn.AttnConfig(enabled=True, kv_quant=kvq, budget=budget)
+        cfg.validate()
+        recs = attn.apply_gqa(m, cfg)
+        if not any(r["backend"] == "packed_attention" for r in recs):
+            raise SystemExit(f"{base}: no GroupQueryAttention replaced: {recs}")
+        ir.save(m, str(p))
+        paths[name] = p
+    return paths
+
+
+def _kv_bytes_per_token(io) -> int:
+    import numpy as np
+
+    n = 0
+    for name, shape in io.state_shapes.items():
+        ax = io.state_seq_axis[name]
+        per = np.dtype(io.state_types[name]).itemsize
+        for i, d in enumerate(shape):
+            if i not in (0, ax):
+                per *= int(d)
+        n += per
+    return n
+
+
+def _fill_packed(kv_gqa, kv_packed, io_p, past: int, variant: str):
+    """The packed model's state from the GQA cache: K/V rows quantized + key bits, as the op stores them."""
+    from custom_ops.reference.attn import pack_keys, pack_kv
+
+    kvq = variant.split()[1]
+    state = {}
+    for name in io_p.past_to_present:
+        n = name.split(".")[1]
+        K = kv_gqa.arrays[f"past_key_values.{n}.key"][:, :, :past]
+        V = kv_gqa.arrays[f"past_key_values.{n}.value"][:, :, :past]
+        state[name] = pack_kv(K, V, kvq) if name.endswith(".kv") else pack_keys(K)
+        del K, V
+    kv_packed.fill(past, state)
+
+
+def run(a) -> dict:
+    import numpy as np
+
+    import custom_ops
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+    from fastgraph_models import fused_model, quantized_model
+    from rewriter.quantize import DEFAULTS
+
+    c = DEFAULTS["int4"]
+    base = quantized_model(fused_model("smollm2"), c.bits, c.block_size, c.symmetric, c.accuracy_level)
+    variants = [(v.split(":")[0], float(v.split(":")[1])) for v in a.variants.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="ortlean-longctx-"))
+    paths = {"gqa int4": base, **_variant_models(base, variants, tmp)}
+    pasts = [int(x) for x in a.pasts.split(",") if x]  # --pasts "": quality only
+    threads = [int(x) for x in a.threads.split(",")]
+    isa = custom_ops.isa()
+    res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
+           "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {}}
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
+    steps = rng.integers(100, 49000, size=a.steps, dtype=np.int64)
+    for th in threads if pasts else []:
+        sess = {n: custom_ops.session(str(p), threads=th) for n, p in paths.items()}
+        ios = {n: runtime.ModelIO.from_session(s) for n, s in sess.items()}
+        if th == threads[0]:
+            g = _kv_bytes_per_token(ios["gqa int4"])
+            for n in paths:
+                b = _kv_bytes_per_token(ios[n])
+                res["kv_bytes_per_token"][n] = {"bytes": b, "vs_gqa_fp32": round(b / g, 3)}
+                print(f"[{isa}] {n:20s} KV cache {b} bytes/token ({b / g:.3f}x GQA fp32)", flush=True)
+        for past in pasts:
+            kvs = {n: SharedKV(s, ios[n], max_len=past + a.steps + 1) for n, s in sess.items()}
+            g = kvs["gqa int4"]
+            g.prefill(prompt[None, :min(512, past)])
+            for c0 in range(min(512, past), past, 512):
+                g.step(prompt[None, c0:min(c0 + 512, past)])
+            for n in paths:
+                if n != "gqa int4":
+                    _fill_packed(g, kvs[n], ios[n], past, n)
+            times = {n: [] for n in paths}
+            names = list(paths)
+            for r in range(a.rounds + 1):
+                order = names[r % len(names):] + names[: r % len(names)]
+                for n in order:
+                    kv = kvs[n]
+                    kv.length = past
+                    for k in range(a.steps):
+                        t0 = time.perf_counter()
+                        kv.step(steps[None, k:k + 1])
+                        dt = time.perf_counter() - t0
+                        if r > 0:
+                            times[n].append(dt)
+            row = {}
+            tg = statistics.median(times["gqa int4"])
+            for n in names:
+                t = statistics.median(times[n])
+                row[n] = {"ms": round(t * 1e3, 2), "tok_s": round(1 / t, 2), "vs_gqa": round(tg / t, 3)}
+                print(f"[{isa}, {th} thr] past {past:5d} {n:20s} {1 / t:7.2f} tok/s  x{tg / t:5.2f} vs GQA", flush=True)
+            res["decode"].setdefault(str(th), {})[str(past)] = row
+            del kvs, g
+        del sess
+    if a.ppl_windows > 0:
+        ids = np.asarray(_eval_ids(), dtype=np.int64)
+        sess = {n: custom_ops.session(str(p), threads=threads[-1]) for n, p in paths.items()}
+        dm = dict(context=a.ppl_context, score=a.ppl_score, windows=a.ppl_windows)
+        ref = None
+        for n, s in sess.items():
+            t0 = time.monotonic()
+            d = runtime.decode_perplexity(s, runtime.ModelIO.from_session(s), ids, **dm)
+            ref = ref or d
+            res["quality"][n] = {"ppl": round(d["ppl"], 4), "delta_ppl": round(d["ppl"] / ref["ppl"] - 1, 4),
+                                 "tokens": d["tokens"], "loop": d["loop"], **dm}
+            print(f"[{isa}] {n:20s} decode-mode ppl {d['ppl']:.4f}  Δppl {100 * (d['ppl'] / ref['ppl'] - 1):+.2f} % "
+                  f"({d['tokens']} tokens after {a.ppl_context}-token prefills, Persuasion; "
+                  f"{time.monotonic() - t0:.0f} s)", flush=True)
+    return res
+
+
+def _eval_ids():
+    from tokenizers import Tokenizer
+
+    from models import corpus, prepare
+
+    tok = Tokenizer.from_file(str(prepare.prepare("smollm2") / "tokenizer.json"))
+    return tok.encode(corpus.text(corpus.EVAL_NOVEL), add_special_tokens=False).ids
+
+
+def plot(a) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(a.json).read_text())
+    q = res.get("quality", {})
+    fig, axes = plt.subplots(1, len(res["decode"]), figsize=(6 * len(res["decode"]), 4.5), squeeze=False)
+    for ax, (th, by_past) in zip(axes[0], res["decode"].items()):
+        for past, row in by_past.items():
+            xs, ys, labels = [], [], []
+            for n, r in row.items():
+                if n in q:
+                    xs.append(r["vs_gqa"])
+                    ys.append(100 * q[n]["delta_ppl"])
+                    labels.append(n.replace("packed ", ""))
+            ax.plot(xs, ys, "o-", label=f"past {past}")
+            for x, y, lab in zip(xs, ys, labels):
+                ax.annotate(lab, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(2.0, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel("decode tok/s vs GroupQueryAttention (same run)")
+        ctx = next(iter(q.values()), {}).get("context", "?")
+        ax.set_ylabel(f"decode-mode Δppl vs GQA, % (Persuasion, {ctx}-token context)")
+        ax.set_title(f"SmolLM2 int4, {th} thread(s), {res['isa']}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(a.png or Path(a.json).with_suffix(".png"))
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["run", "plot"])
+    ap.add_argument("--pasts", default="128,1024,4096,8192")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ppl-context", type=int, default=4096)
+    ap.add_argument("--ppl-score", type=int, default=64)
+    ap.add_argument("--ppl-windows", type=int, default=1)
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    a = ap.parse_args(argv)
+    if a.what == "plot":
+        plot(a)
+        return 0
+    res = run(a)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

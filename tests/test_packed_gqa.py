@@ -1,0 +1,494 @@
+"""PackedAttention's quantized cache mode (kv_quant = int8 | int4): native kernel vs the numpy
+reference (custom_ops/reference/attn.py: packed_attention_kv) on random and adversarial shapes,
+every ISA path, exact at full budget against dense attention over the dequantized cache, carried
+state across steps, one shared past/present buffer (seqlens_k), sliding window, softcap, batch
+with padding, and the refusal of bad nodes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP, helper
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import custom_ops  # noqa: E402
+from custom_ops.reference.attn import (kv_row_words, n_words, pack_keys, pack_kv, packed_attention_kv,  # noqa: E402
+                                       unpack_kv)
+
+from conftest import requires_native  # noqa: E402
+
+IN_NAMES = ("Q", "K", "V", "mask", "past_bits", "past_kv", "seqlens_k")
+
+
+def kv_model(attrs, *, use=("Q", "K", "V", "past_bits", "past_kv"), outs=3, name="pkv") -> bytes:
+    types = {"past_bits": TP.INT32, "past_kv": TP.INT32, "seqlens_k": TP.INT32}
+    ins = [helper.make_tensor_value_info(n, types.get(n, TP.FLOAT), None) for n in IN_NAMES if n in use]
+    names = [n if n in use else "" for n in IN_NAMES]
+    while names and not names[-1]:
+        names.pop()
+    out_vi = [helper.make_tensor_value_info(n, TP.FLOAT if n == "Y" else TP.INT32, None)
+              for n in ("Y", "bits", "kv")[:outs]]
+    node = helper.make_node("PackedAttention", names, [o.name for o in out_vi], domain="ai.ortlean", name=name,
+                            **attrs)
+    m = helper.make_model(helper.make_graph([node], "g", ins, out_vi),
+                          opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.ortlean", 1)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, mode="sign", eps=0.0):
+    """Random new tokens and a past cache whose keys have a few hot rows aligned with the queries."""
+    r = np.random.default_rng(seed)
+    Dv = Dv or D
+    Q = r.standard_normal((B, Hq, S, D), dtype=np.float32)
+    Kp = r.standard_normal((B, Hkv, P, D), dtype=np.float32)
+    if P:
+        hot = r.choice(P, size=max(1, P // 20), replace=False)
+        Kp[:, :, hot] += 2.0 * Q.reshape(B, Hkv, Hq // Hkv, S, D).mean((2, 3))[:, :, None]
+    Vp = r.standard_normal((B, Hkv, P, Dv), dtype=np.float32)
+    K = r.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    V = r.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
+    feed = {"Q": Q, "K": K, "V": V, "past_kv": pack_kv(Kp, Vp, q), "past_bits": pack_keys(Kp, mode, eps)}
+    return feed
+
+
+def run_native(attrs, feed, outs=3):
+    use = tuple(feed)
+    s = custom_ops.session(kv_model(attrs, use=use, outs=outs), threads=2)
+    return s.run(None, feed)
+
+
+def run_ref(attrs, feed):
+    f = dict(feed)
+    return packed_attention_kv(f.pop("Q"), f.pop("K"), f.pop("V"), f.pop("mask", None), f.pop("past_bits", None),
+                               f.pop("past_kv", None), f.pop("seqlens_k", None), **attrs)
+
+
+def dense_over_cache(feed, kv, D, Dv, q, scale, total=None, local_window=-1, softcap=0.0):
+    """Plain attention (float64) of the new query rows over the dequantized present cache."""
+    Kd, Vd = unpack_kv(kv, D, Dv, q)
+    Q = feed["Q"]
+    B, Hq, S, _ = Q.shape
+    rep = Hq // Kd.shape[1]
+    Y = np.zeros((B, Hq, S, Dv), np.float32)
+    for b in range(B):
+        tot = kv.shape[2] if total is None else total[b]
+        for h in range(Hq):
+            for m in range(S):
+                pos = max(0, tot - S) + m
+                if pos >= tot:
+                    continue
+                lo = max(0, pos - local_window + 1) if local_window > 0 else 0
+                l = (Kd[b, h // rep, lo:pos + 1].astype(np.float64) @ Q[b, h, m].astype(np.float64)) * scale
+                if softcap > 0:
+                    l = softcap * np.tanh(l / softcap)
+                e = np.exp(l - l.max())
+                Y[b, h, m] = (e / e.sum()) @ Vd[b, h // rep, lo:pos + 1]
+    return Y
+
+
+# --------------------------------------------------------------------------- reference
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_reference_row_format_roundtrip(q):
+    r = np.random.default_rng(1)
+    K = r.standard_normal((2, 3, 7, 16), dtype=np.float32)
+    V = r.standard_normal((2, 3, 7, 24), dtype=np.float32)
+    K[0, 0, 0] = 0.0                                   # an all-zero row: scale 0, codes 0
+    rows = pack_kv(K, V, q)
+    assert rows.shape == (2, 3, 7, kv_row_words(16, 24, q)) and rows.dtype == np.int32
+    Kd, Vd = unpack_kv(rows, 16, 24, q)
+    L = 127 if q == "int8" else 7
+    tolk = np.abs(K).max(-1, keepdims=True) / L / 2 + 1e-7
+    assert (np.abs(Kd - K) <= tolk).all() and (np.abs(Vd - V) <= np.abs(V).max(-1, keepdims=True) / L / 2 + 1e-7).all()
+    assert (Kd[0, 0, 0] == 0).all()
+    # bytes: int8 row = D + Dv + 8 bytes, int4 = (D + Dv) / 2 + 8 (vs 4 (D + Dv) in fp32)
+    assert rows.shape[-1] * 4 == ((16 + 24) if q == "int8" else 20) + 8
+
+
+def test_reference_full_budget_is_dense_over_cache():
+    f = case(P=300, S=1)
+    for budget in (0.0, 1.0):
+        Y, bits, kv = run_ref(dict(kv_quant="int8", scale=0.125, budget=budget, min_context=0), f)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=1e-5)
+    assert (bits[:, :, :300] == f["past_bits"]).all() and (kv[:, :, :300] == f["past_kv"]).all()
+
+
+# --------------------------------------------------------------------------- kernel vs reference
+KERNEL_CASES = [
+    (1, 6, 2, 1, 300, 24, 20, "fp32", dict(budget=0.3, window=16, min_context=32)),
+    # (B, Hq, Hkv, S, P, D, Dv, q, attrs)
+    (1, 9, 3, 1, 700, 64, 64, "int8", dict(budget=0.25, window=64, min_context=128)),
+    (1, 9, 3, 1, 700, 64, 64, "int4", dict(budget=0.25, window=64, min_context=128)),
+    (2, 4, 2, 1, 333, 48, 40, "int8", dict(budget=0.3, window=17, sinks=3, min_candidates=5, min_context=10)),
+    (1, 4, 1, 1, 1100, 64, 64, "int8", dict(budget=0.1, window=32, mode="ternary", eps=0.5)),
+    (1, 2, 2, 1, 600, 32, 32, "int8", dict(budget=0.5, window=0, sinks=0, min_candidates=0, min_context=0, qbits=3)),
+    (1, 6, 3, 1, 640, 64, 64, "int8", dict(budget=0.2, select="exact")),
+    (1, 4, 2, 5, 90, 16, 16, "int8", dict(budget=0.0)),                              # prefill continuation
+    (1, 4, 2, 7, 0, 16, 16, "int4", dict()),                                          # first prompt
+    (1, 4, 2, 1, 0, 8, 8, "int8", dict(budget=0.5, min_context=0)),                   # a single key
+    (1, 6, 2, 4, 700, 64, 64, "int8", dict(budget=0.25, approx_prefill=1, min_context=64)),
+    (1, 4, 2, 1, 700, 64, 64, "int8", dict(budget=0.25, local_window=300, min_context=64, softcap=5.0)),
+    (1, 4, 2, 1, 900, 32, 32, "int8", dict(budget=0.2, qbits=2, min_context=0)),       # heavy score ties
+]
+
+
+@requires_native
+def test_kernel_vs_reference_with_mask_ties_and_zero_query():
+    """An additive mask with -inf stretches (per head), a query of zeros (all scores equal: ties
+    broken by index), scores with few distinct values: the selection equals the reference's."""
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.15, window=8, sinks=2, min_candidates=4, min_context=16)
+    for seed, zero in ((11, False), (12, True)):
+        f = case(B=2, Hq=4, Hkv=2, P=500, seed=seed)
+        if zero:
+            f["Q"][1] = 0.0
+        mask = np.zeros((2, 4, 1, 501), np.float32)
+        mask[0, :, :, 100:300] = -np.inf
+        mask[1, 1, :, :50] = -np.inf
+        f = {"Q": f["Q"], "K": f["K"], "V": f["V"], "mask": mask, "past_bits": f["past_bits"], "past_kv": f["past_kv"]}
+        Yr, br, kr = run_ref(attrs, f)
+        Y, bits, kv = run_native(attrs, f)
+        np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+@requires_native
+@pytest.mark.parametrize("B,Hq,Hkv,S,P,D,Dv,q,attrs", KERNEL_CASES)
+def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs):
+    attrs = dict(kv_quant=q, scale=float(D) ** -0.5, **attrs)
+    f = case(B=B, Hq=Hq, Hkv=Hkv, S=S, P=P, D=D, Dv=Dv, q=q, mode=attrs.get("mode", "sign"),
+             eps=attrs.get("eps", 0.0))
+    if not P:
+        f.pop("past_kv"), f.pop("past_bits")
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_array_equal(kv, kr)
+    np.testing.assert_array_equal(bits, br)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+@requires_native
+def test_carried_state_across_steps_equals_one_call():
+    """Decode steps feeding present_* back as past_* equal one call over the same tokens."""
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.3, window=16, min_context=32)
+    f = case(P=200, S=1, seed=3)
+    r = np.random.default_rng(4)
+    s = custom_ops.session(kv_model(attrs), threads=1)
+    past_kv, past_bits = f["past_kv"], f["past_bits"]
+    for step in range(5):
+        feed = {"Q": r.standard_normal((1, 9, 1, 64), dtype=np.float32),
+                "K": r.standard_normal((1, 3, 1, 64), dtype=np.float32),
+                "V": r.standard_normal((1, 3, 1, 64), dtype=np.float32), "past_bits": past_bits, "past_kv": past_kv}
+        Y, past_bits, past_kv = s.run(None, feed)
+        Yr, br, kr = run_ref(attrs, feed)
+        np.testing.assert_allclose(Y, Yr, atol=2e-5)
+        assert past_kv.shape[2] == 201 + step and (past_kv == kr).all() and (past_bits == br).all()
+
+
+@requires_native
+def test_shared_buffer_with_seqlens_and_padding():
+    """seqlens_k: a buffer of capacity Tc holds sequences of different lengths (batch 2); present
+    has the buffer's shape, the new row of each sequence lands at its own position, padding rows
+    are untouched, and binding past and present to one OrtValue (IOBinding) gives the same Y."""
+    import onnxruntime as ort
+
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.25, window=32, min_context=64)
+    cap = 512
+    f = case(B=2, Hq=4, Hkv=2, P=cap, S=1, D=32, seed=5)
+    f["seqlens_k"] = np.array([300, 450], np.int32)          # totals 301 and 451 (new row at 300 / 450)
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5)
+    assert kv.shape == f["past_kv"].shape and (kv == kr).all() and (bits == br).all()
+    assert (kv[0, :, 301:] == f["past_kv"][0, :, 301:]).all()
+    sess = custom_ops.session(kv_model(attrs, use=tuple(f)), threads=2)
+    kv_buf = f["past_kv"].copy()
+    bits_buf = f["past_bits"].copy()
+    b = sess.io_binding()
+    ov_kv, ov_bits = ort.OrtValue.ortvalue_from_numpy(kv_buf), ort.OrtValue.ortvalue_from_numpy(bits_buf)
+    for n in ("Q", "K", "V", "seqlens_k"):
+        b.bind_cpu_input(n, f[n])
+    b.bind_ortvalue_input("past_kv", ov_kv)
+    b.bind_ortvalue_input("past_bits", ov_bits)
+    b.bind_output("Y")
+    b.bind_ortvalue_output("bits", ov_bits)
+    b.bind_ortvalue_output("kv", ov_kv)
+    sess.run_with_iobinding(b)
+    np.testing.assert_allclose(b.get_outputs()[0].numpy(), Yr, atol=2e-5)
+    assert (ov_kv.numpy() == kr).all() and (ov_bits.numpy() == br).all()
+
+
+@requires_native
+def test_padded_first_prompt_rows_are_zero():
+    attrs = dict(kv_quant="int4", scale=0.25)
+    f = case(B=2, Hq=2, Hkv=1, P=0, S=6, D=16, seed=6)
+    f.pop("past_kv"), f.pop("past_bits")
+    f["seqlens_k"] = np.array([5, 2], np.int32)               # lengths 6 and 3 (rows 3..5 of b=1: padding)
+    Y, bits, kv = run_native(attrs, f)
+    Yr, br, kr = run_ref(attrs, f)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5)
+    assert (Y[1, :, 3:] == 0).all() and (kv == kr).all()
+
+
+@requires_native
+def test_exact_at_full_budget_matches_dense_and_gqa_shapes():
+    """budget 1 (exact): dense attention over the dequantized cache to 1e-5, for GQA ratios 1, 3, 8."""
+    for Hq, Hkv in ((3, 3), (9, 3), (8, 1)):
+        f = case(Hq=Hq, Hkv=Hkv, P=257, D=64)
+        Y, bits, kv = run_native(dict(kv_quant="int8", scale=0.125, budget=1.0), f)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=1e-5)
+
+
+def _isa_worker() -> None:
+    f = case(P=500, seed=8, q=sys.argv[2])
+    attrs = dict(kv_quant=sys.argv[2], scale=0.125, budget=0.25, window=32, min_context=64)
+    Y, bits, kv = run_native(attrs, f)
+    Yr, _, kr = run_ref(attrs, f)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5)
+    assert (kv == kr).all()
+    print("ok", custom_ops.isa())
+
+
+@requires_native
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_isa_paths(isa, q):
+    env = dict(os.environ, ORTLEAN_ISA=isa)
+    code = f"import sys; sys.argv=['x', 'w', '{q}']; sys.path.insert(0, {str(ROOT / 'tests')!r}); " \
+           "import test_packed_gqa as t; t._isa_worker()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == isa
+
+
+@requires_native
+@pytest.mark.parametrize("attrs,needle", [
+    (dict(kv_quant="int9"), "kv_quant"),
+    (dict(kv_quant="int8", mix=0.5), "mix"),
+    (dict(kv_quant="int8", k_layout="bhdt"), "k_layout"),
+    (dict(kv_quant="int8", local_window=-2), "local_window"),
+    (dict(kv_quant="int8", softcap=-1.0), "softcap"),
+])
+def test_invalid_node_fails_with_name(attrs, needle):
+    with pytest.raises(Exception) as e:
+        custom_ops.session(kv_model(attrs, name="bad_kv_node"))
+    assert "bad_kv_node" in str(e.value) and needle in str(e.value)
+
+
+@requires_native
+def test_bad_shapes_are_refused():
+    f = case(P=10, D=12)  # D not a multiple of 8
+    with pytest.raises(Exception, match="multiples of 8"):
+        run_native(dict(kv_quant="int8"), f)
+    f = case(P=10)
+    f["past_bits"] = f["past_bits"][:, :, :5]
+    with pytest.raises(Exception, match="past_bits"):
+        run_native(dict(kv_quant="int8"), f)
+
+
+# --------------------------------------------------------------------------- GroupQueryAttention → PackedAttention
+def _fused(family):
+    import onnx_ir as ir
+
+    import tiny_hf
+    from rewriter.fuse import fuse_decoder
+
+    fused, _ = fuse_decoder(ir.load(str(tiny_hf.models()[family] / "model.onnx")))
+    return fused
+
+
+def _rewrite_gqa(model, **cfg):
+    from rewriter.backends import packed_attention as attn
+
+    c = attn.AttnConfig(enabled=True, **cfg)
+    c.validate()
+    recs = attn.apply_gqa(model, c)
+    return model, recs
+
+
+def _save(model, path):
+    import onnx_ir as ir
+
+    ir.save(model, str(path))
+    return str(path)
+
+
+def _decode_logits(sess, ids_prompt, steps, batch_mask=None):
+    from custom_ops import runtime
+
+    io = runtime.ModelIO.from_session(sess)
+    out = runtime.run(sess, io, runtime.feeds(io, ids_prompt))
+    logits = [out[io.logits_name][:, -1]]
+    past, plen = io.next_state(out), ids_prompt.shape[1]
+    for t in steps.T:
+        out = runtime.run(sess, io, runtime.feeds(io, t[:, None], past, plen))
+        logits.append(out[io.logits_name][:, -1])
+        past, plen = io.next_state(out), plen + 1
+    return np.stack(logits, 1), past
+
+
+@requires_native
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gqa_replaced_exact_at_full_budget(tmp_path, family):
+    """Fused tiny Llama (head dim 16) / Qwen2 (head dim 32, biases): GroupQueryAttention →
+    PackedAttention (fp32 rows, budget 1) gives the same logits to 1e-5 over a prompt and decode
+    steps; the GQA cache I/O is replaced by .kv / .key_bits state."""
+    import onnxruntime as ort
+
+    g = _fused(family)
+    src = _save(g, tmp_path / "gqa.onnx")
+    m, recs = _rewrite_gqa(_fused(family), kv_quant="fp32", budget=1.0)
+    assert [r["backend"] for r in recs] == ["packed_attention"] * 2, recs
+    assert not any(n.op_type == "GroupQueryAttention" for n in m.graph)
+    names = {i.name for i in m.graph.inputs}
+    assert "past_key_values.0.kv" in names and "past_key_values.0.key" not in names
+    dst = _save(m, tmp_path / "packed.onnx")
+    r = np.random.default_rng(0)
+    prompt, steps = r.integers(0, 256, (1, 23)), r.integers(0, 256, (1, 6))
+    ref, _ = _decode_logits(ort.InferenceSession(src, providers=["CPUExecutionProvider"]), prompt, steps)
+    got, past = _decode_logits(custom_ops.session(dst, threads=2), prompt, steps)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert past["past_key_values.1.kv"].shape[2] == 23 + 6
+
+
+@requires_native
+def test_gqa_replaced_int8_close_and_shared_buffer(tmp_path):
+    """int8 rows: logits close to GQA's; the shared-buffer decode loop (runtime.shared_kv, one
+    buffer per state, capacity > length) gives the same logits as the growing-state loop."""
+    import onnxruntime as ort
+
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+
+    src = _save(_fused("qwen2"), tmp_path / "gqa.onnx")
+    r = np.random.default_rng(1)
+    prompt, steps = r.integers(0, 256, (1, 40)), r.integers(0, 256, (1, 5))
+    ref, _ = _decode_logits(ort.InferenceSession(src, providers=["CPUExecutionProvider"]), prompt, steps)
+    exact8, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=1.0)
+    got8, _ = _decode_logits(custom_ops.session(_save(exact8, tmp_path / "p8.onnx"), threads=1), prompt, steps)
+    assert np.abs(got8 - ref).max() < 0.02 * np.abs(ref).max()       # int8 rows: quantization error only
+    m, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=0.5, min_context=8, window=4, sinks=2,
+                        min_candidates=4)
+    sess = custom_ops.session(_save(m, tmp_path / "packed.onnx"), threads=1)
+    got, _ = _decode_logits(sess, prompt, steps)
+    kv = SharedKV(sess, runtime.ModelIO.from_session(sess), max_len=64)
+    shared = [kv.prefill(prompt)[:, -1]] + [kv.step(t[:, None])[:, -1] for t in steps.T]
+    np.testing.assert_allclose(np.stack(shared, 1), got, atol=1e-5)
+
+
+def _gqa_layer_model(Hq, Hkv, D, *, window=-1, softcap=0.0, packed=True, rotary=True, max_pos=256):
+    """One GroupQueryAttention node as the genai builder writes it (packed QKV, rotary inside),
+    with its own seqlens_k / total_sequence_length inputs."""
+    from onnx import numpy_helper
+
+    r = np.random.default_rng(7)
+    inv = 1.0 / (10000 ** (np.arange(0, D, 2) / D))
+    ang = np.arange(max_pos)[:, None] * inv[None]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    ins = [helper.make_tensor_value_info("qkv", TP.FLOAT, ["batch_size", "sequence_length", (Hq + 2 * Hkv) * D]),
+           helper.make_tensor_value_info("past_key_values.0.key", TP.FLOAT, ["batch_size", Hkv, "past_sequence_length", D]),
+           helper.make_tensor_value_info("past_key_values.0.value", TP.FLOAT, ["batch_size", Hkv, "past_sequence_length", D]),
+           helper.make_tensor_value_info("seqlens_k", TP.INT32, ["batch_size"]),
+           helper.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
+    outs = [helper.make_tensor_value_info("y", TP.FLOAT, None),
+            helper.make_tensor_value_info("present.0.key", TP.FLOAT, ["batch_size", Hkv, "total_sequence_length", D]),
+            helper.make_tensor_value_info("present.0.value", TP.FLOAT, ["batch_size", Hkv, "total_sequence_length", D])]
+    attrs = dict(num_heads=Hq, kv_num_heads=Hkv, do_rotary=int(rotary), local_window_size=window)
+    if softcap:
+        attrs["softcap"] = softcap
+    node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "past_key_values.0.key", "past_key_values.0.value",
+                                                    "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+                            ["y", "present.0.key", "present.0.value"], domain="com.microsoft",
+                            name="/model/layers.0/attn/GroupQueryAttention", **attrs)
+    g = helper.make_graph([node], "g", ins, outs, initializer=[numpy_helper.from_array(cos, "cos_cache"),
+                                                               numpy_helper.from_array(sin, "sin_cache")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    del r
+    return m
+
+
+@requires_native
+@pytest.mark.parametrize("Hq,Hkv,D,window,softcap", [(6, 2, 48, 7, 0.0), (4, 1, 32, -1, 3.0), (8, 4, 16, 20, 0.0)])
+def test_gqa_layer_semantics(tmp_path, Hq, Hkv, D, window, softcap):
+    """One GQA layer (packed QKV, rotary inside, sliding window, softcap, head dims 48/32/16, batch 2
+    with right padding in the prompt, then decode steps of different lengths per sequence) →
+    PackedAttention fp32 at full budget: the same outputs to 1e-5."""
+    import onnx
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    if D % 16:
+        pytest.skip("ORT's CPU GroupQueryAttention needs head_dim % 16 == 0")
+    m = _gqa_layer_model(Hq, Hkv, D, window=window, softcap=softcap)
+    onnx.save(m, tmp_path / "gqa.onnx")
+    lean, recs = _rewrite_gqa(ir.from_proto(m), kv_quant="fp32", budget=1.0)
+    assert recs[0]["backend"] == "packed_attention", recs
+    dst = _save(lean, tmp_path / "packed.onnx")
+    gq = ort.InferenceSession(str(tmp_path / "gqa.onnx"), providers=["CPUExecutionProvider"])
+    pa = custom_ops.session(dst, threads=2)
+    r = np.random.default_rng(2)
+    B, S, W = 2, 11, (Hq + 2 * Hkv) * D
+    lens = np.array([11, 8])
+    qkv = r.standard_normal((B, S, W), dtype=np.float32)
+    f = {"qkv": qkv, "seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(S, np.int32)}
+    g_out = gq.run(None, {**f, "past_key_values.0.key": np.zeros((B, Hkv, 0, D), np.float32),
+                          "past_key_values.0.value": np.zeros((B, Hkv, 0, D), np.float32)})
+    p_out = pa.run(None, {"qkv": qkv, "seqlens_k": f["seqlens_k"], "total_sequence_length": f["total_sequence_length"],
+                          "past_key_values.0.key_bits": np.zeros((B, Hkv, 0, n_words(D)), np.int32),
+                          "past_key_values.0.kv": np.zeros((B, Hkv, 0, kv_row_words(D, D, "fp32")), np.int32)})
+    for b in range(B):  # padding rows are unspecified in GQA (0 here)
+        np.testing.assert_allclose(p_out[0][b, :lens[b]], g_out[0][b, :lens[b]], atol=1e-5)
+    pk, pv, pbits, pkv = g_out[1], g_out[2], p_out[1], p_out[2]
+    for step in range(4):  # decode: sequence 1 continues after its own length (right padding)
+        x = r.standard_normal((B, 1, W), dtype=np.float32)
+        lens = lens + 1
+        sl = (lens - 1).astype(np.int32)
+        tot = np.array(max(lens.max(), pk.shape[2] + 1), np.int32)
+        g_out = gq.run(None, {"qkv": x, "seqlens_k": sl, "total_sequence_length": tot,
+                              "past_key_values.0.key": pk, "past_key_values.0.value": pv})
+        p_out = pa.run(None, {"qkv": x, "seqlens_k": sl, "total_sequence_length": tot, "past_key_values.0.key_bits": pbits,
+                              "past_key_values.0.kv": pkv})
+        np.testing.assert_allclose(p_out[0], g_out[0], atol=1e-5)
+        pk, pv, pbits, pkv = g_out[1], g_out[2], p_out[1], p_out[2]
+
+
+# --------------------------------------------------------------------------- decode-mode quality
+@requires_native
+def test_decode_perplexity_equals_full_forward_and_sees_the_budget(tmp_path):
+    """Teacher-forced decode through the cache scores the same NLL as one forward pass over the
+    same tokens (exact graph: fused GQA, shared and growing loops); a PackedAttention model with
+    a candidate budget is detected as approximate and its decode-mode NLL differs from its exact
+    prefill's (what window perplexity would report)."""
+    import onnxruntime as ort
+
+    from custom_ops import runtime
+
+    src = _save(_fused("llama"), tmp_path / "gqa.onnx")
+    sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    io = runtime.ModelIO.from_session(sess)
+    ids = np.random.default_rng(3).integers(0, 256, 200)
+    c, s = 60, 30
+    full = runtime.run(sess, io, runtime.feeds(io, ids[None, :c + s + 1]))[io.logits_name][0]
+    lp = full[c:c + s].astype(np.float64)
+    lp = lp - lp.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    nll = -lp[np.arange(s), ids[c + 1:c + s + 1]].mean()
+    for shared in (True, False):
+        d = runtime.decode_perplexity(sess, io, ids, context=c, score=s, windows=1, shared=shared)
+        assert d["tokens"] == s and d["loop"] == ("shared" if shared else "growing")
+        assert abs(d["nll"] - nll) < 1e-4
+    assert not runtime.approximate_decode(src)
+    m, _ = _rewrite_gqa(_fused("llama"), kv_quant="fp32", budget=0.25, min_context=16, window=4, sinks=2,
+                        min_candidates=4)
+    dst = _save(m, tmp_path / "packed.onnx")
+    assert runtime.approximate_decode(dst)
+    ps = custom_ops.session(dst, threads=1)
+    pio = runtime.ModelIO.from_session(ps)
+    d = runtime.decode_perplexity(ps, pio, ids, context=c, score=s, windows=1)
+    assert d["loop"] == "shared" and abs(d["nll"] - nll) > 1e-3   # the decode-time approximation is seen
