@@ -87,7 +87,7 @@ def test_toy_covering_vocab_equals_exact_head(toy_model, toy_text, tmp_path):
     code, rep = _rewrite(toy_model, tmp_path / "c.onnx", toy_text, "--head-rank", "6",
                          "--head-candidates", str(V + 10))
     assert code == 0
-    row = rep["graph_passes"][0]
+    row = rep["graph_passes"][-1]
     assert row["backend"] == "cheap_head" and row["candidates"] == V and row["calib_recall"] == 1.0
     d, c = _sess(toy_model), _sess(tmp_path / "c.onnx")
     io = runtime.ModelIO.from_session(d)
@@ -145,7 +145,7 @@ def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path):
     V = int(next(a.i for a in hn.attribute if a.name == "N"))
     out = tmp_path / "c.onnx"
     code, rep = _rewrite(qp, out, toy_text, "--head-rank", "5", "--head-candidates", "9", "--head-accuracy", "0")
-    assert code == 0 and "GatherBlockQuantized" in rep["graph_passes"][0]["decision"]
+    assert code == 0 and "GatherBlockQuantized" in rep["graph_passes"][-1]["decision"]
     d, c = _sess(qp), _sess(out)
     io = runtime.ModelIO.from_session(d)
     f = runtime.feeds(io, np.random.default_rng(3).integers(2, V, (4, 1)))
@@ -177,7 +177,7 @@ def test_refuses_a_model_without_a_head(toy_model, toy_text, tmp_path):
     (p.parent / "tokenizer.json").write_bytes((toy_model.parent / "tokenizer.json").read_bytes())
     code, rep = _rewrite(p, tmp_path / "c.onnx", toy_text)
     assert code != 0 and rep["output"] is None
-    row = rep["graph_passes"][0]
+    row = rep["graph_passes"][-1]
     assert row["backend"] == "dense" and "no recognisable head" in row["decision"] and "logits" in row["decision"]
 
 
@@ -221,11 +221,11 @@ def test_tiny_export_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
     # candidates cover the vocabulary: the same tokens and logits as the exact head, step by step
     full = tmp_path / "full.onnx"
     code, rep = _rewrite(src, full, toy_text, "--head-rank", "8", "--head-candidates", str(V), tokenizer=tok)
-    assert code == 0 and rep["graph_passes"][0]["backend"] == "cheap_head"
+    assert code == 0 and rep["graph_passes"][-1]["backend"] == "cheap_head"
     if family == "qwen2":       # untied: Wᵀ stored instead of W
-        assert "stored transposed" in rep["graph_passes"][0]["decision"]
+        assert "stored transposed" in rep["graph_passes"][-1]["decision"]
     else:
-        assert "tied embedding" in rep["graph_passes"][0]["decision"]
+        assert "tied embedding" in rep["graph_passes"][-1]["decision"]
     c = _sess(full)
     _, cheap = _decode(c, runtime.ModelIO.from_session(c), prompt, 5)
     for a, b in zip(dense, cheap):
