@@ -127,11 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", action="store_true", help="print only the calibration novel's path")
     p.add_argument("--eval", action="store_true", help="print only the evaluation novel's path")
 
-    p = sub.add_parser("demo", help="prepare a real model and run rewrite → eval → bench end to end")
+    p = sub.add_parser("demo", help="prepare a real model and run rewrite → eval → bench end to end (default recipe: "
+                       "fused graph + int4 weights for causal LMs, int8 for encoders; any backend flag replaces it)")
     p.add_argument("name", choices=["minilm", "smollm2"])
     p.add_argument("--out", default=None, help="working directory (default: <cache>/demo/<name>)")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list for the bench (default 1,2)")
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--decode-past", type=thread_counts, default=[128, 4096],
+                   help="past lengths of the decode table (causal LMs), comma list (default 128,4096)")
     options.add_flags(p, RewriteConfig, only=("quality_budget",))
     _add_backend_flags(p)
     return ap
@@ -350,11 +353,18 @@ def cmd_demo(args) -> int:
     novels = corpus.novels()
     work = Path(args.out) if args.out else cache_root() / "demo" / args.name
     work.mkdir(parents=True, exist_ok=True)
-    if not args.tt:
-        args.tt = True
-    tag = f"tt-{args.tt_target.replace(',', '+')}-gap{args.tt_gap:g}"
+    causal = prepare.MODELS[args.name].kind == "causal-lm"
+    configs = _backend_configs(args)
+    asked = [n for n, c in configs.items() if c.enabled and n != "fuse"]
+    if not asked:
+        # the best recipe the tool has: the fused graph (decoders) with MatMulNBits int4 weights
+        # (int8 for encoders, where int4 costs too much cosine); other backends are flags
+        args.weights = "int4" if causal else "int8"
+        configs = _backend_configs(args)
+        asked = ["weights"]
+    tag = "+".join(f"{n}-{configs[n].weights}" if n == "weights" else n for n in asked)
     out = work / f"model.{tag}.onnx"
-    cfg = RewriteConfig(model=str(dense), output=str(out), backends=_backend_configs(args),
+    cfg = RewriteConfig(model=str(dense), output=str(out), backends=configs,
                         calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
                         quality_budget=args.quality_budget, progress=True)
     print(f"== rewrite {dense} ({tag}), calibrated on {corpus.CALIB_NOVEL}")
@@ -367,7 +377,8 @@ def cmd_demo(args) -> int:
     print(evaluate.format_eval(res))
     if not args.no_bench:
         print("\n== speed (same run, interleaved)")
-        b = evaluate.bench(str(out), str(dense), threads=args.threads, nbits=[8, 4], profile=True)
+        b = evaluate.bench(str(out), str(dense), threads=args.threads, nbits=[8, 4], profile=True,
+                           decode_past=args.decode_past if causal else [128])
         print(evaluate.format_bench(b))
     return 0
 
