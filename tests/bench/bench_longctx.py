@@ -176,7 +176,10 @@ def _eval_ids():
 
 
 def plot(a) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("bench_longctx plot needs matplotlib: pip install -e '.[plot]'")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
