@@ -87,6 +87,9 @@ def _session(model: bytes, lib: str | None, threads: int):
 
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+    # interleaved sessions: a pool that spins after its run steals the cores of the next session's
+    # run (2 threads on 2 cores: swings of 0.5x-5x); no spinning makes the rows comparable
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if lib:
         so.register_custom_ops_library(lib)
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
