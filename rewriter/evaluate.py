@@ -189,12 +189,18 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
         r = runtime.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats, ios=ios)
         res["runs"].append({"threads": t, "kind": io.kind, "results": r})
     if profile:
-        t = max(threads)
-        res["profile"] = {}
-        for k in ("dense", "lean"):
-            prof = runtime.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, t), feeds=None, runs=5)
-            res["profile"][k] = {"rows": list(prof), "top_nodes": prof.top_nodes}
+        res["profile"] = _profiles(variants, max(threads))
     return res
+
+
+def _profiles(variants: dict, threads: int) -> dict:
+    """ORT's per-node profile of the dense and the rewritten model, summarised."""
+    out = {}
+    for k in ("dense", "lean"):
+        prof = runtime.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, threads), feeds=None,
+                                       runs=5)
+        out[k] = {"rows": list(prof), "top_nodes": prof.top_nodes}
+    return out
 
 
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps) -> dict:
@@ -246,11 +252,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             if not rows:
                 notes.append(note)
     if profile:
-        t = max(threads)
-        res["profile"] = {}
-        for k in ("dense", "lean"):
-            prof = runtime.profile_summary(variants[k], lambda p, so=None: _profiled_session(p, so, t), feeds=None, runs=5)
-            res["profile"][k] = {"rows": list(prof), "top_nodes": prof.top_nodes}
+        res["profile"] = _profiles(variants, max(threads))
     return res
 
 
