@@ -23,6 +23,7 @@ from custom_ops import schema  # noqa: E402
 from custom_ops.reference import gating_quant as gq  # noqa: E402
 from custom_ops.reference.gating import event_gated_matmul, stateful  # noqa: E402
 from conftest import requires_native  # noqa: E402
+from test_gating_kernel import relu_x, run  # noqa: E402  (the f32 op's feeds and inputs, shared)
 
 # (weight_format, zero points)
 FORMATS = [("int8", False), ("int4", False), ("int4", True), ("int4k", False)]
@@ -72,23 +73,6 @@ def ref(x, q, fmt, group, K, N, attrs, state=None):
     wq, s, z = q
     return event_gated_matmul(x, None, state, wq, s, z, weight_format=fmt, weight_group=group,
                               weight_shape=[K, N], **attrs)
-
-
-def run(s, x, state=None, B=None):
-    feeds = {"X": x}
-    if "past_state" in [i.name for i in s.get_inputs()]:
-        if state is None:
-            b = B if B is not None else (int(np.prod(x.shape[:-2])) if x.ndim >= 3 else int(np.prod(x.shape[:-1])))
-            state = np.zeros((b, 0), np.float32)
-        feeds["past_state"] = state
-    out = s.run(None, feeds)
-    return out[0], (out[1] if len(out) > 1 else None)
-
-
-def relu_x(rng, shape, frac_zero=0.5):
-    x = rng.standard_normal(shape).astype(np.float32)
-    x[rng.random(shape) < frac_zero] = 0.0
-    return x
 
 
 # ------------------------------------------------------------------ the format (numpy only)

@@ -104,6 +104,11 @@ class GatingCall {
   void kmatvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const;
   // The one format-dependent step of a matvec: y[0:ncols] (+)= sum_j v[j] * W[rows[j], c0 : c0 + ncols].
   void axpy_rows(const int32_t* rows, const float* v, int64_t n, int64_t c0, int64_t ncols, float* y, bool acc) const;
+  // y[0:N] (+)= the sum over n rows, as nt > 1 pool tasks: 64-column chunks when the output is wide,
+  // else row chunks with partial sums in ptmp [nt, N]. part(r0, nr, c0, nc, out, acc) computes rows
+  // [r0, r0 + nr) into out[0:nc] = columns [c0, c0 + nc).
+  template <class Part>
+  void split_matvec(int64_t n, int64_t nt, float* y, bool acc, Part&& part) const;
   void dense_product(const float* A, int64_t m, float* C) const;
   // gating of one row: candidates (zero-skip) -> kept blocks (KWTA) -> x~
   int64_t gate(const float* x, float* xt, uint8_t* keep, uint8_t* cand, const float* reuse, bool dense_row);
@@ -167,6 +172,33 @@ GatingCall::GatingCall(const EventGatedMatMulKernel& k_, const Ort::KernelContex
   nkeep = rs.i64.data();
 }
 
+template <class Part>
+void GatingCall::split_matvec(int64_t n, int64_t nt, float* y, bool acc, Part&& part) const {
+  const int64_t N = k.N_;
+  if (N / nt >= kMinCols) {
+    const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;
+    nt = (N + chunk - 1) / chunk;
+    auto task = [&](size_t t) noexcept {
+      const int64_t c0 = static_cast<int64_t>(t) * chunk;
+      part(0, n, c0, std::min(chunk, N - c0), y + c0, acc);
+    };
+    k.pool_.run(ctx, static_cast<size_t>(nt), task);
+    return;
+  }
+  const int64_t rchunk = (n + nt - 1) / nt;
+  nt = (n + rchunk - 1) / rchunk;
+  auto task = [&](size_t t) noexcept {
+    const int64_t r0 = static_cast<int64_t>(t) * rchunk;
+    part(r0, std::min(rchunk, n - r0), 0, N, ptmp + t * N, false);
+  };
+  k.pool_.run(ctx, static_cast<size_t>(nt), task);
+  for (int64_t o = 0; o < N; ++o) {
+    float s = acc ? y[o] : 0.0f;
+    for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];
+    y[o] = s;
+  }
+}
+
 // y[0:N] (+)= x . W over the listed rows (all rows when rows == nullptr: v = x), split on the
 // pool by columns (wide outputs) or by rows with partial sums (narrow outputs).
 void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int64_t n, float* y, bool acc) const {
@@ -187,29 +219,9 @@ void GatingCall::matvec(const float* x, const int32_t* rows, const float* v, int
     axpy_rows(rows, v, n, 0, N, y, acc);
     return;
   }
-  if (N / nt >= kMinCols) {
-    const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;
-    nt = (N + chunk - 1) / chunk;
-    auto task = [&](size_t t) noexcept {
-      const int64_t c0 = static_cast<int64_t>(t) * chunk;
-      axpy_rows(rows, v, n, c0, std::min(chunk, N - c0), y + c0, acc);
-    };
-    k.pool_.run(ctx, static_cast<size_t>(nt), task);
-    return;
-  }
-  // split the rows; partial sums in ptmp [nt, N]
-  const int64_t rchunk = (n + nt - 1) / nt;
-  nt = (n + rchunk - 1) / rchunk;
-  auto task = [&](size_t t) noexcept {
-    const int64_t r0 = static_cast<int64_t>(t) * rchunk;
-    axpy_rows(rows + r0, v + r0, std::min(rchunk, n - r0), 0, N, ptmp + t * N, false);
-  };
-  k.pool_.run(ctx, static_cast<size_t>(nt), task);
-  for (int64_t o = 0; o < N; ++o) {
-    float s = acc ? y[o] : 0.0f;
-    for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];
-    y[o] = s;
-  }
+  split_matvec(n, nt, y, acc, [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, float* out, bool a) {
+    axpy_rows(rows + r0, v + r0, nr, c0, nc, out, a);
+  });
 }
 
 // int4k: quantize v (x over every row, or v over the listed rows) to int8 with one symmetric scale,
@@ -265,28 +277,9 @@ void GatingCall::kmatvec(const float* x, const int32_t* rows, const float* v, in
     k.qk_->kmatvec(w, xq, pl, np, xs, 0, N, y, acc ? 1 : 0);
     return;
   }
-  if (N / nt >= kMinCols) {
-    const int64_t chunk = ((N + nt - 1) / nt + 63) / 64 * 64;
-    nt = (N + chunk - 1) / chunk;
-    auto task = [&](size_t t) noexcept {
-      const int64_t c0 = static_cast<int64_t>(t) * chunk;
-      k.qk_->kmatvec(w, xq, pl, np, xs, c0, std::min(chunk, N - c0), y + c0, acc ? 1 : 0);
-    };
-    k.pool_.run(ctx, static_cast<size_t>(nt), task);
-    return;
-  }
-  const int64_t rchunk = (np + nt - 1) / nt;
-  nt = (np + rchunk - 1) / rchunk;
-  auto task = [&](size_t t) noexcept {
-    const int64_t r0 = static_cast<int64_t>(t) * rchunk;
-    k.qk_->kmatvec(w, xq, pl + r0, std::min(rchunk, np - r0), xs, 0, N, ptmp + t * N, 0);
-  };
-  k.pool_.run(ctx, static_cast<size_t>(nt), task);
-  for (int64_t o = 0; o < N; ++o) {
-    float s = acc ? y[o] : 0.0f;
-    for (int64_t t = 0; t < nt; ++t) s += ptmp[t * N + o];
-    y[o] = s;
-  }
+  split_matvec(np, nt, y, acc, [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc, float* out, bool a) {
+    k.qk_->kmatvec(w, xq, pl + r0, nr, xs, c0, nc, out, a ? 1 : 0);
+  });
 }
 
 void GatingCall::axpy_rows(const int32_t* rows, const float* v, int64_t n, int64_t c0, int64_t ncols, float* y,
