@@ -264,14 +264,18 @@ void PackedAttentionKernel::check_list_lengths(int64_t Hkv, int64_t D) const {
 }
 
 // ------------------------------------------------------------------ compute
+std::array<std::vector<int64_t>, 3> PackedAttentionKernel::qkv_shapes(Ort::KernelContext& ctx) const {
+  std::array<std::vector<int64_t>, 3> s;
+  for (size_t i = 0; i < 3; ++i) s[i] = ctx.GetInput(i).GetTensorTypeAndShapeInfo().GetShape();
+  if (s[0].size() != 4 || s[1].size() != 4 || s[2].size() != 4)
+    fail("Q, K, V must have rank 4, got " + shape_str(s[0]) + ", " + shape_str(s[1]) + ", " + shape_str(s[2]));
+  return s;
+}
+
 AttnCall PackedAttentionKernel::read_inputs(Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   Ort::ConstValue qv = ctx.GetInput(0), kv = ctx.GetInput(1), vv = ctx.GetInput(2);
-  const auto qs = qv.GetTensorTypeAndShapeInfo().GetShape();
-  const auto ks = kv.GetTensorTypeAndShapeInfo().GetShape();
-  const auto vs = vv.GetTensorTypeAndShapeInfo().GetShape();
-  if (qs.size() != 4 || ks.size() != 4 || vs.size() != 4)
-    fail("Q, K, V must have rank 4, got " + shape_str(qs) + ", " + shape_str(ks) + ", " + shape_str(vs));
+  const auto [qs, ks, vs] = qkv_shapes(ctx);
   const int64_t B = qs[0], Hq = qs[1], M = qs[2], D = qs[3];
   const int64_t Hkv = ks[1], T = p.k_bhdt ? ks[3] : ks[2], Dk = p.k_bhdt ? ks[2] : ks[3], Dv = vs[3];
   if (ks[0] != B || vs[0] != B || vs[1] != Hkv || vs[2] != T || Dk != D)
@@ -566,11 +570,7 @@ const T* data_or_null(Ort::KernelContext& ctx, size_t i) {
 KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   Ort::ConstValue qv = ctx.GetInput(0), kv = ctx.GetInput(1), vv = ctx.GetInput(2);
-  const auto qs = qv.GetTensorTypeAndShapeInfo().GetShape();
-  const auto ks = kv.GetTensorTypeAndShapeInfo().GetShape();
-  const auto vs = vv.GetTensorTypeAndShapeInfo().GetShape();
-  if (qs.size() != 4 || ks.size() != 4 || vs.size() != 4)
-    fail("Q, K, V must have rank 4, got " + shape_str(qs) + ", " + shape_str(ks) + ", " + shape_str(vs));
+  const auto [qs, ks, vs] = qkv_shapes(ctx);
   const int64_t B = qs[0], Hq = qs[1], M = qs[2], D = qs[3], Hkv = ks[1], S = ks[2], Dv = vs[3];
   if (ks[0] != B || vs[0] != B || vs[1] != Hkv || vs[2] != S || ks[3] != D)
     fail("shapes do not agree: Q " + shape_str(qs) + ", K (new tokens) " + shape_str(ks) + ", V " + shape_str(vs));

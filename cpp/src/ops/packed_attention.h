@@ -2,6 +2,7 @@
 // popcount candidate search and exact refinement. Contract: DEVELOPERS.md; semantics:
 // custom_ops/reference/attn.py. Key format: packed_keys.h.
 #pragma once
+#include <array>
 #include <vector>
 
 #include "kernels/attn.h"
@@ -67,6 +68,8 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
  private:
   void check_list_lengths(const Ort::ConstKernelInfo& info) const;
   void check_list_lengths(int64_t Hkv, int64_t D) const;
+  // Q, K, V shapes (inputs 0-2), each checked to be rank 4
+  std::array<std::vector<int64_t>, 3> qkv_shapes(Ort::KernelContext& ctx) const;
   AttnCall read_inputs(Ort::KernelContext& ctx) const;
   void pack_keys(AttnCall& c, Ort::KernelContext& ctx) const;
   void attend_rows(AttnCall& c, Ort::KernelContext& ctx) const;
