@@ -23,9 +23,13 @@ import onnx_ir as ir
 
 from custom_ops.runtime.weights import QuantConfig, matmul_nbits_proto
 
-__all__ = ["WEIGHTS", "QuantConfig", "DEFAULTS", "quantize_weights", "matmul_nbits_proto"]
+__all__ = ["WEIGHTS", "EMBED", "QuantConfig", "DEFAULTS", "quantize_weights", "matmul_nbits_proto",
+           "tied_embedding", "block_rows", "share_embedding"]
 
 WEIGHTS = ("fp32", "int8", "int4")
+# the token embedding of a model whose lm_head is tied to it: "shared" reads the head's quantized
+# blocks (GatherBlockQuantized: no bytes of its own, as ORT's model builder does), "fp32" keeps its table
+EMBED = ("shared", "fp32")
 
 
 # chosen with tests/bench/bench_weights.py (see the module docstring)
@@ -37,10 +41,14 @@ DEFAULTS = {
 
 def quantize_weights(model: ir.Model, weights: str, *, block_size: int | None = None,
                      symmetric: bool | None = None, accuracy_level: int | None = None,
-                     exclude: Iterable[str] = ()) -> tuple[ir.Model, dict]:
+                     exclude: Iterable[str] = (), embed: str = "shared") -> tuple[ir.Model, dict]:
     """``weights="fp32"`` returns the model unchanged; ``"int8"``/``"int4"`` returns a new model
-    whose constant-weight MatMuls (except ``exclude``) are MatMulNBits. ``info`` records the
-    configuration and which nodes were quantized / kept."""
+    whose constant-weight MatMuls (except ``exclude``) are MatMulNBits. With ``embed="shared"`` a
+    token-embedding Gather whose table is the (quantized) head weight transposed reads the head's
+    blocks (:func:`share_embedding`). ``info`` records the configuration, which nodes were
+    quantized / kept and the shared embedding (or None)."""
+    if embed not in EMBED:
+        raise ValueError(f"--weights-embed {embed!r}: one of {', '.join(EMBED)}")
     if weights not in WEIGHTS:
         raise ValueError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
     exclude = set(exclude)
@@ -54,12 +62,117 @@ def quantize_weights(model: ir.Model, weights: str, *, block_size: int | None = 
     if unknown:
         raise ValueError(f"quantize: nodes to exclude not in the model: {unknown[:3]}")
     before = {n.name for n in model.graph if n.op_type == "MatMul"}
+    tied = None
+    if embed == "shared":
+        for n in model.graph:
+            w = n.inputs[1] if n.op_type == "MatMul" and n.name not in exclude and len(n.inputs) == 2 else None
+            if w is not None and w.const_value is not None and len(w.const_value.shape) == 2:
+                g = tied_embedding(model.graph, w.const_value.numpy())
+                if g is not None:
+                    tied = (n.name, g.name)
+                    break
     proto = matmul_nbits_proto(ir.serde.serialize_model(model), cfg, exclude)
     out = ir.serde.deserialize_model(proto)
     quantized = sorted(n.name.removesuffix("_Q4").removesuffix("_Q8") for n in out.graph
                        if n.op_type == "MatMulNBits")
     kept = sorted(before & {n.name for n in out.graph if n.op_type == "MatMul"})
-    return out, {"weights": weights, **asdict(cfg), "quantized": quantized, "kept": kept}
+    shared = None
+    if tied is not None:
+        nodes = {n.name: n for n in out.graph}
+        head, gather = nodes.get(f"{tied[0]}_Q{cfg.bits}"), nodes.get(tied[1])
+        if head is not None and gather is not None:
+            share_embedding(out.graph, gather, head)
+            shared = tied[1]
+    return out, {"weights": weights, **asdict(cfg), "quantized": quantized, "kept": kept,
+                 "embedding_shared": shared}
+
+
+# --------------------------------------------------------------------------- the tied token embedding
+def tied_embedding(graph: ir.Graph, W) -> ir.Node | None:
+    """The token-embedding ``Gather`` (axis 0, constant float32 table) of ``graph`` whose table is
+    exactly ``Wᵀ`` (``W`` [K, N]: a head weight), or None: the embedding tied to that head."""
+    import numpy as np
+
+    W = np.asarray(W)
+    if W.ndim != 2 or W.dtype != np.float32:
+        return None
+    K, N = W.shape
+    for node in graph:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        axis = node.attributes.get("axis")
+        t = node.inputs[0]
+        if (axis is not None and axis.as_int() != 0) or t is None or t.const_value is None:
+            continue
+        if tuple(t.const_value.shape) != (N, K) or t.const_value.dtype != ir.DataType.FLOAT:
+            continue
+        if np.array_equal(t.const_value.numpy(), W.T):
+            return node
+    return None
+
+
+def block_rows(graph: ir.Graph, blob: ir.Value, scales: ir.Value, zero_points, idx: ir.Value, D: int,
+               bits: int, block: int, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+    """Rows ``idx`` of a MatMulNBits weight (its blocks ``blob`` [N, nb, blob_size] uint8, ``scales``
+    [N, nb], unpacked ``zero_points`` [N, nb] uint8 or None for the default 2^(bits−1)) as float32
+    ``[*idx.shape, D]`` (= rows of Wᵀ): com.microsoft ``GatherBlockQuantized`` over the blocks as they
+    are (no new weight bytes; the scales are reshaped at run time). Returns the nodes (in order; the
+    caller places them) and the output value. Shape constants are registered in ``graph``."""
+    import numpy as np
+
+    N, nb = int(blob.const_value.shape[0]), int(blob.const_value.shape[1])
+
+    def const(name, vals):
+        v = ir.Value(name=f"{prefix}.{name}", const_value=ir.tensor(np.asarray(vals, np.int64), name=f"{prefix}.{name}"))
+        graph.register_initializer(v)
+        return v
+
+    nodes: list[ir.Node] = []
+
+    def add(op, inputs, name, attrs=None, domain=""):
+        node = ir.Node(domain, op, inputs, attributes=[ir.convenience.convert_attribute(k, v)
+                                                        for k, v in (attrs or {}).items()], name=f"{prefix}/{name}")
+        node.outputs[0].name = f"{prefix}/{name}_output_0"   # named: the nodes may go into a subgraph
+        nodes.append(node)
+        return node.outputs[0]
+
+    s3 = add("Reshape", [scales, const("scales_shape", [N, nb, 1])], "Scales")
+    ins = [blob, idx, s3]
+    if zero_points is not None:
+        z = ir.Value(name=f"{prefix}.zero_points", const_value=ir.tensor(
+            np.ascontiguousarray(np.asarray(zero_points, np.uint8).reshape(N, nb, 1)), name=f"{prefix}.zero_points"))
+        graph.register_initializer(z)
+        ins.append(z)
+    q = add("GatherBlockQuantized", ins, "GatherBlockQuantized",
+            dict(gather_axis=0, quantize_axis=2, block_size=block, bits=bits), domain="com.microsoft")  # [..., nb, block]
+    r = add("Reshape", [q, const("rows_shape", [0] * len(idx.shape or [0, 0]) + [nb * block])], "Rows")
+    if nb * block != D:
+        r = add("Slice", [r, const("zero", [0]), const("D", [D]), const("last", [-1])], "RowsSlice")
+    return nodes, r
+
+
+def share_embedding(graph: ir.Graph, gather: ir.Node, head: ir.Node) -> None:
+    """Make the token-embedding ``gather`` read the MatMulNBits ``head``'s blocks (the head's weight
+    is the embedding table transposed, :func:`tied_embedding`): GatherBlockQuantized nodes take its
+    place and its float32 table is dropped when nothing else uses it."""
+    from custom_ops.reference.head import unpack_zero_points
+
+    from .kit import surgery
+
+    bits = head.attributes["bits"].as_int()
+    block = head.attributes["block_size"].as_int()
+    blob, scales = head.inputs[1], head.inputs[2]
+    zp_v = head.inputs[3] if len(head.inputs) > 3 else None
+    N, nb = int(blob.const_value.shape[0]), int(blob.const_value.shape[1])
+    zp = None if zp_v is None else unpack_zero_points(zp_v.const_value.numpy(), N, nb, bits)
+    table = gather.inputs[0]
+    D = int(table.const_value.shape[1])
+    nodes, out = block_rows(graph, blob, scales, zp, gather.inputs[1], D, bits, block,
+                            surgery.safe_name(gather.name) + ".shared")
+    for n in nodes:
+        graph.insert_before(gather, n)
+    surgery.take_over(graph, gather, out)
+    surgery.drop_if_unused(graph, table)
 
 
 # --------------------------------------------------------------------------- one layer (the --weights backend)

@@ -161,6 +161,59 @@ def test_quantize_excludes_and_rejects(fused):
         quantize_weights(m, "int8", exclude=["/nope"])
 
 
+def _tied_toy(V: int, D: int, untie: bool = False):
+    """Gather(E) → MatMul(·, Eᵀ): a token embedding tied to its head (or, untie, a head that differs)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(V * D)
+    E = rng.standard_normal((V, D)).astype(np.float32)
+    ET = np.ascontiguousarray(E.T) + (np.float32(1e-3) if untie else np.float32(0))
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["h"], name="embed"),
+         helper.make_node("MatMul", ["h", "ET"], ["logits"], name="lm_head")], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", V])],
+        [numpy_helper.from_array(E, "E"), numpy_helper.from_array(ET, "ET")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return ir.serde.deserialize_model(m), E
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("V,D", [(50, 40), (64, 64), (33, 96), (7, 17)])   # D not a multiple of the block: a Slice
+def test_tied_embedding_reads_the_head_blocks(weights, V, D):
+    """--weights with the tied embedding shared: the Gather becomes GatherBlockQuantized over the
+    head's own blocks (the float32 table is gone, no new weight bytes) and returns exactly the rows
+    of the dequantized head (accuracy_level 0: the head is exact too)."""
+    from rewriter.quantize import DEFAULTS, dequantize_matrix, quantize_matrix
+
+    m, E = _tied_toy(V, D)
+    q, info = quantize_weights(m, weights, accuracy_level=0)
+    assert info["embedding_shared"] == "embed"
+    ops = [n.op_type for n in q.graph]
+    assert "Gather" not in ops and ops.count("GatherBlockQuantized") == 1 and "MatMulNBits" in ops
+    assert "E" not in q.graph.initializers
+    assert not [v.name for v in q.graph.initializers.values()   # no float table left, only the head's scales
+                if v.const_value.dtype == ir.DataType.FLOAT and v.const_value.size >= V * D]
+    s = ort.InferenceSession(ir.serde.serialize_model(q).SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 3 % V, V - 1], [1, 1, 2 % V]], np.int64)
+    out = s.run(None, {"ids": ids})[0]
+    cfg = DEFAULTS[weights]
+    W_hat = dequantize_matrix(*quantize_matrix(np.ascontiguousarray(E.T), cfg), D, cfg)     # [D, V]
+    np.testing.assert_allclose(out, W_hat.T[ids] @ W_hat, rtol=1e-5, atol=1e-4)
+
+
+def test_untied_or_fp32_embedding_stays():
+    m, _ = _tied_toy(40, 32, untie=True)
+    q, info = quantize_weights(m, "int4")
+    assert info["embedding_shared"] is None and "Gather" in [n.op_type for n in q.graph]
+    m, _ = _tied_toy(40, 32)
+    q, info = quantize_weights(m, "int4", embed="fp32")
+    assert info["embedding_shared"] is None and "E" in q.graph.initializers
+    with pytest.raises(ValueError, match="--weights-embed"):
+        quantize_weights(m, "int4", embed="int4")
+
+
 def test_shared_kv_loop_matches_the_plain_loop(tiny, fused):
     from custom_ops.runtime.shared_kv import SharedKV, SharedKVError
 
@@ -248,6 +301,10 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     assert any(r["target"] == "head" for r in rows)
     n_layers = tiny_hf.FAMILIES[fam]["num_hidden_layers"]
     assert sum(1 for n in m.graph if n.op_type == "MatMulNBits") == 5 * n_layers + 1  # qkv, o, gate, up, down; head
+    tied = tiny_hf.FAMILIES[fam]["tie_word_embeddings"]   # the tied embedding reads the head's blocks
+    assert ("GatherBlockQuantized" in ops) == tied and ("model.embed_tokens.weight" in m.graph.initializers) != tied
+    head = next(r for r in rows if r["target"] == "head")
+    assert ("tied token embedding" in head["decision"]) == tied
     s0, s1 = _sess(src), _sess(out)
     io0, io1 = runtime.ModelIO.from_session(s0), runtime.ModelIO.from_session(s1)
     assert io1.inputs == io0.inputs and io1.past_to_present == io0.past_to_present

@@ -9,9 +9,7 @@ naming the node and the reason. ``off`` skips it. The rotary caches keep ``max_p
 rows when a ``config.json`` sits next to the model (as the genai builder does)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import OrtleanError
 from ..kit.backend import GraphPassBase
@@ -34,15 +32,6 @@ class FuseConfig(Options):
         return self.mode == "on"
 
 
-def _max_positions(model_path: Path) -> int | None:
-    cfg = model_path.parent / "config.json"
-    try:
-        v = json.loads(cfg.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return int(v) if isinstance(v, int) and v > 0 else None
-
-
 class FusePass(GraphPassBase):
     name = "fuse"
     stage = "pre"
@@ -61,7 +50,7 @@ class FusePass(GraphPassBase):
         return [{"layer": "decoder", "backend": "dense", "decision": f"kept unfused: {why}"}]
 
     def run(self, model, ctx) -> list[dict]:
-        from ..fuse import FuseError, fuse_decoder, is_fused
+        from ..fuse import FuseError, config_max_positions, fuse_decoder, is_fused
 
         if ctx.io is None or ctx.io.kind != "causal-lm" or not ctx.io.has_past:
             return self._skip("not a decoder with a KV cache (the fusion is for text-generation-with-past exports)")
@@ -71,7 +60,7 @@ class FusePass(GraphPassBase):
         if pa is not None and getattr(pa, "enabled", False):  # its matcher takes the unfused attention core today
             return self._skip("--state-pack on the KV cache (PackedAttention) rewrites the unfused attention core")
         try:
-            fused, rep = fuse_decoder(model, max_positions=_max_positions(ctx.model_path))
+            fused, rep = fuse_decoder(model, max_positions=config_max_positions(ctx.model_path))
         except FuseError as e:
             return self._skip(str(e).removeprefix("fuse: "))
         # the pipeline holds `model` (ctx.model is the same object): take over the fused graph in place

@@ -29,6 +29,7 @@ from custom_ops.reference.head import FILLS, unpack_zero_points
 
 from ..builders.head import NBITS_BLOCK, HeadMatch, candidate_recall, find_head, lowrank_head
 from ..errors import OrtleanError
+from .. import quantize
 from ..kit import calib, surgery
 from ..kit.backend import GraphPassBase
 from ..kit.options import Options, flag
@@ -130,16 +131,9 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
         r = b("Gather", [rows, idx], "GatherRows")                                     # [B, C, D]
     else:
         nbk, bits, block = int(nb["blob"].const_value.shape[1]), nb["bits"], nb["block"]
-        s3 = b("Reshape", [nb["scales"], _i64(g, f"{base}.scales_shape", [V, nbk, 1])], "HeadScales")
-        ins = [nb["blob"], idx, s3]
-        if nb["zero_points"] is not None:
-            z3 = unpack_zero_points(nb["zp"], V, nbk, bits).reshape(V, nbk, 1)
-            ins.append(surgery.initializer(g, f"{base}.zero_points", z3))
-        q = b("GatherBlockQuantized", ins, "GatherRows", dict(gather_axis=0, quantize_axis=2, block_size=block,
-                                                              bits=bits), domain=MS)    # [B, C, nb, block]
-        r = b("Reshape", [q, _i64(g, f"{base}.rows_shape", [0, 0, nbk * block])], "RowsReshape")
-        if nbk * block != D:
-            r = b("Slice", [r, _i64(g, f"{base}.zero", [0]), _i64(g, f"{base}.D", [D]), ax2], "RowsSlice")
+        zp = None if nb["zero_points"] is None else unpack_zero_points(nb["zp"], V, nbk, bits)
+        nodes, r = quantize.block_rows(g, nb["blob"], nb["scales"], zp, idx, D, bits, block, base)   # [B, C, D]
+        b.nodes += nodes
         how = f"exact rows: the head's own int{bits} blocks (GatherBlockQuantized)"
     ex = b("MatMul", [r, b("Unsqueeze", [xs, ax2], "Unsqueeze")], "ExactCandidates")   # [B, C, 1]
     ex = b("Squeeze", [ex, ax2], "SqueezeExact")                                       # [B, C]

@@ -31,6 +31,10 @@ class WeightsConfig(Options):
     weights: str = flag("--weights", "fp32", "precision of the weights no other backend takes: fp32 (as they are) | "
                         "int8 | int4 (ONNX Runtime MatMulNBits, lm_head included; default fp32)",
                         choices=quantize.WEIGHTS)
+    embed: str = flag("--weights-embed", "shared", "with --weights int8|int4, a token embedding tied to the "
+                      "lm_head: shared (default: it reads the head's quantized blocks through "
+                      "GatherBlockQuantized, no bytes of its own, as ORT's model builder does) | fp32 (keeps "
+                      "its float32 table)", choices=quantize.EMBED)
     enabled: bool = False
     targets: tuple = ("mlp", "attn", "head")
 
@@ -67,11 +71,17 @@ class WeightsBackend(WeightBackendBase):
         how = (f"block {cfg.block_size}, {'symmetric' if cfg.symmetric else 'zero points'}, "
                f"accuracy_level {cfg.accuracy_level}; {stored / max(4 * cand.params, 1):.3f} of the fp32 bytes"
                + ("" if G is not None else "; gap = weight error (no calibration)"))
-        return Plan(self.label, how, gap, cand.params, payload=(packed, scales, zp, cfg),
+        tied = None
+        if cand.target == "head" and self.cfg.embed == "shared" and ctx is not None and ctx.model is not None:
+            g = quantize.tied_embedding(ctx.model.graph, W)
+            if g is not None:
+                tied = g.name
+                how += f"; the tied token embedding ({tied}) reads these blocks (its {4 * W.size / 2**20:.1f} MiB float32 table dropped)"
+        return Plan(self.label, how, gap, cand.params, payload=(packed, scales, zp, cfg, tied),
                     attrs={"bits": cfg.bits, "block_size": cfg.block_size, "bytes": int(stored)})
 
     def emit(self, graph: ir.Graph, cand: Candidate, plan: Plan, ctx) -> None:
-        packed, scales, zp, cfg = plan.payload
+        packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),
                   surgery.initializer(graph, f"{base}.weight_scales", scales)]
@@ -85,3 +95,6 @@ class WeightsBackend(WeightBackendBase):
         node = ir.Node(MS_DOMAIN, "MatMulNBits", inputs, attrs, name=f"{cand.name}_Q{cfg.bits}")
         surgery.replace_node(graph, cand.node, node)
         graph.opset_imports.setdefault(MS_DOMAIN, 1)
+        gather = next((n for n in graph if n.name == tied), None) if tied else None
+        if gather is not None:
+            quantize.share_embedding(graph, gather, node)

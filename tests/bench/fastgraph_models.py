@@ -47,10 +47,10 @@ def fused_model(name: str = "smollm2", progress: bool = True) -> Path:
 
         import onnx_ir as ir
 
-        from rewriter.fuse import fuse_decoder
+        from rewriter.fuse import config_max_positions, fuse_decoder
 
-        t0 = time.monotonic()
-        model, report = fuse_decoder(ir.load(src))
+        t0 = time.monotonic()   # as `ortlean rewrite` does: the rotary caches keep the config's positions
+        model, report = fuse_decoder(ir.load(src), max_positions=config_max_positions(src))
         ir.save(model, out)
         shutil.copy(src.parent / "tokenizer.json", out.parent / "tokenizer.json")
         (out.parent / "fuse.txt").write_text(report.summary() + "\n")
@@ -73,7 +73,7 @@ def quantized_model(fp32: Path, bits: int, block_size: int, symmetric: bool, acc
         from rewriter.quantize import quantize_weights
 
         q, _ = quantize_weights(ir.load(fp32), f"int{bits}", block_size=block_size, symmetric=symmetric,
-                                accuracy_level=accuracy_level)
+                                accuracy_level=accuracy_level)   # the tied embedding shared, as --weights does
         ir.save(q, out)
         shutil.copy(fp32.parent / "tokenizer.json", out.parent / "tokenizer.json")
 
