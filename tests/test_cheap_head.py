@@ -125,7 +125,10 @@ def test_toy_equals_reference(toy_model, toy_text, tmp_path, fill):
         assert (np.isfinite(got).sum(-1) == 7).all()
 
 
-def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path):
+@pytest.mark.parametrize("acc", [0, 4])
+def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path, acc):
+    """The candidates of an int4 MatMulNBits head get that head's own logits: its blocks, and at
+    accuracy_level 4 its int8 rounding of the activations (else a near tie could flip the argmax)."""
     from rewriter.quantize import quantize_weights
 
     m = ir.load(toy_model)                 # the head weight as an initializer (what ORT's quantizer takes)
@@ -134,7 +137,7 @@ def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path):
     m.graph.register_initializer(wt)
     t.outputs[0].replace_all_uses_with(wt)
     m.graph.remove(t, safe=True)
-    q, _ = quantize_weights(m, "int4", accuracy_level=0)
+    q, _ = quantize_weights(m, "int4", accuracy_level=acc)
     qp = tmp_path / "q4" / "model.onnx"
     qp.parent.mkdir()
     ir.save(q, qp)
@@ -146,6 +149,7 @@ def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path):
     out = tmp_path / "c.onnx"
     code, rep = _rewrite(qp, out, toy_text, "--head-rank", "5", "--head-candidates", "9", "--head-accuracy", "0")
     assert code == 0 and "GatherBlockQuantized" in rep["graph_passes"][-1]["decision"]
+    assert ("int8-activation" in rep["graph_passes"][-1]["decision"]) == (acc == 4)
     d, c = _sess(qp), _sess(out)
     io = runtime.ModelIO.from_session(d)
     f = runtime.feeds(io, np.random.default_rng(3).integers(2, V, (4, 1)))
@@ -160,7 +164,7 @@ def test_toy_int4_head_uses_its_own_blocks(toy_model, toy_text, tmp_path):
     rows = dequant_rows(ins[hn.input[1]], ins[hn.input[2]], ins[hn.input[3]] if len(hn.input) > 3 else None, K, 4, blk)
     A = _init(out, ".cheap.A")
     B = dequant_nbits(_init(out, ".cheap.B_q4"), _init(out, ".cheap.B_scales"), None, A.shape[1], 4, 32)
-    ref = cheap_head(_head_input(qp, f), rows, A, B, 9)
+    ref = cheap_head(_head_input(qp, f), rows, A, B, 9, act_block=blk if acc == 4 else None)
     assert np.array_equal(np.isfinite(ref), fin)
     np.testing.assert_allclose(b[fin], ref[fin], rtol=1e-4, atol=1e-4)
 
@@ -247,3 +251,38 @@ def test_tiny_export_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
     fin = np.isfinite(step_c)
     assert (fin.sum(-1) == 16).all() and np.isneginf(step_c[~fin]).all()
     np.testing.assert_allclose(step_c[fin], step_d[fin], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("K", [64, 40, 7])       # K not a multiple of the block: a partial last block
+def test_int8_activations_is_matmulnbits_accuracy_4(K):
+    """reference.head.int8_activations is the rounding ORT's MatMulNBits applies at accuracy_level 4:
+    its float32 product with the dequantized weights equals that op's output (and differs from the
+    accuracy_level 0 output by far more), so a cheap head can reproduce that head's logits."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from custom_ops.reference.head import int8_activations
+
+    N, blk = 96, 32
+    rng = np.random.default_rng(K)
+    blob, scales = quant_nbits(rng.standard_normal((K, N)).astype(np.float32), 4, blk)
+    x = (rng.standard_normal((5, K)) * rng.uniform(0.1, 4, K)).astype(np.float32)
+    x[1] = 0                                                        # an all-zero row: scale 0
+
+    def run(acc):
+        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=K, N=N, bits=4,
+                                block_size=blk, accuracy_level=acc)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, N])],
+                              [numpy_helper.from_array(blob, "w"), numpy_helper.from_array(scales, "s")])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        m.ir_version = 10
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    rows = dequant_rows(blob, scales, None, K, 4, blk)
+    y4, y0 = run(4), run(0)
+    ref = int8_activations(x, blk) @ rows.T
+    scale = np.abs(y4).max()
+    assert np.abs(y4 - ref).max() <= 1e-5 * scale
+    assert np.abs(y0 - x @ rows.T).max() <= 1e-5 * scale
+    assert np.abs(y4 - y0).max() > 1e-3 * scale                    # the rounding is visible

@@ -13,7 +13,9 @@ For a head ``logits = h · W`` (``h`` [..., S, D], ``W`` [D, V], V the vocabular
   2. candidates: the ``C`` largest entries of ``a`` (``TopK``; ties go to the lower index);
   3. exact logits of the candidates only: ``h · rows[c]`` with ``rows`` = Wᵀ [V, D] (the tied
      embedding table, Wᵀ stored once, or the head's own MatMulNBits blocks dequantized — the
-     model's own precision);
+     model's own precision). A MatMulNBits head at ``accuracy_level`` 4 computes with int8
+     activations; the candidates then use the same rounding of ``h`` (:func:`int8_activations`,
+     ``act_block`` = the head's block size), so they equal that head's logits, not a float32 variant;
   4. every other position holds ``-inf`` (``fill="neginf"``, the default: greedy and top-k/top-p
      sampling then run on exact logits of the candidates, and a token outside them can never be
      chosen) or its approximate value ``a`` (``fill="approx"``: a full, approximate distribution;
@@ -75,6 +77,24 @@ def dequant_nbits(blob, scales, zero_points, K: int, bits: int, block: int) -> n
     return np.ascontiguousarray(dequant_rows(blob, scales, zero_points, K, bits, block).T)
 
 
+def int8_activations(x: np.ndarray, block: int) -> np.ndarray:
+    """``x`` [..., D] as MatMulNBits at ``accuracy_level`` 4 sees it (MLAS' int8 compute): per block
+    of ``block`` values along the last axis (the last block partial, as if zero-padded),
+    ``scale = max|x| / 127``, ``q = round_half_even(x · (1 / scale))`` (0 where the block is all
+    zero), returned as ``q · scale`` float32. Matches ORT 1.32's CPU MatMulNBits to float rounding."""
+    x = np.asarray(x, np.float32)
+    D = x.shape[-1]
+    nb = -(-D // block)
+    xp = np.zeros(x.shape[:-1] + (nb * block,), np.float32)
+    xp[..., :D] = x
+    xb = xp.reshape(x.shape[:-1] + (nb, block))
+    scale = (np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    inv = np.where(scale > 0, np.float32(1) / safe, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    return np.ascontiguousarray((q * scale).astype(np.float32).reshape(xp.shape)[..., :D])
+
+
 def topk_indices(a: np.ndarray, C: int) -> np.ndarray:
     """Indices of the C largest entries of each row of ``a`` [M, V], largest first, ties to the
     lower index (ONNX TopK's order)."""
@@ -83,10 +103,11 @@ def topk_indices(a: np.ndarray, C: int) -> np.ndarray:
 
 
 def cheap_head(h: np.ndarray, rows: np.ndarray, A: np.ndarray, B: np.ndarray, candidates: int,
-               fill: str = "neginf") -> np.ndarray:
+               fill: str = "neginf", act_block: int | None = None) -> np.ndarray:
     """The rewritten head's logits. ``h`` [..., S, D]; ``rows`` [V, D] the exact weight rows (Wᵀ,
     float32, dequantized for a MatMulNBits head); ``A`` [D, r], ``B`` [r, V] the (dequantized)
-    factors; ``candidates`` C; ``fill`` "neginf" | "approx" (module docstring)."""
+    factors; ``candidates`` C; ``fill`` "neginf" | "approx" (module docstring); ``act_block``: the
+    block of an int8-activation head (accuracy_level 4), None for float32 arithmetic."""
     if fill not in FILLS:
         raise ValueError(f"fill {fill!r}: one of {FILLS}")
     h = np.asarray(h, np.float32)
@@ -98,7 +119,8 @@ def cheap_head(h: np.ndarray, rows: np.ndarray, A: np.ndarray, B: np.ndarray, ca
     x = h.reshape(-1, h.shape[-1])                                   # [M, D]
     a = ((x @ np.asarray(A, np.float32)) @ np.asarray(B, np.float32)).astype(np.float32)
     idx = topk_indices(a, min(int(candidates), V))                    # [M, C]
-    exact = np.einsum("mcd,md->mc", rows[idx], x).astype(np.float32)
+    xe = x if act_block is None else int8_activations(x, act_block)
+    exact = np.einsum("mcd,md->mc", rows[idx], xe).astype(np.float32)
     out = a.copy() if fill == "approx" else np.full_like(a, -np.inf)
     np.put_along_axis(out, idx, exact, axis=-1)
     return out.reshape(*lead, 1, V)

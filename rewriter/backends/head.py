@@ -87,6 +87,30 @@ class _Builder:
         return node.outputs if n_out > 1 else node.outputs[0]
 
 
+def _int8_activations(b: "_Builder", g: ir.Graph, base: str, x: ir.Value, D: int, block: int, opset: int) -> ir.Value:
+    """``x`` [B, D] rounded as MatMulNBits accuracy_level 4 rounds its input (custom_ops.reference.head
+    .int8_activations): per block of ``block``, scale = max|x| / 127, round half to even, × scale."""
+    nb = -(-D // block)
+    f32 = lambda name, v: surgery.initializer(g, f"{base}.{name}", np.asarray(v, np.float32))  # noqa: E731
+    if nb * block != D:
+        x = b("Pad", [x, _i64(g, f"{base}.act_pad", [0, 0, 0, nb * block - D])], "ActPad")
+    xb = b("Reshape", [x, _i64(g, f"{base}.act_blocks", [0, nb, block])], "ActBlocks")          # [B, nb, block]
+    ab = b("Abs", [xb], "ActAbs")
+    amax = (b("ReduceMax", [ab, _i64(g, f"{base}.act_axis", [2])], "ActMax", dict(keepdims=1)) if opset >= 18
+            else b("ReduceMax", [ab], "ActMax", dict(keepdims=1, axes=[2])))                    # [B, nb, 1]
+    scale = b("Div", [amax, f32("act_127", 127.0)], "ActScale")
+    zero = f32("act_zero", 0.0)
+    pos = b("Greater", [scale, zero], "ActNonZero")
+    inv = b("Where", [pos, b("Div", [f32("act_one", 1.0), b("Where", [pos, scale, f32("act_one_b", 1.0)], "ActSafe")],
+                             "ActInvSafe"), zero], "ActInv")
+    q = b("Mul", [b("Round", [b("Mul", [xb, inv], "ActScaled")], "ActRound"), scale], "ActDequant")
+    x = b("Reshape", [q, _i64(g, f"{base}.act_rows", [0, nb * block])], "ActRows")
+    if nb * block != D:
+        x = b("Slice", [x, _i64(g, f"{base}.act_zero_i", [0]), _i64(g, f"{base}.act_D", [D]),
+                        _i64(g, f"{base}.act_last", [1])], "ActSlice")
+    return x
+
+
 def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scales: np.ndarray, rank: int,
          cfg: HeadConfig) -> str:
     """Rewrite the head of `model` (see the module docstring); returns how the exact rows are read."""
@@ -135,7 +159,14 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
         nodes, r = quantize.block_rows(g, nb["blob"], nb["scales"], zp, idx, D, bits, block, base)   # [B, C, D]
         b.nodes += nodes
         how = f"exact rows: the head's own int{bits} blocks (GatherBlockQuantized)"
-    ex = b("MatMul", [r, b("Unsqueeze", [xs, ax2], "Unsqueeze")], "ExactCandidates")   # [B, C, 1]
+    xe = xs
+    acc = head.node.attributes.get("accuracy_level")
+    if head.kind != "matmul" and acc is not None and acc.as_int() == 4:
+        # the head computes with int8 activations (MLAS): round h the same way so that the candidates
+        # get that head's logits (reference.head.int8_activations)
+        xe = _int8_activations(b, g, base, xs, D, int(nb["block"]), model.opset_imports.get("", 13))
+        how += "; candidates in the head's int8-activation arithmetic (accuracy_level 4)"
+    ex = b("MatMul", [r, b("Unsqueeze", [xe, ax2], "Unsqueeze")], "ExactCandidates")   # [B, C, 1]
     ex = b("Squeeze", [ex, ax2], "SqueezeExact")                                       # [B, C]
     if cfg.fill == "approx":
         fill = approx

@@ -67,26 +67,77 @@ def _rewrite(src: Path, out: Path, calib: Path, a) -> dict:
     return json.loads(rep.read_text())
 
 
-def agreement(exact, cheap, tok_ids, positions: int, window: int = 256) -> dict:
+def fp32_head_model(src: Path, out: Path) -> Path:
+    """``src`` with its MatMulNBits head at accuracy_level 0 (float32 activations, the arithmetic of
+    the cheap head's exact candidate logits): the exact head without int8 activation rounding."""
+    import onnx_ir as ir
+
+    from rewriter.builders.head import find_head
+
+    if not out.is_file():
+        model = ir.load(src)
+        head, why = find_head(model)
+        if head is None or head.node.op_type != "MatMulNBits":
+            raise SystemExit(f"{src}: no MatMulNBits head ({why})")
+        head.node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", 0)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ir.save(model, out)
+    return out
+
+
+def agreement(exact, cheap, tok_ids, positions: int, window: int = 256, exact32=None) -> dict:
+    """Greedy agreement on teacher-forced decode steps. Both models run the same steps through their
+    KV caches; at each position the cheap head's argmax is compared with the exact model's argmax at
+    the same decode step ("agreement", what the issue asks) and with the exact model's prefill
+    logits of the whole window ("vs_prefill"); "exact_decode_vs_prefill" is the exact model against
+    its own prefill, the floor of that comparison (a quantized model's M = 1 and M > 1 paths round
+    differently). Positions where the cheap head disagrees with the exact decode are kept with the
+    exact top-2 logit margin (is it a near tie?). With ``exact32`` (the exact model with its head at
+    float32 activations, :func:`fp32_head_model`): "agree_fp32_head" compares the cheap head with it,
+    "exact_vs_fp32_head" the exact head with it."""
     import numpy as np
 
     from custom_ops import runtime
 
     io_e, io_c = runtime.ModelIO.from_session(exact), runtime.ModelIO.from_session(cheap)
-    agree = total = 0
+    n = {"agree": 0, "vs_prefill": 0, "exact_vs_prefill": 0}
+    if exact32 is not None:
+        n.update(agree_fp32_head=0, exact_vs_fp32_head=0)
+    total, margins = 0, []
     for s in range(0, len(tok_ids) - window, window):
         ids = np.asarray(tok_ids[s:s + window], np.int64)[None]
         ref = runtime.run(exact, io_e, runtime.feeds(io_e, ids))["logits"][0].argmax(-1)
-        out = runtime.run(cheap, io_c, runtime.feeds(io_c, ids[:, :1]))
-        past = io_c.next_state(out)
+        past_c = io_c.next_state(runtime.run(cheap, io_c, runtime.feeds(io_c, ids[:, :1])))
+        past_e = io_e.next_state(runtime.run(exact, io_e, runtime.feeds(io_e, ids[:, :1])))
         for t in range(1, window):
-            out = runtime.run(cheap, io_c, runtime.feeds(io_c, ids[:, t:t + 1], past=past, past_len=t))
-            past = io_c.next_state(out)
-            agree += int(out["logits"][0, -1].argmax() == ref[t])
+            oc = runtime.run(cheap, io_c, runtime.feeds(io_c, ids[:, t:t + 1], past=past_c, past_len=t))
+            oe = runtime.run(exact, io_e, runtime.feeds(io_e, ids[:, t:t + 1], past=past_e, past_len=t))
+            past_c = io_c.next_state(oc)
+            le = oe["logits"][0, -1]
+            c, e = int(oc["logits"][0, -1].argmax()), int(le.argmax())
+            if exact32 is not None:   # the same decode state (the body is identical), head in float32
+                f = int(runtime.run(exact32, io_e, runtime.feeds(io_e, ids[:, t:t + 1], past=past_e,
+                                                                    past_len=t))["logits"][0, -1].argmax())
+                n["agree_fp32_head"] += c == f
+                n["exact_vs_fp32_head"] += e == f
+            n["agree"] += c == e
+            n["vs_prefill"] += c == ref[t]
+            n["exact_vs_prefill"] += e == ref[t]
+            if c != e:
+                top2 = np.sort(le)[-2:]
+                margins.append(float(top2[1] - top2[0]))
+            past_e = io_e.next_state(oe)
             total += 1
             if total >= positions:
-                return {"positions": total, "agree": agree, "agreement": agree / total}
-    return {"positions": total, "agree": agree, "agreement": agree / max(total, 1)}
+                break
+        if total >= positions:
+            break
+    t = max(total, 1)
+    shares = {k: n[k] / t for k in ("agree_fp32_head", "exact_vs_fp32_head") if k in n}
+    return {"positions": total, **{k: int(v) for k, v in n.items()}, "agreement": n["agree"] / t,
+            "agreement_vs_prefill": n["vs_prefill"] / t, "exact_decode_vs_prefill": n["exact_vs_prefill"] / t,
+            **shares,
+            "disagree_margin_median": float(np.median(margins)) if margins else None}
 
 
 def main():
@@ -120,7 +171,10 @@ def main():
             srcs[m] = quantized_model(fused_model("smollm2"), c.bits, c.block_size, c.symmetric, c.accuracy_level)
         else:
             raise SystemExit(f"--models: unknown {m!r} (fp32, int4)")
-    tag = f"r{a.rank}-c{a.candidates}-b{a.bits}"
+    import hashlib   # the rewritten models are cached per pass code too
+    code = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in (
+        "rewriter/backends/head.py", "rewriter/builders/head.py", "rewriter/quantize.py"))).hexdigest()[:8]
+    tag = f"r{a.rank}-c{a.candidates}-b{a.bits}-{code}"
     res = {"isa": custom_ops.isa(), "cpu": platform.processor() or platform.machine(), "args": vars(a), "models": {}}
     for m, src in srcs.items():
         out = cache_root() / "cheap_head" / f"{src.parent.name}-{tag}" / "model.onnx"
@@ -132,7 +186,10 @@ def main():
         if not a.skip_agreement:
             tok = runtime.load_tokenizer(src)
             ids = tok.encode(held.read_text(encoding="utf-8"), add_special_tokens=False).ids
-            r["agreement"] = agreement(ort_session(src, 2), ort_session(out, 2), ids, a.positions)
+            e32 = None
+            if m != "fp32":
+                e32 = ort_session(fp32_head_model(src, out.parent.parent / f"{src.parent.name}-fp32head" / "model.onnx"), 2)
+            r["agreement"] = agreement(ort_session(src, 2), ort_session(out, 2), ids, a.positions, exact32=e32)
             print(f"[{m}] greedy agreement {r['agreement']}", flush=True)
         r["speed"] = {}
         for th in [int(t) for t in a.threads.split(",")]:
