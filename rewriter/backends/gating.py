@@ -75,6 +75,9 @@ class GatingConfig(Options):
                       type=onoff, metavar="on|off")
     kwta_budget_share: float = flag("--kwta-budget-share", 0.6, "share of --quality-budget the planner spends on "
                                     "down-projections first (default 0.6)", type=float)
+    kwta_margin: float = flag("--kwta-margin", 1.0, "share of --quality-budget the planner targets on the "
+                              "calibration probe, the rest a margin for held-out text (default 1.0; "
+                              "tests/bench/bench_gating_guard.py measures probe vs held-out)", type=float)
     # event (seed 004)
     event: bool = flag("--event-driven", False, "delta updates under a budget", type=onoff, metavar="on|off",
                        group=EVENT)
@@ -121,6 +124,8 @@ class GatingConfig(Options):
             raise OrtleanError(f"--kwta-block {self.kwta_block}: must be ≥ 1")
         if self.kwta_score not in ("xw", "x"):
             raise OrtleanError(f"--kwta-score {self.kwta_score!r}: use xw or x")
+        if not (0 < self.kwta_margin <= 1):
+            raise OrtleanError(f"--kwta-margin {self.kwta_margin}: a fraction in (0, 1]")
         if not (0 < self.event_topk <= 1):
             raise OrtleanError(f"--event-topk {self.event_topk}: a fraction in (0, 1]")
         if not (0 < self.event_quorum <= 1):
@@ -328,7 +333,7 @@ class GatingBackend(WeightBackendBase):
         curves = {c.name: self._curve(c, self._weight(c, ctx)) for c in cands}
         base_plans = self._baseline_plans(ctx)   # MatMulNBits for every layer not gated (--weights)
         base = ctx.quality.loss(list(base_plans.values())) if base_plans else 0.0
-        budget = ctx.opts.quality_budget if ctx.opts.quality_budget is not None else 0.02
+        budget = cfg.kwta_margin * (ctx.opts.quality_budget if ctx.opts.quality_budget is not None else 0.02)
         down = [c for c in cands if c.role in ("down", "fc2")]
         rest = [c for c in cands if c not in down]
         if not down:
