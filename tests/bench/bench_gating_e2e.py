@@ -43,6 +43,7 @@ def main():
     ap.add_argument("--weights", choices=["int4", "int8"], help="gate on quantized weights, vs the ungated twin")
     ap.add_argument("--twin", help="--weights: an already written ungated twin (skip its rewrite)")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--no-eval", action="store_true", help="--weights: timing only (Δppl already measured)")
     a = ap.parse_args()
     if a.weights:
         return quantized(a)
@@ -101,10 +102,11 @@ def quantized(a):
         r = json.loads(rep.read_text())
         res["rewrite"] = {"quality": r["quality"],
                           "keep": {L["layer"]: L["decision"] for L in r["layers"] if L["backend"] == "gating"}}
-    ev = evaluate.evaluate(str(gated), str(twin), str(novels[corpus.EVAL_NOVEL]), threads=2, window=512,
-                           windows=a.windows)
-    print(evaluate.format_eval(ev))
-    res["eval"] = ev
+    if not a.no_eval:
+        ev = evaluate.evaluate(str(gated), str(twin), str(novels[corpus.EVAL_NOVEL]), threads=2, window=512,
+                               windows=a.windows)
+        print(evaluate.format_eval(ev))
+        res["eval"] = ev
     res["isa"] = f"{custom_ops.isa()}; load average before timing {os.getloadavg()}"
     res["table"] = {}
     for t in [int(x) for x in a.threads.split(",")]:
