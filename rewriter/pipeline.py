@@ -14,7 +14,7 @@ from .errors import OrtleanError
 from .kit import calib, candidates, modelfile
 from .kit.backend import Context
 from .kit.options import RewriteConfig
-from .kit.quality import largest_passing
+from .kit.quality import largest_passing, relative_loss
 from .report import LayerRecord
 
 __all__ = ["RewriteConfig", "LayerRecord", "run", "default_output", "format_report"]
@@ -42,6 +42,7 @@ def run(cfg: RewriteConfig) -> dict:
     if out.resolve() == inp.resolve():
         raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
     ctx = Context(cfg, model, modelfile.model_io(model, inp))
+    ctx.weight_backends = weight
     graph_records = _graph_passes(passes, "pre", model, ctx)
 
     records: dict[str, LayerRecord] = {}
@@ -199,7 +200,8 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
     """Keep the k lowest-gap plans for the largest k whose end-to-end loss (quality.loss) is
     within `budget`; the others go back to dense — or to their `fallback` plan (the pinned
     --weights backend), which is in every trial — with the reason in their record. Pinned plans
-    are always kept; their loss alone may exceed the budget (said in the result)."""
+    are always kept, and with them the budget is over the quantized baseline (every plan replaced by
+    its fallback: the model at the precision asked for), not over the fp32 model (issue 11)."""
     from tqdm.auto import tqdm
 
     fallback = fallback or {}
@@ -218,13 +220,21 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
             bar.update(1)
         return tried[k]
 
+    # with pinned plans (--weights int8|int4) the budget is spent against the quantized baseline:
+    # the model with every layer at the precision asked for (k = 0: all fallbacks + pinned)
+    base = loss(0) if pinned else 0.0
+
+    def over(k: int) -> float:
+        return relative_loss(loss(k), base)
+
     n = len(order)  # loss grows with k: all of them, else the largest k by bisection
-    k = n if loss(n) <= budget else largest_passing(lambda k: loss(k) <= budget, 0, n - 1)
+    k = n if over(n) <= budget else largest_passing(lambda k: over(k) <= budget, 0, n - 1)
     bar.close()
     probe = quality.probe
-    final = loss(k)
-    above = [v for kk, v in tried.items() if kk > k] or [final]
-    why = (f"kept dense: end-to-end quality budget ({probe.metric} {min(above):+.4f} with more layers > {budget}; "
+    final = over(k)
+    above = [relative_loss(v, base) for kk, v in tried.items() if kk > k] or [final]
+    ref = " over the quantized baseline" if pinned else ""
+    why = (f"kept dense: end-to-end quality budget ({probe.metric}{ref} {min(above):+.4f} with more layers > {budget}; "
            f"the {k} lowest-gap layers give {final:+.4f})")
     for c, b, plan in order[k:]:
         if c.name in fallback:
@@ -241,7 +251,6 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
     if pinned:
         res["pinned"] = len(pinned)
         res["pinned_by"] = sorted({t[2].decision for t in pinned})
-        if final > budget:
-            res["note"] = (f"{', '.join(res['pinned_by'])} alone gives {probe.metric} {final:+.4f} > budget {budget}: "
-                           "kept (the precision asked for); every other backend's plan was dropped")
+        res["baseline"] = base          # the quantized model's loss vs the fp32 model
+        res["loss_vs_fp32"] = loss(k)   # `loss` is over the baseline; `trials` are vs fp32
     return plans(k), res

@@ -102,7 +102,9 @@ def format_report(summary: dict) -> str:
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
                      f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers"
                      + (f" and {q['pinned']} {'/'.join(q['pinned_by'])} layers" if q.get("pinned") else "")
-                     + f" (budget {q['budget']})")
+                     + f" (budget {q['budget']}"
+                     + (f", over the quantized baseline, itself {q['baseline']:+.4f} over the fp32 model)"
+                        if "baseline" in q else ")"))
         if q.get("note"):
             lines.append(f"note: {q['note']}")
     if summary["layers"]:

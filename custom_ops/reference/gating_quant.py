@@ -255,3 +255,30 @@ def pair_keep(v) -> float:
     if xq.size % 2:
         xq = np.append(xq, 0)
     return float(np.mean(np.any(xq.reshape(-1, 2) != 0, axis=1)))
+
+
+def from_matmul_nbits(packed, scales, zero_points, K: int, N: int, bits: int, block_size: int):
+    """A symmetric 4-bit ``com.microsoft.MatMulNBits`` weight -> the int4k layout of the SAME values.
+
+    MatMulNBits stores, per output n and block b of ``block_size`` input rows, ``packed [N, nb, bs/2]``
+    (element k of the block in byte k // 2, low nibble for even k), ``scales [N·nb]`` and, when
+    asymmetric, zero points; Ŵ[k, n] = scales[n, k // bs] · (u − z), z = 8 when symmetric. int4k
+    keeps exactly these q = u − 8 ∈ [−8, 7] and the scales transposed to [nb, N] with
+    ``weight_group`` = ``block_size`` (16 or 32), so ``dequantize_k`` of the result equals
+    MatMulNBits' Ŵ bit for bit. Returns (Wq, scales, weight_group). ValueError when the weight has
+    no int4k equivalent (not 4 bits, another block size, zero points other than 8)."""
+    if bits != 4:
+        raise ValueError(f"MatMulNBits bits={bits}: only 4-bit weights have an int4k layout")
+    if block_size not in KGROUPS:
+        raise ValueError(f"MatMulNBits block_size={block_size}: int4k needs one of {KGROUPS}")
+    nb = groups_of(K, block_size)
+    packed = np.asarray(packed, np.uint8).reshape(N, nb, block_size // 2)
+    u = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(N, nb * block_size)[:, :K]
+    if zero_points is not None:
+        zp = np.asarray(zero_points, np.uint8).reshape(N, -1)
+        z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(N, -1)[:, :nb]
+        if np.any(z != 8):
+            raise ValueError("MatMulNBits with zero points other than 8: int4k is symmetric")
+    q = (u.astype(np.int16) - 8).astype(np.int8).T  # [K, N]
+    sc = np.ascontiguousarray(np.asarray(scales, np.float32).reshape(N, nb).T)
+    return pack_int4k(q, N), sc, block_size

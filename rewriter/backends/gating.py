@@ -12,8 +12,19 @@ of the layer's calibration scores and gap(p) = ‖(X⊙mask−X)W‖/‖XW‖ on
 p with gap(p) ≤ g: layers that tolerate sparsity get more of it). The global quality budget
 (`--quality-budget`, Δppl on held-out calibration text) is spent down-projection first: g_down
 is bisected on the rewrite's end-to-end probe with a share of the budget, then g for the other
-targeted layers with the rest. The chosen keep ratio and threshold are recorded per layer in the
+targeted layers with the rest; the planner targets `--kwta-margin` (default 0.5) of the budget on the
+probe, the rest is a margin for held-out text (KWTA_MARGIN below). The chosen keep ratio and threshold are recorded per layer in the
 node's attributes.
+
+With `--weights int8|int4` (the pinned MatMulNBits backend, rewriter/backends/weights.py) the
+layers gating takes are stored quantized too, so gating compounds with the weight precision:
+int4 → `weight_format` int4k holding exactly the values of ORT's MatMulNBits quantization of the
+layer (block 32 along K, symmetric; re-laid out by `gating_quant.from_matmul_nbits`, so the only
+difference from the layer it replaces is the gate); int8 → `weight_format` int8 (symmetric, group
+32 — along N in this format, along K in MatMulNBits: the values differ by rounding). Thresholds and
+gaps are calibrated on the quantized Ŵ, and the budget is spent against the quantized baseline:
+every trial holds MatMulNBits for each layer not gated, and the loss is Δppl over that model
+(`kit.quality.relative_loss`).
 """
 from __future__ import annotations
 
@@ -22,19 +33,35 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from custom_ops.reference import gating_quant as gq
+
 from ..builders.gating import Samples, layer_curve, pick
 from ..errors import OrtleanError
 from ..kit import options, surgery
 from ..kit.backend import Plan, WeightBackendBase
 from ..kit.candidates import GroupCandidate, group_shared_inputs
 from ..kit.options import Options, flag, onoff, targets_flag
-from ..kit.quality import largest_passing
+from ..kit.quality import largest_passing, relative_loss
+from .. import quantize
 
 # Per-layer gap targets the planner bisects over. A finer grid (31 steps) spent the budget more
 # fully on the calibration probe (+1.79 % at a 2 % budget) but measured +2.87 % on held-out
 # Persuasion with no decode gain (1.11x vs 1.10x): the 16-step grid leaves margin (+1.17 % probe,
 # +1.54 % held out).
 GAP_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.6, 16))
+# The planner targets KWTA_MARGIN·budget on the 1024-token calibration probe (--kwta-margin). Measured
+# with tests/bench/bench_gating_guard.py on SmolLM2 `--kwta=on --weights int4 --quality-budget 0.02`
+# planned at the full budget (Δppl over the int4 model): probe +1.52 %, the same novel's next 4096 /
+# 8192 tokens +2.65 % / +2.76 %, Persuasion +3.43 % (256-token windows) / +3.56 % (512, `ortlean eval`).
+# Scoring more tokens would remove the first gap (the planner picks the largest plan that passes a
+# small, noisy sample) but not the second (+0.7 points between novels at 8192 tokens), and would make
+# every planner trial 4x longer; a margin removes both for free. At margin 0.5 (budget 0.01): probe
+# +0.43 %, Persuasion +0.48 %; int8 at the full budget: probe +1.38 %, Persuasion +1.75 %.
+KWTA_MARGIN = 0.5
+# --weights int8|int4 → the op's weight_format for the layers gating takes: the fastest format of
+# those bits at keep 0.5-0.75 in tests/bench/bench_gating_op.py (int4k: 0.56-0.92x MatMulNBits'
+# time at M = 1, int4 1.1-2.1x; int8 is the only 8-bit format).
+QUANT_FORMAT = {"int4": "int4k", "int8": "int8"}
 EVENT = "EventGatedMatMul: event-driven (seed 004)"
 
 
@@ -58,6 +85,8 @@ class GatingConfig(Options):
                       type=onoff, metavar="on|off")
     kwta_budget_share: float = flag("--kwta-budget-share", 0.6, "share of --quality-budget the planner spends on "
                                     "down-projections first (default 0.6)", type=float)
+    kwta_margin: float = flag("--kwta-margin", KWTA_MARGIN, "share of --quality-budget the planner targets on the "
+                              "calibration probe, the rest a margin for held-out text (default 0.5)", type=float)
     # event (seed 004)
     event: bool = flag("--event-driven", False, "delta updates under a budget", type=onoff, metavar="on|off",
                        group=EVENT)
@@ -104,6 +133,8 @@ class GatingConfig(Options):
             raise OrtleanError(f"--kwta-block {self.kwta_block}: must be ≥ 1")
         if self.kwta_score not in ("xw", "x"):
             raise OrtleanError(f"--kwta-score {self.kwta_score!r}: use xw or x")
+        if not (0 < self.kwta_margin <= 1):
+            raise OrtleanError(f"--kwta-margin {self.kwta_margin}: a fraction in (0, 1]")
         if not (0 < self.event_topk <= 1):
             raise OrtleanError(f"--event-topk {self.event_topk}: a fraction in (0, 1]")
         if not (0 < self.event_quorum <= 1):
@@ -125,6 +156,8 @@ class GatingBackend(WeightBackendBase):
         self.samples: Samples | None = None          # calibration activations of the KWTA layers
         self._curves: dict[str, list[dict]] = {}     # per layer: keep ratio → threshold, gap
         self._choice: dict[str, dict] | None = None  # the planner's keep ratio per layer
+        self._qw: dict[str, dict] = {}               # per layer: quantized weight (--weights int8|int4)
+        self._pinned_plans: dict[str, tuple] | None = None  # per layer: its MatMulNBits plan (trials)
 
     @classmethod
     def config(cls, args, state_pack) -> GatingConfig:
@@ -175,6 +208,12 @@ class GatingBackend(WeightBackendBase):
         if not (kw or ev or pk):
             return Plan.dense(cand, "not targeted by the gating flags")
         attrs: dict = {"block": int(cfg.kwta_block), "dense_prefill": int(cfg.dense_prefill)}
+        q = self._quantized(cand, W, ctx)
+        if q is not None:
+            if "error" in q:
+                return Plan.dense(cand, f"no gated {q['format']} layout: {q['error']}")
+            W = q["W_hat"]  # thresholds, norms and gaps of the weights the op multiplies
+            attrs.update(q["attrs"])
         gap = None
         info = {}
         if pk:
@@ -220,8 +259,68 @@ class GatingBackend(WeightBackendBase):
             what.append(f"KWTA keep {k:.2f}" if k is not None else f"KWTA mass {cfg.kwta_k:g} temp {cfg.kwta_temp:g}")
         if ev:
             what.append(f"event topk {cfg.event_topk:g}")
+        if q is not None:
+            what.append(f"{q['format']} weights")
         return Plan("gating", "gated: " + ", ".join(what), gap, cand.params, payload=attrs,
                     attrs={"method": "+".join(w.split()[0] for w in what)})
+
+    # -- quantized weights (--weights int8|int4) ---------------------------------------------
+    @staticmethod
+    def _precision(ctx) -> str | None:
+        """The pinned --weights precision ("int8" | "int4"), None for fp32 or no context."""
+        w = ctx.opts.backends.get("weights") if ctx is not None else None
+        return w.weights if w is not None and getattr(w, "enabled", False) and w.weights in QUANT_FORMAT else None
+
+    def _quantized(self, cand, W, ctx) -> dict | None:
+        """The layer's weight in the op's quantized format matching --weights (None: f32):
+        {format, attrs (weight_format/group/shape + the arrays as "_wq"/"_scales"), W_hat}."""
+        prec = self._precision(ctx)
+        if prec is None:
+            return None
+        if cand.name in self._qw:
+            return self._qw[cand.name]
+        fmt = QUANT_FORMAT[prec]
+        qc = quantize.config_for(prec)
+        K, N = int(cand.K), int(cand.N)
+        try:
+            if fmt == "int4k":  # ORT's own quantization of the layer, re-laid out: MatMulNBits' exact values
+                packed, sc, zp = quantize.quantize_matrix(W, qc)
+                wq, scales, group = gq.from_matmul_nbits(packed, sc, zp, K, N, qc.bits, qc.block_size)
+                W_hat = gq.dequantize_k(wq, scales, group, K, N)
+            else:
+                if not qc.symmetric:
+                    raise ValueError("the int8 gated format is symmetric")
+                group = qc.block_size
+                wq, scales, _ = gq.quantize(W, fmt, group)
+                W_hat = gq.dequantize(wq, scales, fmt, group, N)
+        except ValueError as e:
+            self._qw[cand.name] = {"format": fmt, "error": str(e)}
+            return self._qw[cand.name]
+        attrs = {"weight_format": fmt, "weight_group": int(group), "weight_shape": [K, N],
+                 "_wq": wq, "_scales": scales}
+        self._qw[cand.name] = {"format": fmt, "attrs": attrs, "W_hat": W_hat}
+        return self._qw[cand.name]
+
+    def _weight(self, cand, ctx) -> np.ndarray:
+        """The weights the gated op multiplies: Ŵ under --weights int8|int4, else W."""
+        W = cand.weight_array()
+        q = self._quantized(cand, W, ctx)
+        return q["W_hat"] if q is not None and "W_hat" in q else W
+
+    def _baseline_plans(self, ctx) -> dict[str, tuple]:
+        """{layer: (cand, pinned backend, its plan)}: what every planned layer is in the quantized
+        baseline (MatMulNBits), for the planner's trials. Empty without a pinned backend."""
+        if self._pinned_plans is None:
+            self._pinned_plans = {}
+            pinned = [b for b in ctx.weight_backends if getattr(b, "pinned", False)]
+            if pinned and self._precision(ctx) is not None:
+                pb = pinned[0]
+                for c in ctx.todo:
+                    if c.target in pb.cfg.targets:
+                        p = pb.plan(c, c.weight_array(), None, ctx)
+                        if p.decision != "dense":
+                            self._pinned_plans[c.name] = (c, pb, p)
+        return self._pinned_plans
 
     def _samples(self, cand) -> np.ndarray:
         X = self.samples.get(cand.input.name) if self.samples is not None else None
@@ -240,8 +339,10 @@ class GatingBackend(WeightBackendBase):
             return self._choice
         cfg = self.cfg
         cands = [c for c in ctx.todo if c.target in cfg.kwta_targets]
-        curves = {c.name: self._curve(c, c.weight_array()) for c in cands}
-        budget = ctx.opts.quality_budget if ctx.opts.quality_budget is not None else 0.02
+        curves = {c.name: self._curve(c, self._weight(c, ctx)) for c in cands}
+        base_plans = self._baseline_plans(ctx)   # MatMulNBits for every layer not gated (--weights)
+        base = ctx.quality.loss(list(base_plans.values())) if base_plans else 0.0
+        budget = cfg.kwta_margin * (ctx.opts.quality_budget if ctx.opts.quality_budget is not None else 0.02)
         down = [c for c in cands if c.role in ("down", "fc2")]
         rest = [c for c in cands if c not in down]
         if not down:
@@ -256,8 +357,13 @@ class GatingBackend(WeightBackendBase):
                     continue
                 attrs = {"block": 1, "kwta": 1, "kwta_select": "threshold", "kwta_threshold": float(p["threshold"]),
                          "kwta_score": cfg.kwta_score, "keep_ratio": float(p["keep"])}
+                q = self._quantized(c, None, ctx)
+                if q is not None:
+                    attrs.update(q["attrs"])
                 chosen.append((c, self, Plan("gating", "", p["gap"], c.params, payload=attrs)))
-            return ctx.quality.loss(chosen)
+            gated = {c.name for c, _, _ in chosen}
+            chosen += [t for name, t in base_plans.items() if name not in gated]
+            return relative_loss(ctx.quality.loss(chosen), base)
 
         def at(group, i: int) -> dict:
             """`choice` with the group's layers at gap target GAP_GRID[i]."""
@@ -300,14 +406,17 @@ class GatingBackend(WeightBackendBase):
             return self._emit_group(graph, cand, plan)
         old = cand.node
         base = surgery.safe_name(cand.name)
-        w = surgery.initializer(graph, f"{base}.gate_w", cand.weight_array()) if cand.transposed else old.inputs[1]
+        if "_wq" in plan.payload:
+            w = None  # quantized: the op reads Wq/scales, the f32 weight is dropped with the MatMul
+        else:
+            w = surgery.initializer(graph, f"{base}.gate_w", cand.weight_array()) if cand.transposed else old.inputs[1]
         new, stateful = self._gate_node(graph, cand, plan, old.inputs[0], w, base, old.name)
         surgery.replace_node(graph, old, new)
         if stateful:
             self._state_output(graph, new, base)
 
     def _gate_node(self, graph, cand, plan, x, w, base, name):
-        attrs = dict(plan.payload)
+        attrs = {k: v for k, v in plan.payload.items() if not k.startswith("_")}
         attrs.update(layer=str(cand.layer if cand.layer is not None else cand.name), target=cand.target,
                      gap=float(plan.gap or 0.0), params_dense=int(cand.K * cand.N), params_stored=int(cand.K * cand.N))
         if isinstance(cand, GroupCandidate):
@@ -319,6 +428,10 @@ class GatingBackend(WeightBackendBase):
                            shape=ir.Shape(["batch_size", "past_event_len"]))
             graph.inputs.append(sin)
             inputs.append(sin)
+        if "_wq" in plan.payload:  # X, (no W), state, Wq, scales
+            inputs = [x, None, inputs[2] if stateful else None,
+                      surgery.initializer(graph, f"{base}.gate_wq", plan.payload["_wq"]),
+                      surgery.initializer(graph, f"{base}.gate_scales", plan.payload["_scales"])]
         return surgery.op_node(self.op_type, inputs, attrs, name=name, num_outputs=2 if stateful else 1), stateful
 
     @staticmethod
@@ -334,7 +447,7 @@ class GatingBackend(WeightBackendBase):
         order = {id(n): i for i, n in enumerate(graph)}
         members = sorted(grp.members, key=lambda m: order[id(m.node)])
         base = surgery.safe_name(members[0].name) + ".fused"
-        w = surgery.initializer(graph, f"{base}.w", grp.weight_array())
+        w = None if "_wq" in plan.payload else surgery.initializer(graph, f"{base}.w", grp.weight_array())
         node, stateful = self._gate_node(graph, grp, plan, grp.input, w, base, grp.name)
         sizes = [int(m.N) for m in grp.members]
         if graph.opset_imports.get("", 13) >= 13:

@@ -78,6 +78,7 @@ class Context:
         self.model = model                  # the loaded model: read-only until emission
         self.io = io                        # custom_ops.runtime.ModelIO of the model
         self.todo: list[Candidate] = []     # the units being planned (after grouping)
+        self.weight_backends: list = []     # the enabled weight backends, in registry order
         self.modified = False               # a "pre" graph pass changed the model: run it from memory
         self.quality = Quality(self)        # the end-to-end probe and trial models (built on first use)
         self._calib: CalibText | None = None

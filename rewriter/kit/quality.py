@@ -106,6 +106,13 @@ class Quality:
         return self.probe.loss(trial_model(self.ctx.model, chosen, self.ctx))
 
 
+def relative_loss(loss: float, base: float) -> float:
+    """A probe loss measured against the dense model, re-expressed against a baseline whose loss is
+    `base`: for Δppl, (1 + loss) / (1 + base) − 1 = exp(nll − nll_base) − 1 (the baseline's
+    perplexity is the reference); base 0 returns `loss`."""
+    return (1.0 + loss) / (1.0 + base) - 1.0 if base else loss
+
+
 def largest_passing(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     """The largest x in [lo, hi] with ok(x), by bisection, for ok true up to some point and false
     after it; ok(lo) is taken as true without being asked (lo may be a sentinel)."""
