@@ -28,6 +28,14 @@ struct AttnKernels {
   void (*dots_tile)(const float* q, int nq, int64_t ldq, const float* kf, int64_t nb, int64_t D, float* out);
   // y[h * ldy + d] += sum_i p[h * nb + i] * vf[i * Dv + d], h < nq
   void (*pv_tile)(const float* p, int nq, const float* vf, int64_t nb, int64_t Dv, float* y, int64_t ldy);
+  // Fused over quantized rows (bits 8 | 4, n % 8 == 0; no float tile): the codes of each row are
+  // read once for all nq heads.
+  // out[h * nb + i] = sum_d q[h * ldq + d] * code d of rows[i], h < nq, i < nb
+  void (*qk_rows)(const float* q, int nq, int64_t ldq, const uint8_t* const* rows, int64_t nb, int64_t D, int bits,
+                  float* out);
+  // y[h * ldy + d] += sum_i p[h * nb + i] * code d of rows[i], h < nq, d < Dv
+  void (*pv_rows)(const float* p, int nq, const uint8_t* const* rows, int64_t nb, int64_t Dv, int bits, float* y,
+                  int64_t ldy);
   // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
   // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);

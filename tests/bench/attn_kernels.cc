@@ -1,0 +1,107 @@
+// Kernel-only cost of PackedAttention's KV-cache decode pieces (kernels/attn_impl.inc, AVX2 copy), in
+// ns per cached key, interleaved in one process (not part of the library, not a test):
+//
+//   c++ -O3 -mavx2 -mfma -mpopcnt -Icpp/src -DORTLEAN_ISA_AVX2 -DORTLEAN_ISA_NS=attn_avx2 \
+//       -DORTLEAN_ISA_NAME='"avx2"' -D'ORTLEAN_ISA_TABLE(n)=n##_avx2' tests/bench/attn_kernels.cc -o /tmp/ak
+//   /tmp/ak [T=4096] [bits=8] [reps=50]
+//
+// Rows of one KV head in the cache-row format (K codes, K scale, V codes, V scale; D = Dv = 64),
+// 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows), fused =
+// qk_rows + pv_rows, lut = lutscore over 8 bytes of key bits, stream = a plain read of the rows.
+// Medians of reps; the rows stay in L2/L3 (compute cost, not DRAM).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/attn_impl.inc"
+
+using clk = std::chrono::steady_clock;
+
+int main(int argc, char** argv) {
+  const int64_t T = argc > 1 ? std::atoll(argv[1]) : 4096;
+  const int bits = argc > 2 ? std::atoi(argv[2]) : 8;
+  const int reps = argc > 3 ? std::atoi(argv[3]) : 50;
+  const ortlean::AttnKernels& ak = ortlean::ORTLEAN_ISA_TABLE(attn_kernels);
+  const int64_t D = 64, Dv = 64, nq = 3, nb = 32;
+  const int64_t kbytes = D * bits / 8, vbytes = Dv * bits / 8, R = kbytes + 4 + vbytes + 4;
+  std::mt19937 rng(0);
+  std::vector<uint8_t> rows(static_cast<size_t>(T * R));
+  for (auto& x : rows) x = static_cast<uint8_t>(rng() & 0x3F);
+  std::vector<float> q(nq * D), L(nq * nb), y(nq * Dv), kf(nb * D), vf(nb * Dv);
+  for (auto& x : q) x = static_cast<float>(rng() % 1000) / 1000.0f - 0.5f;
+  std::vector<uint32_t> kbits(static_cast<size_t>(T * 3));
+  for (auto& x : kbits) x = rng();
+  std::vector<int32_t> lut(8 * 256), core(static_cast<size_t>(T));
+  for (auto& x : lut) x = static_cast<int32_t>(rng() % 255) - 127;
+  const uint8_t* kr[nb];
+  const uint8_t* vr[nb];
+  volatile float sink = 0;
+  auto tile = [&] {
+    for (int64_t i0 = 0; i0 < T; i0 += nb) {
+      for (int64_t i = 0; i < nb; ++i) {
+        kr[i] = rows.data() + (i0 + i) * R;
+        vr[i] = kr[i] + kbytes + 4;
+      }
+      ak.deq_rows(kr, nb, D, bits, kf.data());
+      ak.dots_tile(q.data(), nq, D, kf.data(), nb, D, L.data());
+      for (auto& x : L) x *= 1e-3f;
+      ak.deq_rows(vr, nb, Dv, bits, vf.data());
+      ak.pv_tile(L.data(), nq, vf.data(), nb, Dv, y.data(), Dv);
+    }
+    sink = sink + y[0];
+  };
+  auto fused = [&] {
+    for (int64_t i0 = 0; i0 < T; i0 += nb) {
+      for (int64_t i = 0; i < nb; ++i) {
+        kr[i] = rows.data() + (i0 + i) * R;
+        vr[i] = kr[i] + kbytes + 4;
+      }
+      ak.qk_rows(q.data(), nq, D, kr, nb, D, bits, L.data());
+      for (auto& x : L) x *= 1e-3f;
+      ak.pv_rows(L.data(), nq, vr, nb, Dv, bits, y.data(), Dv);
+    }
+    sink = sink + y[0];
+  };
+  auto lut_ = [&] {
+    ak.lutscore(kbits.data(), 3, T, 8, lut.data(), core.data());
+    sink = sink + static_cast<float>(core[T / 2]);
+  };
+  auto stream = [&] {
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    const uint64_t* p = reinterpret_cast<const uint64_t*>(rows.data());
+    const size_t n = rows.size() / 8;
+    for (size_t i = 0; i + 4 <= n; i += 4) {
+      a ^= p[i];
+      b ^= p[i + 1];
+      c ^= p[i + 2];
+      d ^= p[i + 3];
+    }
+    sink = sink + static_cast<float>((a ^ b ^ c ^ d) & 1);
+  };
+  struct Case {
+    const char* name;
+    std::function<void()> f;
+    std::vector<double> ns;
+  };
+  std::vector<Case> cs = {{"tile", tile, {}}, {"fused", fused, {}}, {"lutscore", lut_, {}}, {"stream", stream, {}}};
+  for (int r = 0; r < reps + 2; ++r)
+    for (auto& c : cs) {
+      const auto t0 = clk::now();
+      c.f();
+      const double dt = std::chrono::duration<double, std::nano>(clk::now() - t0).count();
+      if (r >= 2) c.ns.push_back(dt / static_cast<double>(T));
+    }
+  std::printf("T %lld, int%d rows (%lld B), %lld query heads, D %lld:", static_cast<long long>(T), bits,
+              static_cast<long long>(R), static_cast<long long>(nq), static_cast<long long>(D));
+  for (auto& c : cs) {
+    std::sort(c.ns.begin(), c.ns.end());
+    std::printf("  %s %.2f ns/key", c.name, c.ns[c.ns.size() / 2]);
+  }
+  std::printf("\n");
+  return 0;
+}
