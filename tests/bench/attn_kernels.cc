@@ -3,12 +3,14 @@
 //
 //   c++ -O3 -mavx2 -mfma -mpopcnt -Icpp/src -DORTLEAN_ISA_AVX2 -DORTLEAN_ISA_NS=attn_avx2 \
 //       -DORTLEAN_ISA_NAME='"avx2"' -D'ORTLEAN_ISA_TABLE(n)=n##_avx2' tests/bench/attn_kernels.cc -o /tmp/ak
-//   /tmp/ak [T=4096] [bits=8] [reps=50]
+//   /tmp/ak [T=4096] [bits=8] [reps=50] [copies=1]
 //
 // Rows of one KV head in the cache-row format (K codes, K scale, V codes, V scale; D = Dv = 64),
 // 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows), fused =
 // qk_rows + pv_rows, lut = lutscore over 8 bytes of key bits, stream = a plain read of the rows.
-// Medians of reps; the rows stay in L2/L3 (compute cost, not DRAM).
+// Medians of reps; copies > 1 cycles through that many row buffers (copies = 90: the 50 MB of a
+// 30-layer SmolLM2 int8 cache at T = 4096, from DRAM), fused_pfN = fused with the rows of N keys
+// ahead prefetched (as the op does), stream reads the same buffer.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -26,12 +28,18 @@ int main(int argc, char** argv) {
   const int64_t T = argc > 1 ? std::atoll(argv[1]) : 4096;
   const int bits = argc > 2 ? std::atoi(argv[2]) : 8;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 50;
+  const int copies = argc > 4 ? std::atoi(argv[4]) : 1;
+  int cur = 0;
   const ortlean::AttnKernels& ak = ortlean::ORTLEAN_ISA_TABLE(attn_kernels);
   const int64_t D = 64, Dv = 64, nq = 3, nb = 32;
   const int64_t kbytes = D * bits / 8, vbytes = Dv * bits / 8, R = kbytes + 4 + vbytes + 4;
   std::mt19937 rng(0);
-  std::vector<uint8_t> rows(static_cast<size_t>(T * R));
-  for (auto& x : rows) x = static_cast<uint8_t>(rng() & 0x3F);
+  std::vector<std::vector<uint8_t>> bufs(static_cast<size_t>(copies));
+  for (auto& rows : bufs) {
+    rows.resize(static_cast<size_t>(T * R));
+    for (auto& x : rows) x = static_cast<uint8_t>(rng() & 0x3F);
+  }
+  auto next = [&]() -> std::vector<uint8_t>& { cur = (cur + 1) % copies; return bufs[static_cast<size_t>(cur)]; };
   std::vector<float> q(nq * D), L(nq * nb), y(nq * Dv), kf(nb * D), vf(nb * Dv);
   for (auto& x : q) x = static_cast<float>(rng() % 1000) / 1000.0f - 0.5f;
   std::vector<uint32_t> kbits(static_cast<size_t>(T * 3));
@@ -42,6 +50,7 @@ int main(int argc, char** argv) {
   const uint8_t* vr[nb];
   volatile float sink = 0;
   auto tile = [&] {
+    auto& rows = next();
     for (int64_t i0 = 0; i0 < T; i0 += nb) {
       for (int64_t i = 0; i < nb; ++i) {
         kr[i] = rows.data() + (i0 + i) * R;
@@ -55,11 +64,18 @@ int main(int argc, char** argv) {
     }
     sink = sink + y[0];
   };
+  int64_t pfd = 0;
   auto fused = [&] {
+    auto& rows = next();
     for (int64_t i0 = 0; i0 < T; i0 += nb) {
       for (int64_t i = 0; i < nb; ++i) {
         kr[i] = rows.data() + (i0 + i) * R;
         vr[i] = kr[i] + kbytes + 4;
+        if (pfd && i0 + i + pfd < T) {
+          const char* pf = reinterpret_cast<const char*>(rows.data() + (i0 + i + pfd) * R);
+          for (int64_t o = 0; o < R; o += 64) __builtin_prefetch(pf + o);
+          __builtin_prefetch(pf + R - 1);
+        }
       }
       ak.qk_rows(q.data(), nq, D, kr, nb, D, bits, L.data());
       for (auto& x : L) x *= 1e-3f;
@@ -72,6 +88,7 @@ int main(int argc, char** argv) {
     sink = sink + static_cast<float>(core[T / 2]);
   };
   auto stream = [&] {
+    auto& rows = next();
     uint64_t a = 0, b = 0, c = 0, d = 0;
     const uint64_t* p = reinterpret_cast<const uint64_t*>(rows.data());
     const size_t n = rows.size() / 8;
@@ -88,7 +105,10 @@ int main(int argc, char** argv) {
     std::function<void()> f;
     std::vector<double> ns;
   };
-  std::vector<Case> cs = {{"tile", tile, {}}, {"fused", fused, {}}, {"lutscore", lut_, {}}, {"stream", stream, {}}};
+  auto fused_pf = [&](int64_t d) { return [&, d] { pfd = d; fused(); pfd = 0; }; };
+  std::vector<Case> cs = {{"tile", tile, {}},          {"fused", fused, {}},          {"fused_pf8", fused_pf(8), {}},
+                          {"fused_pf32", fused_pf(32), {}}, {"fused_pf64", fused_pf(64), {}}, {"lutscore", lut_, {}},
+                          {"stream", stream, {}}};
   for (int r = 0; r < reps + 2; ++r)
     for (auto& c : cs) {
       const auto t0 = clk::now();

@@ -908,13 +908,14 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         if (p.mode == KeyMode::Ternary) {
           ak.lutscore(kb + nw, W, nctx, nbytes, lut, core1);
           for (int64_t t = 0; t < nctx; ++t) core[t] -= core1[t];
-        } else if (p.mode == KeyMode::Sign) {
-          for (int64_t t = 0; t < nctx; ++t) core[t] = 2 * core[t] - static_cast<int32_t>(qsum);
         }
+        // sign mode: the score of the +-1 key is 2 * (sum over its set bits) - sum of all qi
+        const int32_t two = p.mode == KeyMode::Sign ? 2 : 1;
+        const int32_t qs = p.mode == KeyMode::Sign ? static_cast<int32_t>(qsum) : 0;
         const float coef = (a / L) * p.scale;
         const float* mr = c.mask_row(b, h0, m);
         for (int64_t t = 0; t < nctx; ++t) {
-          float v = static_cast<float>(core[t]) * c.fmt.gamma_of(kb + t * W) * coef;
+          float v = static_cast<float>(two * core[t] - qs) * c.fmt.gamma_of(kb + t * W) * coef;
           if (mr) v += mr[(lo + t) * c.mst];
           g[t] = v == v ? v : -INFINITY;
         }
