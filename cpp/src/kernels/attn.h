@@ -36,6 +36,10 @@ struct AttnKernels {
   // y[h * ldy + d] += sum_i p[h * nb + i] * code d of rows[i], h < nq, d < Dv
   void (*pv_rows)(const float* p, int nq, const uint8_t* const* rows, int64_t nb, int64_t Dv, int bits, float* y,
                   int64_t ldy);
+  // Top-k selection (no NaN in x): *lo, *hi = min and max of the finite x[i] (+inf, -inf when none);
+  void (*minmax_finite)(const float* x, int64_t n, float* lo, float* hi);
+  // ids[i] = 0 for x[i] = -inf, nbk + 1 for +inf, else 1 + clamp(int((x[i] - mn) * sc), 0, nbk - 1)
+  void (*bucket_ids)(const float* x, int64_t n, float mn, float sc, int nbk, uint16_t* ids);
   // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
   // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);

@@ -734,16 +734,11 @@ void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo
 // above it to out and those of its bucket to ti; nth_element on that bucket's values gives the
 // threshold, its keys above it and the first ties join, and the two index-ordered lists are merged.
 // At most one distinct finite value: nth_element on a copy and one pass. tmp: n floats, ti: n int32.
-int64_t top_k(const float* x, int64_t n, int64_t k, float* tmp, int32_t* ti, int32_t base, int32_t* out) {
+int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float* tmp, int32_t* ti, int32_t base,
+              int32_t* out) {
   constexpr int kB = 2048;
-  float mn = INFINITY, mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    if (v > -INFINITY && v < INFINITY) {
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
-    }
-  }
+  float mn, mx;
+  ak.minmax_finite(x, n, &mn, &mx);
   const float sc = static_cast<float>(kB - 1) / (mx - mn);
   if (!(mx > mn) || !(sc < INFINITY)) {  // one distinct finite value (or a range too narrow): plain selection
     std::memcpy(tmp, x, sizeof(float) * static_cast<size_t>(n));
@@ -756,16 +751,10 @@ int64_t top_k(const float* x, int64_t n, int64_t k, float* tmp, int32_t* ti, int
       if (x[i] > thr || (x[i] == thr && ties-- > 0)) out[c++] = base + static_cast<int32_t>(i);
     return c;
   }
-  uint16_t* bk = reinterpret_cast<uint16_t*>(tmp);
+  uint16_t* bk = reinterpret_cast<uint16_t*>(tmp);  // bucket + 1: 0 for -inf, kB + 1 for +inf
+  ak.bucket_ids(x, n, mn, sc, kB, bk);
   int32_t cnt[kB + 2] = {0};
-  for (int64_t i = 0; i < n; ++i) {  // bucket + 1: 0 for -inf, kB + 1 for +inf
-    const float v = x[i];
-    int b = static_cast<int>((v - mn) * sc);
-    b = b < 0 ? 0 : b >= kB ? kB - 1 : b;
-    b = v > -INFINITY ? (v < INFINITY ? b + 1 : kB + 1) : 0;
-    bk[i] = static_cast<uint16_t>(b);
-    ++cnt[b];
-  }
+  for (int64_t i = 0; i < n; ++i) ++cnt[bk[i]];
   int64_t above = 0;
   int bsel = kB + 1;
   for (; bsel > 0; --bsel) {
@@ -931,7 +920,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     if (k >= nr) {
       for (int64_t t = ns; t < w0; ++t) out[n++] = static_cast<int32_t>(lo + t);
     } else if (k > 0) {
-      n += top_k(g + ns, nr, k, tmp, core, static_cast<int32_t>(lo + ns), out + n);  // core: free here
+      n += top_k(ak, g + ns, nr, k, tmp, core, static_cast<int32_t>(lo + ns), out + n);  // core: free here
     }
     for (int64_t t = w0; t < nctx; ++t) out[n++] = static_cast<int32_t>(lo + t);
     c.n[static_cast<size_t>(r)] = n;
