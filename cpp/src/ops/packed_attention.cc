@@ -487,6 +487,13 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
 // of the group query through byte tables), then the group's query heads read each selected row once
 // (online softmax in blocks, split over ORT's pool by (row, block of keys), merged at the end).
 
+// Round half to even (np.rint) of |v| < 2^22 (NaN stays NaN) without a libm call: the generic x86-64
+// build has no SSE4.1 round, and nearbyintf per element was a visible share of a short decode step.
+inline float rint_small(float v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: the sum rounds to an integer (ties to even)
+  return (v + kMagic) - kMagic;
+}
+
 // One cached key row (int32 words): K codes, K scale, V codes, V scale (custom_ops/reference/attn.py).
 struct KvRowFormat {
   int bits;             // 32 | 8 | 4
@@ -513,7 +520,7 @@ struct KvRowFormat {
     for (int64_t d = 0; d < n; ++d) a = std::max(a, std::fabs(x[d]));
     const float inv = a > 0 ? L / a : 0.0f;
     for (int64_t d = 0; d < n; ++d) {
-      float v = std::nearbyint(x[d] * inv);
+      float v = rint_small(x[d] * inv);  // |x * inv| <= L (or NaN)
       v = v > L ? L : v < -L ? -L : v;  // NaN stays NaN -> cast below gives 0 via the check
       const int c = std::isnan(v) ? 0 : static_cast<int>(v);
       if (bits == 8) {
