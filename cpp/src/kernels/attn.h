@@ -22,7 +22,9 @@ struct AttnKernels {
   // max_i x[i] (-inf when n == 0)
   float (*maxv)(const float* x, int64_t n);
   // Cache rows (kv_quant): int8 codes, or int4 pairs (element 2i in the low nibble, two's complement).
-  // Tiles of a block of cached rows: out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the float32 values), i < nb
+  // Tiles of a block of cached rows (fp32 rows, and single rows for key packing / the exact oracle; int8 / int4
+  // blocks go through qk_rows / pv_rows): out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the
+  // float32 values), i < nb
   void (*deq_rows)(const uint8_t* const* rows, int64_t nb, int64_t n, int bits, float* out);
   // out[h * nb + i] = sum_d q[h * ldq + d] * kf[i * D + d], h < nq, i < nb
   void (*dots_tile)(const float* q, int nq, int64_t ldq, const float* kf, int64_t nb, int64_t D, float* out);
