@@ -136,6 +136,10 @@ KERNEL_CASES = [
     (1, 6, 2, 4, 700, 64, 64, "int8", dict(budget=0.25, approx_prefill=1, min_context=64)),
     (1, 4, 2, 1, 700, 64, 64, "int8", dict(budget=0.25, local_window=300, min_context=64, softcap=5.0)),
     (1, 4, 2, 1, 900, 32, 32, "int8", dict(budget=0.2, qbits=2, min_context=0)),       # heavy score ties
+    # fused row kernels: heads in groups of 3 (rep 5, 7), int4 dims 8 mod 16, key blocks not of 4 / 32
+    (1, 10, 2, 1, 2500, 40, 24, "int4", dict(budget=0.2, window=16, min_context=64)),
+    (1, 14, 2, 1, 1501, 24, 56, "int8", dict(budget=1.0)),
+    (1, 3, 3, 1, 3000, 64, 64, "int8", dict(budget=0.125, qbits=2, min_context=0)),     # ties, long context
 ]
 
 
@@ -245,12 +249,14 @@ def test_exact_at_full_budget_matches_dense_and_gqa_shapes():
 
 
 def _isa_worker() -> None:
-    f = case(P=500, seed=8, q=sys.argv[2])
-    attrs = dict(kv_quant=sys.argv[2], scale=0.125, budget=0.25, window=32, min_context=64)
-    Y, bits, kv = run_native(attrs, f)
-    Yr, _, kr = run_ref(attrs, f)
-    np.testing.assert_allclose(Y, Yr, atol=2e-5)
-    assert (kv == kr).all()
+    # SmolLM2 shapes, then 5 query heads per KV head with head dims 40 / 24 (8 mod 16)
+    for shape in (dict(P=500), dict(Hq=10, Hkv=2, P=601, D=40, Dv=24)):
+        f = case(seed=8, q=sys.argv[2], **shape)
+        attrs = dict(kv_quant=sys.argv[2], scale=0.125, budget=0.25, window=32, min_context=64)
+        Y, bits, kv = run_native(attrs, f)
+        Yr, _, kr = run_ref(attrs, f)
+        np.testing.assert_allclose(Y, Yr, atol=2e-5)
+        assert (kv == kr).all()
     print("ok", custom_ops.isa())
 
 

@@ -22,12 +22,26 @@ struct AttnKernels {
   // max_i x[i] (-inf when n == 0)
   float (*maxv)(const float* x, int64_t n);
   // Cache rows (kv_quant): int8 codes, or int4 pairs (element 2i in the low nibble, two's complement).
-  // Tiles of a block of cached rows: out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the float32 values), i < nb
+  // Tiles of a block of cached rows (fp32 rows, and single rows for key packing / the exact oracle; int8 / int4
+  // blocks go through qk_rows / pv_rows): out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the
+  // float32 values), i < nb
   void (*deq_rows)(const uint8_t* const* rows, int64_t nb, int64_t n, int bits, float* out);
   // out[h * nb + i] = sum_d q[h * ldq + d] * kf[i * D + d], h < nq, i < nb
   void (*dots_tile)(const float* q, int nq, int64_t ldq, const float* kf, int64_t nb, int64_t D, float* out);
   // y[h * ldy + d] += sum_i p[h * nb + i] * vf[i * Dv + d], h < nq
   void (*pv_tile)(const float* p, int nq, const float* vf, int64_t nb, int64_t Dv, float* y, int64_t ldy);
+  // Fused over quantized rows (bits 8 | 4, n % 8 == 0; no float tile): the codes of each row are
+  // read once for all nq heads.
+  // out[h * nb + i] = sum_d q[h * ldq + d] * code d of rows[i], h < nq, i < nb
+  void (*qk_rows)(const float* q, int nq, int64_t ldq, const uint8_t* const* rows, int64_t nb, int64_t D, int bits,
+                  float* out);
+  // y[h * ldy + d] += sum_i p[h * nb + i] * code d of rows[i], h < nq, d < Dv
+  void (*pv_rows)(const float* p, int nq, const uint8_t* const* rows, int64_t nb, int64_t Dv, int bits, float* y,
+                  int64_t ldy);
+  // Top-k selection (no NaN in x): *lo, *hi = min and max of the finite x[i] (+inf, -inf when none);
+  void (*minmax_finite)(const float* x, int64_t n, float* lo, float* hi);
+  // ids[i] = 0 for x[i] = -inf, nbk + 1 for +inf, else 1 + clamp(int((x[i] - mn) * sc), 0, nbk - 1)
+  void (*bucket_ids)(const float* x, int64_t n, float mn, float sc, int nbk, uint16_t* ids);
   // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
   // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);

@@ -487,6 +487,13 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
 // of the group query through byte tables), then the group's query heads read each selected row once
 // (online softmax in blocks, split over ORT's pool by (row, block of keys), merged at the end).
 
+// Round half to even (np.rint) of |v| < 2^22 (NaN stays NaN) without a libm call: the generic x86-64
+// build has no SSE4.1 round, and nearbyintf per element was a visible share of a short decode step.
+inline float rint_small(float v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: the sum rounds to an integer (ties to even)
+  return (v + kMagic) - kMagic;
+}
+
 // One cached key row (int32 words): K codes, K scale, V codes, V scale (custom_ops/reference/attn.py).
 struct KvRowFormat {
   int bits;             // 32 | 8 | 4
@@ -513,7 +520,7 @@ struct KvRowFormat {
     for (int64_t d = 0; d < n; ++d) a = std::max(a, std::fabs(x[d]));
     const float inv = a > 0 ? L / a : 0.0f;
     for (int64_t d = 0; d < n; ++d) {
-      float v = std::nearbyint(x[d] * inv);
+      float v = rint_small(x[d] * inv);  // |x * inv| <= L (or NaN)
       v = v > L ? L : v < -L ? -L : v;  // NaN stays NaN -> cast below gives 0 via the check
       const int c = std::isnan(v) ? 0 : static_cast<int>(v);
       if (bits == 8) {
@@ -728,45 +735,66 @@ void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo
   }
 }
 
-// The k-th largest of x[0:n) (1 <= k < n; no NaN): a 4096-bucket histogram over [min, max] of the
-// finite values finds the bucket holding it, nth_element runs on that bucket only. tmp: n floats.
-float kth_largest(const float* x, int64_t n, int64_t k, float* tmp) {
-  constexpr int kBuckets = 4096;
-  float mn = INFINITY, mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    if (v > -INFINITY && v < INFINITY) {
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
-    }
-  }
-  if (!(mx > mn)) {  // at most one distinct finite value: plain selection
+// The top k of x[0:n) by (value desc, index asc) (1 <= k < n; no NaN), written in index order as
+// base + i to out; returns k. A 2048-bucket histogram over [min, max] of the finite values (bucket
+// ids kept) finds the bucket of the k-th largest; one branchless pass sends the keys of the buckets
+// above it to out and those of its bucket to ti; nth_element on that bucket's values gives the
+// threshold, its keys above it and the first ties join, and the two index-ordered lists are merged.
+// At most one distinct finite value: nth_element on a copy and one pass. tmp: n floats, ti: n int32.
+int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float* tmp, int32_t* ti, int32_t base,
+              int32_t* out) {
+  constexpr int kB = 2048;
+  float mn, mx;
+  ak.minmax_finite(x, n, &mn, &mx);
+  const float sc = static_cast<float>(kB - 1) / (mx - mn);
+  if (!(mx > mn) || !(sc < INFINITY)) {  // one distinct finite value (or a range too narrow): plain selection
     std::memcpy(tmp, x, sizeof(float) * static_cast<size_t>(n));
     std::nth_element(tmp, tmp + (k - 1), tmp + n, std::greater<float>());
-    return tmp[k - 1];
+    const float thr = tmp[k - 1];
+    int64_t above = 0, c = 0;
+    for (int64_t i = 0; i < n; ++i) above += x[i] > thr;
+    int64_t ties = k - above;
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] > thr || (x[i] == thr && ties-- > 0)) out[c++] = base + static_cast<int32_t>(i);
+    return c;
   }
-  const float sc = static_cast<float>(kBuckets - 1) / (mx - mn);
-  auto bucket = [&](float v) -> int {  // -inf -> -1 (below all), +inf -> kBuckets (above all)
-    if (!(v > -INFINITY)) return -1;
-    if (!(v < INFINITY)) return kBuckets;
-    const int bi = static_cast<int>((v - mn) * sc);
-    return bi < 0 ? 0 : bi >= kBuckets ? kBuckets - 1 : bi;
-  };
-  int32_t cnt[kBuckets + 2] = {0};
-  for (int64_t i = 0; i < n; ++i) ++cnt[bucket(x[i]) + 1];
+  uint16_t* bk = reinterpret_cast<uint16_t*>(tmp);  // bucket + 1: 0 for -inf, kB + 1 for +inf
+  ak.bucket_ids(x, n, mn, sc, kB, bk);
+  int32_t cnt[kB + 2] = {0};
+  for (int64_t i = 0; i < n; ++i) ++cnt[bk[i]];
   int64_t above = 0;
-  int bsel = kBuckets + 1;
-  for (; bsel >= 0; --bsel) {
+  int bsel = kB + 1;
+  for (; bsel > 0; --bsel) {
     if (above + cnt[bsel] >= k) break;
     above += cnt[bsel];
   }
-  const int target = bsel - 1;
-  int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i)
-    if (bucket(x[i]) == target) tmp[m++] = x[i];
-  const int64_t kk = k - above;  // 1 <= kk <= m
-  std::nth_element(tmp, tmp + (kk - 1), tmp + m, std::greater<float>());
-  return tmp[kk - 1];
+  int64_t na = 0, mt = 0;
+  for (int64_t i = 0; i < n; ++i) {  // branchless: above the bucket -> out, in it -> ti
+    const int b = bk[i];
+    out[na] = base + static_cast<int32_t>(i);
+    na += b > bsel;
+    ti[mt] = static_cast<int32_t>(i);
+    mt += b == bsel;
+  }
+  const int64_t kk = k - above;  // 1 <= kk <= mt
+  for (int64_t j = 0; j < mt; ++j) tmp[j] = x[ti[j]];
+  std::nth_element(tmp, tmp + (kk - 1), tmp + mt, std::greater<float>());
+  const float thr = tmp[kk - 1];
+  int64_t gt = 0;
+  for (int64_t j = 0; j < mt; ++j) gt += x[ti[j]] > thr;
+  int64_t ties = kk - gt, ns = 0;
+  for (int64_t j = 0; j < mt; ++j) {
+    const float v = x[ti[j]];
+    if (v > thr || (v == thr && ties-- > 0)) ti[ns++] = ti[j];
+  }
+  // merge out[0:na) with base + ti[0:ns) (both ascending)
+  int32_t* a = reinterpret_cast<int32_t*>(tmp);
+  std::memcpy(a, out, sizeof(int32_t) * static_cast<size_t>(na));
+  int64_t i = 0, j = 0, o = 0;
+  while (i < na && j < ns) out[o++] = a[i] < base + ti[j] ? a[i++] : base + ti[j++];
+  while (i < na) out[o++] = a[i++];
+  while (j < ns) out[o++] = base + ti[j++];
+  return o;
 }
 }  // namespace
 
@@ -876,13 +904,14 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         if (p.mode == KeyMode::Ternary) {
           ak.lutscore(kb + nw, W, nctx, nbytes, lut, core1);
           for (int64_t t = 0; t < nctx; ++t) core[t] -= core1[t];
-        } else if (p.mode == KeyMode::Sign) {
-          for (int64_t t = 0; t < nctx; ++t) core[t] = 2 * core[t] - static_cast<int32_t>(qsum);
         }
+        // sign mode: the score of the +-1 key is 2 * (sum over its set bits) - sum of all qi
+        const int32_t two = p.mode == KeyMode::Sign ? 2 : 1;
+        const int32_t qs = p.mode == KeyMode::Sign ? static_cast<int32_t>(qsum) : 0;
         const float coef = (a / L) * p.scale;
         const float* mr = c.mask_row(b, h0, m);
         for (int64_t t = 0; t < nctx; ++t) {
-          float v = static_cast<float>(core[t]) * c.fmt.gamma_of(kb + t * W) * coef;
+          float v = static_cast<float>(two * core[t] - qs) * c.fmt.gamma_of(kb + t * W) * coef;
           if (mr) v += mr[(lo + t) * c.mst];
           g[t] = v == v ? v : -INFINITY;
         }
@@ -898,12 +927,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     if (k >= nr) {
       for (int64_t t = ns; t < w0; ++t) out[n++] = static_cast<int32_t>(lo + t);
     } else if (k > 0) {
-      const float thr = kth_largest(g + ns, nr, k, tmp);
-      int64_t above = 0;
-      for (int64_t t = ns; t < w0; ++t) above += g[t] > thr;
-      int64_t ties = k - above;
-      for (int64_t t = ns; t < w0; ++t)
-        if (g[t] > thr || (g[t] == thr && ties-- > 0)) out[n++] = static_cast<int32_t>(lo + t);
+      n += top_k(ak, g + ns, nr, k, tmp, core, static_cast<int32_t>(lo + ns), out + n);  // core: free here
     }
     for (int64_t t = w0; t < nctx; ++t) out[n++] = static_cast<int32_t>(lo + t);
     c.n[static_cast<size_t>(r)] = n;
@@ -945,19 +969,21 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const int64_t start = c.lo[static_cast<size_t>(r)] + c0;
     const uint32_t* base = c.kv + (b * c.Hkv + hk) * Tc * R;
     const float* q = c.Q + ((b * c.Hq + h0) * M + m) * D;  // heads at stride M * D
+    const bool f32 = c.kf.bits == 32;  // fp32 rows: float tiles (deq_rows, dots_tile, pv_tile)
     float* buf;
     try {
-      buf = task_scratch().get(static_cast<size_t>(rep * kKvBlock + kKvBlock * (D + Dv) + 64));
+      buf = task_scratch().get(static_cast<size_t>(rep * kKvBlock + (f32 ? kKvBlock * (D + Dv) : 0) + 64));
     } catch (...) {
       oom = true;
       return;
     }
     float* L = buf;                      // [rep][kKvBlock] logits, then p * vscale
-    float* kf = L + rep * kKvBlock;      // [kKvBlock][D] key codes as floats
+    float* kf = L + rep * kKvBlock;      // fp32 rows: [kKvBlock][D] keys
     float* vf = kf + kKvBlock * D;       // [kKvBlock][Dv]
     const uint8_t* kr[kKvBlock];
     const uint8_t* vr[kKvBlock];
     float ksc[kKvBlock], vsc[kKvBlock];
+    int64_t tt[kKvBlock];
     float* pr = part + k * ps;           // [rep][Dv + 2]: max, sum, y
     for (int64_t h = 0; h < rep; ++h) {
       pr[h * (Dv + 2)] = -INFINITY;
@@ -966,31 +992,37 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     }
     const int irep = static_cast<int>(rep);
     const int kbits = c.kf.bits;
+    const int64_t R4 = R * 4;
     for (int64_t i0 = 0; i0 < cn; i0 += kKvBlock) {
       const int64_t nb = std::min(kKvBlock, cn - i0);
       for (int64_t i = 0; i < nb; ++i) {
         const int64_t t = list ? list[i0 + i] : start + i0 + i;
+        tt[i] = t;
         const uint32_t* row = base + t * R;
         kr[i] = c.kf.k(row);
         vr[i] = c.kf.v(row);
         ksc[i] = c.kf.kscale(row) * p.scale;
         vsc[i] = c.kf.vscale(row);
-        if (list && i0 + i + kKvBlock < cn) {  // next block's rows (scattered): prefetch
-          const char* pf = reinterpret_cast<const char*>(base + list[i0 + i + kKvBlock] * R);
-          for (int64_t o = 0; o < R * 4; o += 64) __builtin_prefetch(pf + o);
+        if (i0 + i + kKvBlock < cn) {  // the next block's rows (scattered when listed): prefetch
+          const char* pf = reinterpret_cast<const char*>(base + (list ? list[i0 + i + kKvBlock] : t + kKvBlock) * R);
+          for (int64_t o = 0; o < R4; o += 64) __builtin_prefetch(pf + o);
+          __builtin_prefetch(pf + R4 - 1);
         }
       }
-      ak.deq_rows(kr, nb, D, kbits, kf);
-      ak.dots_tile(q, irep, M * D, kf, nb, D, L);
+      if (f32) {
+        ak.deq_rows(kr, nb, D, kbits, kf);
+        ak.dots_tile(q, irep, M * D, kf, nb, D, L);
+      } else {
+        ak.qk_rows(q, irep, M * D, kr, nb, D, kbits, L);
+      }
       for (int64_t h = 0; h < rep; ++h) {
         float* lh = L + h * nb;
         const float* mr = c.mask_row(b, h0 + h, m);
-        for (int64_t i = 0; i < nb; ++i) {
-          float l = lh[i] * ksc[i];
-          if (p.softcap > 0) l = p.softcap * std::tanh(l / p.softcap);
-          if (mr) l += mr[(list ? list[i0 + i] : start + i0 + i) * c.mst];
-          lh[i] = l;
-        }
+        for (int64_t i = 0; i < nb; ++i) lh[i] *= ksc[i];
+        if (p.softcap > 0)
+          for (int64_t i = 0; i < nb; ++i) lh[i] = p.softcap * std::tanh(lh[i] / p.softcap);
+        if (mr)
+          for (int64_t i = 0; i < nb; ++i) lh[i] += mr[tt[i] * c.mst];
         float* ph = pr + h * (Dv + 2);
         const float bm = ak.maxv(lh, nb);
         const float nm = std::max(ph[0], bm);
@@ -1007,8 +1039,12 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
         ph[1] += ak.expsum(lh, nm, nb);
         for (int64_t i = 0; i < nb; ++i) lh[i] *= vsc[i];
       }
-      ak.deq_rows(vr, nb, Dv, kbits, vf);
-      ak.pv_tile(L, irep, vf, nb, Dv, pr + 2, Dv + 2);
+      if (f32) {
+        ak.deq_rows(vr, nb, Dv, kbits, vf);
+        ak.pv_tile(L, irep, vf, nb, Dv, pr + 2, Dv + 2);
+      } else {
+        ak.pv_rows(L, irep, vr, nb, Dv, kbits, pr + 2, Dv + 2);
+      }
     }
   };
   parallel_for(ctx, static_cast<size_t>(nchunks), task);

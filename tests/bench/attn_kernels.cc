@@ -1,0 +1,182 @@
+// Kernel-only cost of PackedAttention's KV-cache decode pieces (kernels/attn_impl.inc, AVX2 copy), in
+// ns per cached key, interleaved in one process (not part of the library, not a test):
+//
+//   c++ -O3 -mavx2 -mfma -mpopcnt -Icpp/src -DORTLEAN_ISA_AVX2 -DORTLEAN_ISA_NS=attn_avx2 \
+//       -DORTLEAN_ISA_NAME='"avx2"' -D'ORTLEAN_ISA_TABLE(n)=n##_avx2' tests/bench/attn_kernels.cc -o /tmp/ak
+//   /tmp/ak [T=4096] [bits=8] [reps=50] [copies=1] [hugepages=0]
+//
+// Rows of one KV head in the cache-row format (K codes, K scale, V codes, V scale; D = Dv = 64),
+// 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows), fused =
+// qk_rows + pv_rows, lut = lutscore over 8 bytes of key bits, stream = a plain read of the rows.
+// Medians of reps; copies > 1 cycles through that many row buffers (copies = 90: the 50 MB of a
+// 30-layer SmolLM2 int8 cache at T = 4096, from DRAM; hugepages = 1: madvise(MADV_HUGEPAGE)),
+// *_pf32 = with the rows 32 keys ahead prefetched (as the op does), op = the op's block loop
+// (gather, fused kernels, online softmax), sel8 = that loop over a sorted random eighth of the keys
+// (still per context key: x8 per selected key), stream = a plain read of the same buffer.
+#include <algorithm>
+#include <sys/mman.h>
+#include <cmath>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/attn_impl.inc"
+
+using clk = std::chrono::steady_clock;
+
+int main(int argc, char** argv) {
+  const int64_t T = argc > 1 ? std::atoll(argv[1]) : 4096;
+  const int bits = argc > 2 ? std::atoi(argv[2]) : 8;
+  const int reps = argc > 3 ? std::atoi(argv[3]) : 50;
+  const int copies = argc > 4 ? std::atoi(argv[4]) : 1;
+  const int huge = argc > 5 ? std::atoi(argv[5]) : 0;
+  int cur = 0;
+  const ortlean::AttnKernels& ak = ortlean::ORTLEAN_ISA_TABLE(attn_kernels);
+  const int64_t D = 64, Dv = 64, nq = 3, nb = 32;
+  const int64_t kbytes = D * bits / 8, vbytes = Dv * bits / 8, R = kbytes + 4 + vbytes + 4;
+  std::mt19937 rng(0);
+  struct Buf { uint8_t* p; size_t n; uint8_t* data() { return p; } size_t size() const { return n; } };
+  std::vector<Buf> bufs(static_cast<size_t>(copies));
+  const size_t tot = static_cast<size_t>(T * R) * copies;
+  uint8_t* big = static_cast<uint8_t*>(std::aligned_alloc(1 << 21, (tot + (1 << 21)) & ~size_t((1 << 21) - 1)));
+  if (huge) madvise(big, tot, MADV_HUGEPAGE);
+  for (int c = 0; c < copies; ++c) {
+    bufs[c] = Buf{big + static_cast<size_t>(T * R) * c, static_cast<size_t>(T * R)};
+    for (size_t i = 0; i < bufs[c].n; ++i) bufs[c].p[i] = static_cast<uint8_t>(rng() & 0x3F);
+  }
+  auto next = [&]() -> Buf& { cur = (cur + 1) % copies; return bufs[static_cast<size_t>(cur)]; };
+  std::vector<float> q(nq * D), L(nq * nb), y(nq * Dv), kf(nb * D), vf(nb * Dv);
+  for (auto& x : q) x = static_cast<float>(rng() % 1000) / 1000.0f - 0.5f;
+  std::vector<uint32_t> kbits(static_cast<size_t>(T * 3));
+  for (auto& x : kbits) x = rng();
+  std::vector<int32_t> lut(8 * 256), core(static_cast<size_t>(T));
+  for (auto& x : lut) x = static_cast<int32_t>(rng() % 255) - 127;
+  const uint8_t* kr[nb];
+  const uint8_t* vr[nb];
+  volatile float sink = 0;
+  auto tile = [&] {
+    auto& rows = next();
+    for (int64_t i0 = 0; i0 < T; i0 += nb) {
+      for (int64_t i = 0; i < nb; ++i) {
+        kr[i] = rows.data() + (i0 + i) * R;
+        vr[i] = kr[i] + kbytes + 4;
+      }
+      ak.deq_rows(kr, nb, D, bits, kf.data());
+      ak.dots_tile(q.data(), nq, D, kf.data(), nb, D, L.data());
+      for (auto& x : L) x *= 1e-3f;
+      ak.deq_rows(vr, nb, Dv, bits, vf.data());
+      ak.pv_tile(L.data(), nq, vf.data(), nb, Dv, y.data(), Dv);
+    }
+    sink = sink + y[0];
+  };
+  int64_t pfd = 0;
+  auto fused = [&] {
+    auto& rows = next();
+    for (int64_t i0 = 0; i0 < T; i0 += nb) {
+      for (int64_t i = 0; i < nb; ++i) {
+        kr[i] = rows.data() + (i0 + i) * R;
+        vr[i] = kr[i] + kbytes + 4;
+        if (pfd && i0 + i + pfd < T) {
+          const char* pf = reinterpret_cast<const char*>(rows.data() + (i0 + i + pfd) * R);
+          for (int64_t o = 0; o < R; o += 64) __builtin_prefetch(pf + o);
+          __builtin_prefetch(pf + R - 1);
+        }
+      }
+      ak.qk_rows(q.data(), nq, D, kr, nb, D, bits, L.data());
+      for (auto& x : L) x *= 1e-3f;
+      ak.pv_rows(L.data(), nq, vr, nb, Dv, bits, y.data(), Dv);
+    }
+    sink = sink + y[0];
+  };
+  // the op's attend loop (attend_kv task body, one chunk = all T keys, no mask / softcap)
+  std::vector<float> pr(nq * (Dv + 2));
+  std::vector<int64_t> sel;
+  for (int64_t t = 0; t < T; ++t) if (rng() % 8 == 0) sel.push_back(t);
+  bool use_list = false;
+  auto op = [&] {
+    auto& rows = next();
+    float ksc[nb], vsc[nb];
+    for (int h = 0; h < nq; ++h) { pr[h * (Dv + 2)] = -INFINITY; pr[h * (Dv + 2) + 1] = 0; std::fill(pr.begin() + h * (Dv + 2) + 2, pr.begin() + (h + 1) * (Dv + 2), 0.0f); }
+    const int64_t NT = use_list ? static_cast<int64_t>(sel.size()) : T;
+    for (int64_t i0 = 0; i0 + nb <= NT; i0 += nb) {
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* row = rows.data() + (use_list ? sel[i0 + i] : i0 + i) * R;
+        kr[i] = row;
+        vr[i] = row + kbytes + 4;
+        float a, b2; std::memcpy(&a, row + kbytes, 4); std::memcpy(&b2, row + kbytes + 4 + vbytes, 4);
+        ksc[i] = a * 1e-3f; vsc[i] = b2 * 1e-3f;
+        if (pfd && i0 + i + pfd < NT) {
+          const char* pf = reinterpret_cast<const char*>(rows.data() + (use_list ? sel[i0 + i + pfd] : i0 + i + pfd) * R);
+          for (int64_t o = 0; o < R; o += 64) __builtin_prefetch(pf + o);
+          __builtin_prefetch(pf + R - 1);
+        }
+      }
+      ak.qk_rows(q.data(), nq, D, kr, nb, D, bits, L.data());
+      for (int h = 0; h < nq; ++h) {
+        float* lh = L.data() + h * nb;
+        for (int64_t i = 0; i < nb; ++i) lh[i] *= ksc[i];
+        float* ph = pr.data() + h * (Dv + 2);
+        const float bm = ak.maxv(lh, nb);
+        const float nm = std::max(ph[0], bm);
+        if (nm > ph[0]) {
+          const float f = ph[0] > -INFINITY ? std::exp(ph[0] - nm) : 0.0f;
+          ph[1] *= f;
+          if (f != 1.0f) ak.scal(f, ph + 2, Dv);
+          ph[0] = nm;
+        }
+        ph[1] += ak.expsum(lh, nm, nb);
+        for (int64_t i = 0; i < nb; ++i) lh[i] *= vsc[i];
+      }
+      ak.pv_rows(L.data(), nq, vr, nb, Dv, bits, pr.data() + 2, Dv + 2);
+    }
+    sink = sink + pr[5];
+  };
+  auto op_pf = [&] { pfd = 32; op(); pfd = 0; };
+  // every 8th key on average (a sorted random list, as a 0.125 budget selects): ns per context key
+  auto sel_pf = [&](int64_t d) { return [&, d] { pfd = d; use_list = true; op(); use_list = false; pfd = 0; }; };
+  auto lut_ = [&] {
+    ak.lutscore(kbits.data(), 3, T, 8, lut.data(), core.data());
+    sink = sink + static_cast<float>(core[T / 2]);
+  };
+  auto stream = [&] {
+    auto& rows = next();
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    const uint64_t* p = reinterpret_cast<const uint64_t*>(rows.data());
+    const size_t n = rows.size() / 8;
+    for (size_t i = 0; i + 4 <= n; i += 4) {
+      a ^= p[i];
+      b ^= p[i + 1];
+      c ^= p[i + 2];
+      d ^= p[i + 3];
+    }
+    sink = sink + static_cast<float>((a ^ b ^ c ^ d) & 1);
+  };
+  struct Case {
+    const char* name;
+    std::function<void()> f;
+    std::vector<double> ns;
+  };
+  auto fused_pf = [&](int64_t d) { return [&, d] { pfd = d; fused(); pfd = 0; }; };
+  std::vector<Case> cs = {{"tile", tile, {}},          {"fused", fused, {}},           {"fused_pf32", fused_pf(32), {}},
+                          {"op", op, {}},              {"op_pf32", op_pf, {}},         {"sel8", sel_pf(0), {}},
+                          {"sel8_pf32", sel_pf(32), {}}, {"lutscore", lut_, {}},       {"stream", stream, {}}};
+  for (int r = 0; r < reps + 2; ++r)
+    for (auto& c : cs) {
+      const auto t0 = clk::now();
+      c.f();
+      const double dt = std::chrono::duration<double, std::nano>(clk::now() - t0).count();
+      if (r >= 2) c.ns.push_back(dt / static_cast<double>(T));
+    }
+  std::printf("T %lld, int%d rows (%lld B), %lld query heads, D %lld:", static_cast<long long>(T), bits,
+              static_cast<long long>(R), static_cast<long long>(nq), static_cast<long long>(D));
+  for (auto& c : cs) {
+    std::sort(c.ns.begin(), c.ns.end());
+    std::printf("  %s %.2f ns/key", c.name, c.ns[c.ns.size() / 2]);
+  }
+  std::printf("\n");
+  return 0;
+}
