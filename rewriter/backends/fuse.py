@@ -68,8 +68,10 @@ class FusePass(GraphPassBase):
         if is_fused(model):
             return self._skip("already fused (GroupQueryAttention present)")
         pa = ctx.opts.backends.get("packed_attention")
-        if pa is not None and getattr(pa, "enabled", False):  # its matcher takes the unfused attention core today
-            return self._skip("--state-pack on the KV cache (PackedAttention) rewrites the unfused attention core")
+        if pa is not None and getattr(pa, "enabled", False) and getattr(pa, "needs_unfused", False):
+            # eps-mode key bits calibrate eps per head on the unfused core's keys (apply_gqa has no per-head eps)
+            return self._skip("--state-pack eps-mode key bits without --state-pack-eps calibrate eps per head on the "
+                              "unfused attention core (give --state-pack-eps E to fuse)")
         try:
             fused, rep = fuse_decoder(model, max_positions=_max_positions(ctx.model_path))
         except FuseError as e:
