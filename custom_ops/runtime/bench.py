@@ -316,7 +316,7 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
 def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, steps: int = 16, repeats: int = 5,
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
-                 say=None) -> dict[str, dict]:
+                 say=None, own_past: int = 512) -> dict[str, dict]:
     """Prefill and decode timing of several causal LMs in one process, interleaved.
 
     ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow`, plus
@@ -324,7 +324,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     (:class:`OgRow`) for ``og`` = {name: genai model directory}. One warm-up round, then ``repeats``
     rounds, each running every row once (order rotated): a ``prefill_len``-token prefill (after an
     untimed one) and ``steps`` single-token decode steps after a past of each length in ``pasts``.
-    Pasts ≤ 512 are each model's own cache; longer ones are built once by ``long_past_from`` (default
+    Pasts ≤ ``own_past`` are each model's own cache; longer ones are built once by ``long_past_from`` (default
     the first model; a float ``.key`` / ``.value`` cache, prefilled in 512-token chunks) and given to
     every row (:func:`state_from_kv`: PackedAttention's quantized rows and key bits made from it as the
     op stores them; values do not change the cost). Returns
@@ -339,7 +339,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     src = long_past_from or names[0]
     states: dict[str, dict[int, dict]] = {n: {} for n in names}
     for p in pasts:
-        if p <= 512:
+        if p <= own_past:
             for n, (s, io) in models.items():
                 states[n][p] = io.next_state(run(s, io, feeds(io, past_ids[p])))
         else:

@@ -9,11 +9,10 @@ naming the node and the reason. ``off`` skips it. The rotary caches keep ``max_p
 rows when a ``config.json`` sits next to the model (as the genai builder does)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import OrtleanError
+from ..kit import modelfile
 from ..kit.backend import GraphPassBase
 from ..kit.options import Options, flag, from_args
 
@@ -32,15 +31,6 @@ class FuseConfig(Options):
     def explicit(self) -> bool:
         """The user asked for the fusion (--fuse=on)."""
         return self.mode == "on"
-
-
-def _max_positions(model_path: Path) -> int | None:
-    cfg = model_path.parent / "config.json"
-    try:
-        v = json.loads(cfg.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return int(v) if isinstance(v, int) and v > 0 else None
 
 
 class FusePass(GraphPassBase):
@@ -73,7 +63,7 @@ class FusePass(GraphPassBase):
             return self._skip("--state-pack eps-mode key bits without --state-pack-eps calibrate eps per head on the "
                               "unfused attention core (give --state-pack-eps E to fuse)")
         try:
-            fused, rep = fuse_decoder(model, max_positions=_max_positions(ctx.model_path))
+            fused, rep = fuse_decoder(model, max_positions=modelfile.max_positions(ctx.model_path))
         except FuseError as e:
             return self._skip(str(e).removeprefix("fuse: "))
         # the pipeline holds `model` (ctx.model is the same object): take over the fused graph in place

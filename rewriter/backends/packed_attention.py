@@ -394,9 +394,7 @@ def _max_positions(model: ir.Model, ctx) -> int | None:
             shp = n.inputs[7].shape
             if shp is not None and isinstance(shp[0], int):
                 return int(shp[0])
-    from .fuse import _max_positions as from_config
-
-    return from_config(ctx.model_path)
+    return modelfile.max_positions(ctx.model_path)
 
 
 def _set_attrs(model: ir.Model, values: dict) -> None:
@@ -517,7 +515,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
             x = timing.attention_crossover(Hq, Hkv, D, Dv, {**node_attrs, **attrs}, threads=ctx.threads)
             c = x["crossover"]
             attrs["min_context"] = int(c) if c is not None else 1 << 20
-            out["min_context"] = {"crossover": c, "threads": ctx.threads,
+            out["min_context_measured"] = {"crossover": c, "threads": ctx.threads,
                                   "speedup": {p: round(v["speedup"], 3) for p, v in x["pasts"].items()},
                                   "measured": "one decode step of the op alone at the layer shape, candidate vs "
                                               "exact path, interleaved medians (rewriter.kit.timing.attention_crossover)"}
@@ -579,7 +577,9 @@ class PackedAttentionPass(GraphPassBase):
                                    "(per-head calibration reads the optimum graph's present keys)")
             ks = cal.get("kscale") if cfg.kscale == "auto" else None
             max_pos = _max_positions(model, ctx)
-            ref = modelfile.serialized(model) if cfg.tune == "auto" else None   # the exact-attention twin
+            trials = (cfg.tune == "auto" and ctx.opts.calib_text and ctx.opts.quality_budget is not None
+                      and not {"budget", "window"} <= set(cfg.given))
+            ref = modelfile.serialized(model) if trials else None   # the exact-attention twin
             recs = apply_gqa(model, cfg, kscale=ks)
             if cfg.tune == "auto" and any(r["backend"] == "packed_attention" for r in recs):
                 tune = tune_gqa(model, ref, cfg, ctx, max_pos)
