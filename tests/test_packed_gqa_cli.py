@@ -182,7 +182,7 @@ def test_tune_chooses_budget_window_min_context(forms, tmp_path):
         if x["crossover"] is None:
             assert sp[-1][1] <= 1
         else:   # every grid past from the crossover on is faster on the candidate path, the one below is not
-            assert all(v > 1 for p, v in sp if p >= x["crossover"])
+            assert all(v >= 1 for p, v in sp if p >= x["crossover"])     # (speedups rounded to 3 decimals)
             below = [v for p, v in sp if p < x["crossover"]]
             assert not below or below[-1] <= 1
         assert t["min_context"] == (x["crossover"] if x["crossover"] is not None else 1 << 20)

@@ -68,9 +68,13 @@ class AttnConfig(Options):
                      "(teacher-forced decode through the cache vs the same model with exact attention) under "
                      "--quality-budget, --attn-min-context from the op's measured exact/candidate crossover on this "
                      "CPU (cached) — auto (default) | off", choices=("auto", "off"))
-    tune_context: int = flag("--attn-tune-context", 2048, "--attn-tune: prefill length before the scored decode steps "
-                             "(default 2048; capped by the model's positions and the calibration text)", type=int)
-    tune_score: int = flag("--attn-tune-score", 128, "--attn-tune: teacher-forced decode steps scored per trial "
+    tune_context: int = flag("--attn-tune-context", 1024, "--attn-tune: prefill length before the scored decode steps "
+                             "(default 1024, as ortlean eval's decode mode: a budget is a fraction of the context, so "
+                             "shorter contexts are the harder case; capped by the model's positions and the "
+                             "calibration text)", type=int)
+    tune_windows: int = flag("--attn-tune-windows", 2, "--attn-tune: spans of the calibration text per trial, each a "
+                             "prefill and the scored steps (default 2)", type=int)
+    tune_score: int = flag("--attn-tune-score", 128, "--attn-tune: teacher-forced decode steps scored per span "
                            "(default 128)", type=int)
     mix: float = flag("--attn-mix", 0.0, "seed behaviour: mix this fraction of the approximate score into the exact "
                       "logits (default 0)", type=float)
@@ -98,7 +102,7 @@ class AttnConfig(Options):
             raise OrtleanError(f"--attn-qbits {self.qbits}: must be in 2..16")
         if not 0 <= self.mix <= 1 or not 0 <= self.rho <= 1:
             raise OrtleanError("--attn-mix and --attn-rho must be in [0, 1]")
-        if self.tune_context < 16 or self.tune_score < 1:
+        if self.tune_context < 16 or self.tune_score < 1 or self.tune_windows < 1:
             raise OrtleanError(f"--attn-tune-context {self.tune_context} / --attn-tune-score {self.tune_score}: "
                                "need ≥ 16 and ≥ 1")
         if min(self.min_candidates, self.sinks, self.window, self.min_context) < 0:
@@ -462,14 +466,18 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
     if why is not None:
         out["quality"] = why
     else:
-        off = max(0, (ids.size - (C + score + 1)) // 2)   # the middle of the text (no title pages)
-        ids = ids[off: off + C + score + 1]
+        span = C + score + 1   # spans spread over the text (none at its start: title pages)
+        n_sp = max(1, min(cfg.tune_windows, ids.size // span))
+        spans = [ids[o: o + span] for o in
+                 (min(ids.size - span, max(0, (k + 1) * ids.size // (n_sp + 1) - span // 2)) for k in range(n_sp))]
         qb = float(ctx.opts.quality_budget)
         threads = max(2, ctx.threads)
-        nll_ref, _ = _decode_nll(custom_ops.session(ref, threads=threads), ids, C, score, io_hint=ctx.io)
+        s_ref = custom_ops.session(ref, threads=threads)
+        nll_ref = float(np.mean([_decode_nll(s_ref, x, C, score, io_hint=ctx.io)[0] for x in spans]))
+        del s_ref
         budgets = BUDGETS if "budget" not in cfg.given else (cfg.budget,)
         windows = WINDOWS if "window" not in cfg.given else (cfg.window,)
-        trials, state, best = [], None, None
+        trials, states, best = [], [None] * len(spans), None
         for b in budgets:
             passing = []
             # a trial whose candidates at context C are no more than the window and sinks does not test
@@ -482,7 +490,9 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
             for w in ws:
                 _set_attrs(model, {"budget": float(b), "window": int(w), "min_context": 0})
                 sess = custom_ops.session(modelfile.serialized(model), threads=threads)
-                nll, state = _decode_nll(sess, ids, C, score, state)
+                res = [_decode_nll(sess, x, C, score, st) for x, st in zip(spans, states)]
+                states = [r[1] for r in res]
+                nll = float(np.mean([r[0] for r in res]))
                 d = math.exp(nll - nll_ref) - 1.0
                 trials.append({"budget": b, "window": w, "delta_ppl": round(d, 5)})
                 if d <= qb:
@@ -501,7 +511,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
             out["note"] = f"no trial met --quality-budget {qb} or could be tested at context {C}: flags' values kept"
         chosen = {"budget": best[0], "window": best[1]}
         out["quality"] = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb,
-                          "context": int(C), "scored": int(score), "trials": trials}
+                          "context": int(C), "scored": int(score) * len(spans), "spans": len(spans), "trials": trials}
     attrs = {"budget": float(chosen["budget"]), "window": int(chosen["window"])}
     if "min_context" in cfg.given:
         attrs["min_context"] = int(cfg.min_context)
@@ -509,16 +519,17 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         pa = next(n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN)
         node_attrs = {k: a.value for k, a in pa.attributes.items()
                       if k in ("scale", "mode", "eps", "min_candidates", "sinks", "qbits", "popcnt", "kv_quant",
-                               "select")}
+                               "select", "local_window", "softcap")}
         Hq, Hkv, D, Dv = _layer_shape(pa)
         if 0 < attrs["budget"] < 1:
             x = timing.attention_crossover(Hq, Hkv, D, Dv, {**node_attrs, **attrs}, threads=ctx.threads)
             c = x["crossover"]
             attrs["min_context"] = int(c) if c is not None else 1 << 20
-            out["min_context_measured"] = {"crossover": c, "threads": ctx.threads,
-                                  "speedup": {p: round(v["speedup"], 3) for p, v in x["pasts"].items()},
-                                  "measured": "one decode step of the op alone at the layer shape, candidate vs "
-                                              "exact path, interleaved medians (rewriter.kit.timing.attention_crossover)"}
+            out["min_context_measured"] = {
+                "crossover": c, "threads": ctx.threads,
+                "speedup": {p: round(v["speedup"], 3) for p, v in x["pasts"].items()},
+                "measured": "one decode step of the op alone at the layer shape, candidate vs exact path, "
+                            "interleaved medians (rewriter.kit.timing.attention_crossover)"}
         else:
             attrs["min_context"] = int(cfg.min_context)
     _set_attrs(model, attrs)
