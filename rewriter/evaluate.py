@@ -248,6 +248,12 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
     genai = peer_models(ref, peers, notes)
     variants.update(genai)
+    cap = min([m for m in (max_positions(v) for v in variants.values()) if m] or [1 << 30])
+    if max(pasts) + steps > cap:   # a past at the model's limit (SmolLM2: 8192) leaves room for the steps
+        fit = sorted({min(p, cap - steps) for p in pasts})
+        notes.append(f"--decode-past {','.join(map(str, pasts))}: the models take {cap} positions, so pasts beyond "
+                     f"{cap - steps} ran at {cap - steps} ({steps} decode steps after them)")
+        pasts = fit
     shared = [k for k, v in variants.items() if _has_gqa(v)]
     og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,

@@ -287,3 +287,25 @@ def test_sliding_window_family_exact_and_int8(sliding, tmp_path):
                      "--attn-window", "4", "--attn-min-context", "8", "--attn-tune", "off")
     approx = _shared_logits(tmp_path / "b.onnx", prompt, steps)
     assert rc == 0 and np.isfinite(approx).all() and np.abs(approx - ref).max() < 0.5 * np.abs(ref).max()
+
+
+def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
+    """`ortlean bench PACKED --ref GQA_TWIN --decode-past ...`: plain and shared-KV rows for both;
+    a past at the model's position limit runs at limit − steps (said in a note)."""
+    from rewriter import cli
+
+    src = tiny["llama"] / "model.onnx"
+    assert _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4")[0] == 0
+    assert _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-budget", "0.5",
+                    "--attn-window", "16", "--attn-min-context", "32", "--attn-tune", "off")[0] == 0
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", str(tmp_path / "pa.onnx"), "--ref", str(tmp_path / "twin.onnx"), "--decode-past", "64,512",
+                   "--threads", "1", "--repeats", "1", "--steps", "2", "--nbits", "none", "--peers", "none",
+                   "--no-llama", "--no-profile", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["pasts"] == [64, 510] and any("512 positions" in n for n in r["notes"])
+    rows = r["table"]["t1"]
+    assert {"dense", "lean", "dense | shared KV", "lean | shared KV"} <= set(rows)
+    assert all(rows[k]["decode510"] > 0 for k in rows)
+    assert "dec P510 t1" in capsys.readouterr().out
