@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=_count(2), default=512)
     p.add_argument("--windows", type=_count(1), default=8, help="number of windows (causal LM) (default 8)")
     p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
+    p.add_argument("--decode-context", type=_count(1), default=1024,
+                   help="decode-mode (a model that approximates in decode, e.g. PackedAttention with a budget): "
+                   "prefill tokens before the scored decode steps (default 1024; capped by the model's positions)")
+    p.add_argument("--decode-score", type=_count(1), default=128,
+                   help="decode-mode: teacher-forced decode steps scored per window (default 128)")
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
     p.add_argument("--peers", default="auto", help="also the genai builder's fp32/int4 models of the same checkpoint: "
@@ -276,7 +281,8 @@ def cmd_eval(args) -> int:
 
     res = evaluate.evaluate(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
                             window=args.window,
-                            windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer, peers=args.peers)
+                            windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer, peers=args.peers,
+                            decode_context=args.decode_context, decode_score=args.decode_score)
     print(evaluate.format_eval(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -74,8 +74,23 @@ def peer_models(ref: str, peers: str, notes: list) -> dict[str, str]:
     return out
 
 
+def max_positions(path: str) -> int | None:
+    """Positions a decoder can take: the rows of its rotary cos cache (GroupQueryAttention /
+    RotaryEmbedding input), None when the graph has none (an unfused export's rotary is computed)."""
+    import onnx
+
+    m = onnx.load(path, load_external_data=False)
+    inits = {t.name: t for t in m.graph.initializer}
+    for n in m.graph.node:
+        i = {"GroupQueryAttention": 7, "RotaryEmbedding": 2}.get(n.op_type)
+        if i is not None and len(n.input) > i and n.input[i] in inits:
+            return int(inits[n.input[i]].dims[0])
+    return None
+
+
 def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
-             sentences: int = 256, tokenizer: str | None = None, peers: str = "none") -> dict:
+             sentences: int = 256, tokenizer: str | None = None, peers: str = "none", decode_context: int = 1024,
+             decode_score: int = 128) -> dict:
     tp = Path(text_path)
     if not tp.is_file():
         raise OrtleanError(f"--text {tp}: no such file")
@@ -96,7 +111,12 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
         if ids.size < 2:
             raise OrtleanError(f"--text {tp}: {ids.size} tokens, perplexity needs at least 2")
         if runtime.approximate_decode(model):  # the approximation only runs in decode: measure there
-            dm = dict(context=1024, score=128, windows=max(1, windows // 4))
+            cap = min([p for p in (max_positions(model), max_positions(ref)) if p] or [1 << 30])
+            ctx_len = min(decode_context, cap - decode_score - 1)
+            if ctx_len < 1:
+                raise OrtleanError(f"--decode-context {decode_context} + --decode-score {decode_score}: the model takes "
+                                   f"{cap} positions")
+            dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 4))
             res["mode"] = f"decode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode steps)"
 
             def score(s, io_):
@@ -155,9 +175,20 @@ def nbits_model(dense: str, bits: int) -> str:
 
 
 def _has_gqa(path: str) -> bool:
+    """A graph whose cache can be one shared buffer per state (runtime.shared_kv): GroupQueryAttention,
+    or PackedAttention in its cache mode (seqlens_k input)."""
     import onnx
 
-    return any(n.op_type == "GroupQueryAttention" for n in onnx.load(path, load_external_data=False).graph.node)
+    return any(n.op_type == "GroupQueryAttention" or (n.op_type == "PackedAttention" and len(n.input) > 6 and n.input[6])
+               for n in onnx.load(path, load_external_data=False).graph.node)
+
+
+def _float_cache(path: str) -> bool:
+    """The model's cache is float past_key_values.N.key / .value (what long-past caches are built from)."""
+    import onnx
+
+    names = {i.name for i in onnx.load(path, load_external_data=False).graph.input}
+    return "past_key_values.0.key" in names and "past_key_values.0.value" in names
 
 
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
@@ -217,6 +248,12 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
     genai = peer_models(ref, peers, notes)
     variants.update(genai)
+    cap = min([m for m in (max_positions(v) for v in variants.values()) if m] or [1 << 30])
+    if max(pasts) + steps > cap:   # a past at the model's limit (SmolLM2: 8192) leaves room for the steps
+        fit = sorted({min(p, cap - steps) for p in pasts})
+        notes.append(f"--decode-past {','.join(map(str, pasts))}: the models take {cap} positions, so pasts beyond "
+                     f"{cap - steps} ran at {cap - steps} ({steps} decode steps after them)")
+        pasts = fit
     shared = [k for k, v in variants.items() if _has_gqa(v)]
     og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
@@ -232,7 +269,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         for k, v in variants.items():
             s = _session(v, t)
             models[k] = (s, runtime.ModelIO.from_session(s, v))
-        src = "lean" if "lean" in shared else "dense"
+        # long pasts: built once (chunked prefill) by a fused model with a float cache when there is one
+        src = next((k for k in ("lean", "dense", *shared) if k in shared and _float_cache(variants[k])), "dense")
         res["table"][f"t{t}"] = rb.decode_table(
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,

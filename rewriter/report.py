@@ -93,6 +93,9 @@ def format_report(summary: dict) -> str:
         lines.append("  ".join(str(v).ljust(w) for v, w in zip(row[:-1], widths)) + "  " + row[-1])
     for r in summary.get("graph_passes") or []:
         lines.append(f"{r['layer']}  {r['backend']}  {r['decision']}")
+    for r in summary.get("graph_passes") or []:
+        if r.get("tune"):
+            lines.append(tune_line(r["tune"]))
     pb, pa = summary["params_before"], summary["params_after"]
     lines.append("")
     q = summary.get("quality")
@@ -127,3 +130,22 @@ def format_report(summary: dict) -> str:
     else:
         lines.append("no layer met the quality and speed bars: no model written (the dense model is the better one)")
     return "\n".join(lines)
+
+
+def tune_line(t: dict) -> str:
+    """One paragraph: what --attn-tune tried and chose (PackedAttention on fused graphs)."""
+    out = f"attention tune: {t['summary']}"
+    q = t.get("quality")
+    if isinstance(q, dict):
+        tr = ", ".join(f"b{x['budget']:g}/w{x['window']} {100 * x['delta_ppl']:+.2f} %" for x in q["trials"])
+        out += (f"\n  decode-mode Δppl vs exact attention ({q['context']}-token context, {q['scored']} decode steps "
+                f"of the calibration text; budget {100 * q['budget']:g} %): {tr}")
+    elif q:
+        out += f"\n  budget/window not calibrated: {q}"
+    m = t.get("min_context_measured")
+    if m:
+        sp = ", ".join(f"P{p} {v:.2f}x" for p, v in m["speedup"].items())
+        out += f"\n  min_context: candidate/exact crossover of the op at {m['threads']} thread(s): {sp}"
+    if t.get("note"):
+        out += f"\n  note: {t['note']}"
+    return out

@@ -332,10 +332,16 @@ def test_rewrite_fuse_flags(tiny, toy_model, tmp_path, capsys):
     rc, _ = _cli_rewrite(toy_model, tmp_path / "e.onnx", "--weights", "int8", "--fuse=on")
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--fuse=on" in err and len(err.splitlines()) == 1
-    # PackedAttention (KV --state-pack) matches the unfused attention core: auto leaves the decoder unfused
+    # PackedAttention (KV --state-pack): auto fuses and PackedAttention replaces the GroupQueryAttention;
+    # --fuse=off keeps the unfused attention core (tests/test_packed_gqa_cli.py has the rest)
     rc, rep = _cli_rewrite(src, tmp_path / "f.onnx", "--state-pack", "binary", "--attn-budget", "0")
-    assert rc == 0 and "PackedAttention" in rep["graph_passes"][0]["decision"]
-    assert not is_fused(ir.load(tmp_path / "f.onnx"))
+    assert rc == 0 and rep["graph_passes"][0]["backend"] == "fuse"
+    assert "replaces GroupQueryAttention" in rep["graph_passes"][1]["decision"]
+    ops = {n.op_type for n in ir.load(tmp_path / "f.onnx").graph}
+    assert "PackedAttention" in ops and "GroupQueryAttention" not in ops
+    rc, rep = _cli_rewrite(src, tmp_path / "g.onnx", "--state-pack", "binary", "--attn-budget", "0", "--fuse=off")
+    assert rc == 0 and "PackedAttention" in rep["graph_passes"][1]["decision"]
+    assert not is_fused(ir.load(tmp_path / "g.onnx"))
 
 
 def test_quality_guard_keeps_pinned_quantization_and_falls_back():

@@ -183,8 +183,70 @@ def _build_forms(hf: Path, out: Path) -> None:
     shutil.copy(out / "bert" / "special_tokens_map.json", out / "bert-ort-fused")
 
 
+# --------------------------------------------------------------------------- a sliding-window family (issue 10)
+SLIDING_RECIPE = 1
+SLIDING = dict(cls="MistralConfig", model="MistralForCausalLM", vocab_size=256, hidden_size=128, head_dim=48,
+               intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, sliding_window=24, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def sliding() -> Path | None:
+    """A tiny random-weight Mistral (another family than Llama/SmolLM2: sliding-window attention,
+    window 24, head dim 48, GQA 4/2) through onnxruntime-genai's builder (fp32, CPU):
+    GroupQueryAttention with ``local_window_size`` 24. Built once (child process) and cached; None
+    when onnxruntime-genai is not installed."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from models.cache import artifact_key, atomic_dir, cache_root, versions
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        return None
+    key = artifact_key("tiny-sliding", {"recipe": SLIDING_RECIPE, "spec": SLIDING,
+                                         "tools": versions(("torch", "transformers", "onnx", "onnxruntime",
+                                                            "onnxruntime-genai"))})
+    target = cache_root() / "test-models" / key
+    if not (target / "genai-fp32" / "model.onnx").is_file():
+        with atomic_dir(target) as tmp:
+            if tmp is not None:
+                res = subprocess.run([sys.executable, __file__, "--sliding", str(tmp)], capture_output=True, text=True,
+                                     env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                if res.returncode != 0:
+                    raise RuntimeError(f"building the tiny sliding-window model failed:\n{res.stdout[-2000:]}\n"
+                                       f"{res.stderr[-3000:]}")
+    return target / "genai-fp32"
+
+
+def _build_sliding(out: Path) -> None:
+    import torch
+    import transformers
+
+    spec = dict(SLIDING)
+    cfg = getattr(transformers, spec.pop("cls"))(**{k: v for k, v in spec.items() if k != "model"})
+    torch.manual_seed(0)
+    model = getattr(transformers, spec["model"])(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf = out / "hf"
+    model.save_pretrained(hf)
+    _tiny_tokenizer(SLIDING["vocab_size"]).save_pretrained(hf)
+    res = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-i", str(hf),
+                          "-o", str(out / "genai-fp32"), "-p", "fp32", "-e", "cpu", "-c", str(out / "genai-cache")],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"genai builder: {res.stdout[-1500:]}\n{res.stderr[-1500:]}")
+    import shutil
+
+    shutil.rmtree(out / "genai-cache", ignore_errors=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--forms":
         _build_forms(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1] == "--sliding":
+        _build_sliding(Path(sys.argv[2]))
     else:
         _build(Path(sys.argv[1]))

@@ -272,10 +272,51 @@ class OgRow:
         return out
 
 
+def chunked_state(sess, io: ModelIO, ids, chunk: int = 512) -> dict[str, np.ndarray]:
+    """The cache after ``ids`` [1, T], prefilled ``chunk`` tokens at a time (the growing-state loop:
+    bounded attention scratch at long pasts)."""
+    ids = np.asarray(ids)
+    past, plen = None, 0
+    for c0 in range(0, ids.shape[1], chunk):
+        part = ids[:, c0:c0 + chunk]
+        past = io.next_state(run(sess, io, feeds(io, part, past, plen)))
+        plen += part.shape[1]
+    return past
+
+
+def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``io``'s cache from ``built`` (a ``past_key_values.N.key`` / ``.value`` float cache): the
+    same arrays, or for PackedAttention's cache state (``past_key_values.N.kv`` / ``.key_bits``) the
+    K/V rows quantized and the keys packed as the op stores new rows (the K/V format and key-bit
+    width read from the state's row width)."""
+    from ..reference.attn import kv_row_words, n_words, pack_keys, pack_kv
+
+    out = {}
+    for name in io.past_to_present:
+        if name in built:
+            out[name] = built[name]
+            continue
+        stem, _, kind = name.rpartition(".")
+        K, V = built.get(f"{stem}.key"), built.get(f"{stem}.value")
+        if K is None or V is None or kind not in ("kv", "key_bits"):
+            raise KeyError(f"{name}: no {stem}.key / .value in the cache to build it from")
+        width = io.state_shapes[name][-1]
+        D, Dv = K.shape[-1], V.shape[-1]
+        if kind == "kv":
+            q = next((q for q in ("int8", "int4", "fp32") if kv_row_words(D, Dv, q) == width), None)
+            if q is None:
+                raise KeyError(f"{name}: row width {width} is no K/V format of head dims {D}/{Dv}")
+            out[name] = pack_kv(K, V, q)
+        else:
+            mode = next((m for m in ("sign", "ternary") if n_words(D, m) == width), "sign")
+            out[name] = pack_keys(K, mode, 0.0 if mode == "sign" else 1e-4)
+    return out
+
+
 def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, steps: int = 16, repeats: int = 5,
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
-                 say=None) -> dict[str, dict]:
+                 say=None, own_past: int = 512) -> dict[str, dict]:
     """Prefill and decode timing of several causal LMs in one process, interleaved.
 
     ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow`, plus
@@ -283,8 +324,10 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     (:class:`OgRow`) for ``og`` = {name: genai model directory}. One warm-up round, then ``repeats``
     rounds, each running every row once (order rotated): a ``prefill_len``-token prefill (after an
     untimed one) and ``steps`` single-token decode steps after a past of each length in ``pasts``.
-    Pasts ≤ 512 are each model's own cache; longer ones are built once by ``long_past_from`` (default
-    the first model) and given to every row (values do not change the cost). Returns
+    Pasts ≤ ``own_past`` are each model's own cache; longer ones are built once by ``long_past_from`` (default
+    the first model; a float ``.key`` / ``.value`` cache, prefilled in 512-token chunks) and given to
+    every row (:func:`state_from_kv`: PackedAttention's quantized rows and key bits made from it as the
+    op stores them; values do not change the cost). Returns
     {row: {"prefill": ms, "decode<P>": ms}} (medians over rounds / over all steps)."""
     rng = np.random.default_rng(seed)
     hi = int(vocab or min((io.vocab_size or 100) for _, io in models.values()))
@@ -296,17 +339,17 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     src = long_past_from or names[0]
     states: dict[str, dict[int, dict]] = {n: {} for n in names}
     for p in pasts:
-        if p <= 512:
+        if p <= own_past:
             for n, (s, io) in models.items():
                 states[n][p] = io.next_state(run(s, io, feeds(io, past_ids[p])))
         else:
             t0 = time.perf_counter()
             s, io = models[src]
-            built = io.next_state(run(s, io, feeds(io, past_ids[p])))
+            built = chunked_state(s, io, past_ids[p])
             if say:
                 say(f"past {p}: cache built by {src} in {time.perf_counter() - t0:.1f} s")
             for n, (_, io_n) in models.items():
-                states[n][p] = {k: built[k] for k in io_n.past_to_present}
+                states[n][p] = state_from_kv(io_n, built)
     drivers: dict[str, Any] = {n: LoopRow(s, io, states[n]) for n, (s, io) in models.items()}
     for n in shared:
         s, io = models[n]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import OrtleanError
+from ..kit import modelfile
 from ..kit.backend import GraphPassBase
 from ..kit.options import Options, flag, from_args
 
@@ -50,17 +51,19 @@ class FusePass(GraphPassBase):
         return [{"layer": "decoder", "backend": "dense", "decision": f"kept unfused: {why}"}]
 
     def run(self, model, ctx) -> list[dict]:
-        from ..fuse import FuseError, config_max_positions, fuse_decoder, is_fused
+        from ..fuse import FuseError, fuse_decoder, is_fused
 
         if ctx.io is None or ctx.io.kind != "causal-lm" or not ctx.io.has_past:
             return self._skip("not a decoder with a KV cache (the fusion is for text-generation-with-past exports)")
         if is_fused(model):
             return self._skip("already fused (GroupQueryAttention present)")
         pa = ctx.opts.backends.get("packed_attention")
-        if pa is not None and getattr(pa, "enabled", False):  # its matcher takes the unfused attention core today
-            return self._skip("--state-pack on the KV cache (PackedAttention) rewrites the unfused attention core")
+        if pa is not None and getattr(pa, "enabled", False) and getattr(pa, "needs_unfused", False):
+            # eps-mode key bits calibrate eps per head on the unfused core's keys (apply_gqa has no per-head eps)
+            return self._skip("--state-pack eps-mode key bits without --state-pack-eps calibrate eps per head on the "
+                              "unfused attention core (give --state-pack-eps E to fuse)")
         try:
-            fused, rep = fuse_decoder(model, max_positions=config_max_positions(ctx.model_path))
+            fused, rep = fuse_decoder(model, max_positions=modelfile.max_positions(ctx.model_path))
         except FuseError as e:
             return self._skip(str(e).removeprefix("fuse: "))
         # the pipeline holds `model` (ctx.model is the same object): take over the fused graph in place

@@ -25,7 +25,7 @@ from custom_ops.schema import DOMAIN
 
 from ..builders.attention import find_attention
 from ..errors import OrtleanError
-from ..kit import options, surgery
+from ..kit import modelfile, options, surgery, timing
 from ..kit.backend import GraphPassBase
 from ..kit.options import Options, flag
 
@@ -36,16 +36,16 @@ OP_TYPE = "PackedAttention"
 class AttnConfig(Options):
     pack_bits: str = flag("--attn-pack-bits", "sign", "--state-pack=binary packs sign bits (binary hashing, default) "
                           "or |k| > eps (seed's bitmap)", choices=("sign", "eps"))
-    budget: float = flag("--attn-budget", 0.5, "candidate keys per decode step as a fraction of the context, sinks "
-                         "and window included (default 0.5: SmolLM2 on held-out Austen, Δppl ≤ 2 %% with --calib-text; "
-                         "0 or 1 = exact)", type=float)
+    budget: float = flag("--attn-budget", None, "candidate keys per decode step as a fraction of the context, sinks "
+                         "and window included (default: chosen by --attn-tune on fused graphs, else 0.5; 0 or 1 = "
+                         "exact)", type=float, parse=lambda v, _: 0.5 if v is None else v)
     min_candidates: int = flag("--attn-min-candidates", 64, "at least this many candidates (default 64)", type=int)
     sinks: int = flag("--attn-sinks", 4, "first tokens always attended (default 4)", type=int)
-    window: int = flag("--attn-window", 256, "most recent tokens always attended (default 256)", type=int)
-    min_context: int = flag("--attn-min-context", 256, "exact attention up to this context length (default 256: "
-                            "below it the candidate path saves < 10 us per layer and decode step, < 1 %% of a SmolLM2 "
-                            "int4 step; measured by tests/bench/attn_speed.py decode --pasts 128,256,512,768 "
-                            "--budgets 1,0.25 --min-context 0)", type=int)
+    window: int = flag("--attn-window", None, "most recent tokens always attended (default: chosen by --attn-tune "
+                       "on fused graphs, else 256)", type=int, parse=lambda v, _: 256 if v is None else v)
+    min_context: int = flag("--attn-min-context", None, "exact attention up to this context length (default: on fused "
+                            "graphs the measured crossover of the op's candidate and exact paths on this CPU, "
+                            "--attn-tune; else 256)", type=int, parse=lambda v, _: 256 if v is None else v)
     rho: float = flag("--attn-rho", 0.15, "eps modes: exact attention when the key-bit density is above this "
                       "(default 0.15)", type=float)
     qbits: int = flag("--attn-qbits", 8, "query bits for the popcount score (default 8)", type=int)
@@ -63,6 +63,19 @@ class AttnConfig(Options):
     kv_quant: str = flag("--attn-kv", "int8", "fused graphs (GroupQueryAttention): the K/V cache rows PackedAttention "
                          "keeps — int8 (default, 0.29x the fp32 bytes with the key bits), int4 (0.16x), fp32 (exact)",
                          choices=("int8", "int4", "fp32"))
+    tune: str = flag("--attn-tune", "auto", "fused graphs (GroupQueryAttention): choose what is not given on the "
+                     "command line — --attn-budget and --attn-window from decode-mode perplexity on --calib-text "
+                     "(teacher-forced decode through the cache vs the same model with exact attention) under "
+                     "--quality-budget, --attn-min-context from the op's measured exact/candidate crossover on this "
+                     "CPU (cached) — auto (default) | off", choices=("auto", "off"))
+    tune_context: int = flag("--attn-tune-context", 1024, "--attn-tune: prefill length before the scored decode steps "
+                             "(default 1024, as ortlean eval's decode mode: a budget is a fraction of the context, so "
+                             "shorter contexts are the harder case; capped by the model's positions and the "
+                             "calibration text)", type=int)
+    tune_windows: int = flag("--attn-tune-windows", 2, "--attn-tune: spans of the calibration text per trial, each a "
+                             "prefill and the scored steps (default 2)", type=int)
+    tune_score: int = flag("--attn-tune-score", 128, "--attn-tune: teacher-forced decode steps scored per span "
+                           "(default 128)", type=int)
     mix: float = flag("--attn-mix", 0.0, "seed behaviour: mix this fraction of the approximate score into the exact "
                       "logits (default 0)", type=float)
     # from the shared --state-pack* group (kit.options.StatePack) and --attn-pack-bits
@@ -73,6 +86,12 @@ class AttnConfig(Options):
     popcnt: str = "auto"
     calib_tokens: int = 512
     targets: tuple = ("kv",)
+    given: tuple = ()                  # of budget / window / min_context: given on the command line (not tuned)
+
+    @property
+    def needs_unfused(self) -> bool:
+        """eps-mode key bits with eps calibrated per head: only the unfused core (apply) does that."""
+        return self.mode != "sign" and not self.eps_given
 
     def validate(self) -> None:
         if not 0 < self.target_density < 1:
@@ -83,6 +102,9 @@ class AttnConfig(Options):
             raise OrtleanError(f"--attn-qbits {self.qbits}: must be in 2..16")
         if not 0 <= self.mix <= 1 or not 0 <= self.rho <= 1:
             raise OrtleanError("--attn-mix and --attn-rho must be in [0, 1]")
+        if self.tune_context < 16 or self.tune_score < 1 or self.tune_windows < 1:
+            raise OrtleanError(f"--attn-tune-context {self.tune_context} / --attn-tune-score {self.tune_score}: "
+                               "need ≥ 16 and ≥ 1")
         if min(self.min_candidates, self.sinks, self.window, self.min_context) < 0:
             raise OrtleanError("--attn-min-candidates/--attn-sinks/--attn-window/--attn-min-context must be ≥ 0")
 
@@ -91,7 +113,7 @@ def _sym(dim):
     return dim if isinstance(dim, int) else str(dim)
 
 
-def calibrate_eps(source, calib, cfg: AttnConfig) -> dict[str, dict[int, list[float]]]:
+def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None) -> dict[str, dict[int, list[float]]]:
     """Per layer (cache index) and KV head: eps such that a fraction cfg.target_density of the key
     components has |k| > eps, and the per-channel mean |k| (kscale), on the first
     cfg.calib_tokens tokens of the calibration text (the dense model's present.N.key outputs)."""
@@ -102,6 +124,8 @@ def calibrate_eps(source, calib, cfg: AttnConfig) -> dict[str, dict[int, list[fl
     so.intra_op_num_threads = 2
     sess = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     io = runtime.ModelIO.from_session(sess)
+    if io_hint is not None:   # symbolic KV dims (genai builder) from the rewrite's resolved I/O
+        io.fill_from(io_hint)
     out = runtime.run(sess, io, runtime.feeds(io, ids[None, :]))
     eps, kscale = {}, {}
     for name, val in out.items():
@@ -203,8 +227,8 @@ def _gqa_problem(node: ir.Node, graph: ir.Graph) -> str | None:
     if pk is None or pv is None or not _PAST_KEY.match(pk.name or "") or pk not in graph.inputs:
         return "past_key is not a past_key_values.N.key graph input"
     shp = pk.shape
-    if shp is None or len(shp) != 4 or not isinstance(shp[1], int) or not isinstance(shp[3], int):
-        return f"past key shape {shp} has no static kv_heads / head_dim"
+    if shp is None or len(shp) != 4 or _head_dims(node) is None:
+        return f"past key shape {shp} and the Q/K/V widths give no static head_dim"
     if pk.dtype != ir.DataType.FLOAT:
         return f"KV cache type {pk.dtype}, not float32"
     if len(pk.uses()) != 1 or len(pv.uses()) != 1:
@@ -212,6 +236,34 @@ def _gqa_problem(node: ir.Node, graph: ir.Graph) -> str | None:
     if node.attributes.get_int("do_rotary", 0) and (len(node.inputs) < 9 or node.inputs[7] is None):
         return "do_rotary without cos/sin caches"
     return None
+
+
+def _head_dims(node: ir.Node) -> tuple[int, int] | None:
+    """(head_dim of K, of V) of a GroupQueryAttention node: the past K/V shapes, else the widths of
+    its (packed or separate) Q/K/V inputs (the genai builder declares kv_cache_dim symbolic)."""
+    a = node.attributes
+    Hq, Hkv = a.get_int("num_heads", 0), a.get_int("kv_num_heads", 0)
+
+    def last(v):
+        return v.shape[-1] if v is not None and v.shape is not None and isinstance(v.shape[-1], int) else None
+
+    pk, pv = node.inputs[3], node.inputs[4]
+    D = pk.shape[3] if pk is not None and pk.shape is not None and len(pk.shape) == 4 else None
+    Dv = pv.shape[3] if pv is not None and pv.shape is not None and len(pv.shape) == 4 else None
+    D, Dv = (D if isinstance(D, int) else None), (Dv if isinstance(Dv, int) else None)
+    if D is None and Hq:
+        if node.inputs[1] is None:                     # packed QKV [B, S, (Hq + 2 Hkv) D]
+            w = last(node.inputs[0])
+            D = w // (Hq + 2 * Hkv) if w and w % (Hq + 2 * Hkv) == 0 else None
+        else:
+            w = last(node.inputs[0])
+            D = w // Hq if w and w % Hq == 0 else None
+    if Dv is None:
+        w = last(node.inputs[2]) if node.inputs[1] is not None else None
+        Dv = w // Hkv if w and Hkv and w % Hkv == 0 else D
+    if D is None or Dv is None or Hkv <= 0 or not isinstance(pk.shape[1] if pk.shape is not None else None, int):
+        return None
+    return int(D), int(Dv)
 
 
 def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | None = None) -> list[dict]:
@@ -247,8 +299,8 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
         Hq, Hkv = a.get_int("num_heads"), a.get_int("kv_num_heads")
         pk, pv = g.inputs[3], g.inputs[4]
         N = int(_PAST_KEY.match(pk.name).group(1))
-        B_dim, D = pk.shape[0], int(pk.shape[3])
-        Dv = int(pv.shape[3]) if pv.shape is not None and isinstance(pv.shape[3], int) else D
+        B_dim = pk.shape[0]
+        D, Dv = _head_dims(g)
         scale = a.get_float("scale", 0.0) or 1.0 / math.sqrt(D)
         seqlens, cos, sin = g.inputs[5], (g.inputs[7] if len(g.inputs) > 7 else None), (g.inputs[8] if len(g.inputs) > 8 else None)
         new = []
@@ -338,6 +390,166 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
     return records
 
 
+# --------------------------------------------------------------------------- --attn-tune (fused graphs)
+def _max_positions(model: ir.Model, ctx) -> int | None:
+    """Positions the model can take: its GroupQueryAttention rotary cache rows, else config.json."""
+    for n in model.graph:
+        if n.op_type == "GroupQueryAttention" and len(n.inputs) > 7 and n.inputs[7] is not None:
+            shp = n.inputs[7].shape
+            if shp is not None and isinstance(shp[0], int):
+                return int(shp[0])
+    return modelfile.max_positions(ctx.model_path)
+
+
+def _set_attrs(model: ir.Model, values: dict) -> None:
+    for n in model.graph:
+        if n.op_type == OP_TYPE and n.domain == DOMAIN:
+            for a in surgery.op_attrs(OP_TYPE, values):
+                n.attributes[a.name] = a
+
+
+def _decode_nll(sess, ids: np.ndarray, context: int, score: int, state: dict | None = None, io_hint=None):
+    """Teacher-forced decode through the cache (one shared K/V buffer per state, as
+    runtime.decode_perplexity): the cache of ids[:context] (a prefill, or `state` from an earlier
+    prefill of the same tokens), then `score` single-token steps, each scoring the next token.
+    Returns (mean NLL, the prefill's cache)."""
+    io = runtime.ModelIO.from_session(sess)
+    if io_hint is not None:
+        io.fill_from(io_hint)
+    kv = runtime.SharedKV(sess, io, max_len=context + score)
+    if state is None:
+        kv.prefill(ids[None, :context])
+        state = {}
+        for name, arr in kv.arrays.items():
+            ix = [slice(None)] * arr.ndim
+            ix[kv.io.state_seq_axis[name]] = slice(0, context)
+            state[name] = arr[tuple(ix)].copy()
+    else:
+        kv.fill(context, state)
+    nll = 0.0
+    for i in range(score):
+        lg = kv.step(ids[None, context + i: context + i + 1])[0, -1].astype(np.float64)
+        m = lg.max()
+        nll += m + math.log(np.exp(lg - m).sum()) - lg[ids[context + i + 1]]
+    return nll / score, state
+
+
+BUDGETS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+WINDOWS = (256, 64)
+
+
+def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
+    """--attn-tune on the PackedAttention nodes apply_gqa wrote: the smallest budget (and, per
+    budget, the window) whose decode-mode Δppl on the calibration text against ``ref`` (the same
+    model with exact attention) is within --quality-budget; then min_context = the op's measured
+    exact/candidate crossover at the layer shape and the chosen budget. Sets the nodes' attributes;
+    returns what was chosen and measured (the report's "tune")."""
+    import custom_ops
+
+    out: dict = {"given": list(cfg.given)}
+    chosen = {"budget": cfg.budget, "window": cfg.window}
+    tune_q = [n for n in ("budget", "window") if n not in cfg.given]
+    why = None
+    if not tune_q:
+        why = "given on the command line"
+    elif not ctx.opts.calib_text:
+        why = "no --calib-text: defaults"
+    elif ctx.opts.quality_budget is None:
+        why = "--quality-budget off: defaults"
+    ids = None
+    if why is None:
+        ids = np.asarray(ctx.calib.ids, np.int64)
+        score = cfg.tune_score
+        C = min(cfg.tune_context, (max_pos or 1 << 30) - score - 1, ids.size - score - 1)
+        if C < 16:
+            why = f"calibration text / model positions too short for --attn-tune ({ids.size} tokens, {max_pos} positions)"
+    if why is not None:
+        out["quality"] = why
+    else:
+        span = C + score + 1   # spans spread over the text (none at its start: title pages)
+        n_sp = max(1, min(cfg.tune_windows, ids.size // span))
+        spans = [ids[o: o + span] for o in
+                 (min(ids.size - span, max(0, (k + 1) * ids.size // (n_sp + 1) - span // 2)) for k in range(n_sp))]
+        qb = float(ctx.opts.quality_budget)
+        threads = max(2, ctx.threads)
+        s_ref = custom_ops.session(ref, threads=threads)
+        nll_ref = float(np.mean([_decode_nll(s_ref, x, C, score, io_hint=ctx.io)[0] for x in spans]))
+        del s_ref
+        budgets = BUDGETS if "budget" not in cfg.given else (cfg.budget,)
+        windows = WINDOWS if "window" not in cfg.given else (cfg.window,)
+        trials, states, best = [], [None] * len(spans), None
+        for b in budgets:
+            passing = []
+            # a trial whose candidates at context C are no more than the window and sinks does not test
+            # the budget (it would pass at C and fail at longer contexts): not tried
+            ws = windows[:1] if not 0 < b < 1 else \
+                [w for w in windows if max(cfg.min_candidates, math.ceil(b * C)) > w + cfg.sinks]
+            if not ws:
+                out.setdefault("untested", []).append(b)
+                continue
+            for w in ws:
+                _set_attrs(model, {"budget": float(b), "window": int(w), "min_context": 0})
+                sess = custom_ops.session(modelfile.serialized(model), threads=threads)
+                res = [_decode_nll(sess, x, C, score, st) for x, st in zip(spans, states)]
+                states = [r[1] for r in res]
+                nll = float(np.mean([r[0] for r in res]))
+                d = math.exp(nll - nll_ref) - 1.0
+                trials.append({"budget": b, "window": w, "delta_ppl": round(d, 5)})
+                if d <= qb:
+                    passing.append((d, w))
+                del sess
+            if not passing:
+                break
+            best = (b, min(passing)[1])
+        if best is None and trials and trials[0]["budget"] == 1.0:
+            # the K/V format alone (budget 1 = exact candidates) is over the budget
+            best = (1.0, cfg.window)
+            out["note"] = (f"--attn-kv {cfg.kv_quant} alone gives decode-mode Δppl {trials[0]['delta_ppl']:+.4f} > "
+                           f"--quality-budget {qb}: exact candidates (budget 1) kept")
+        elif best is None:
+            best = (cfg.budget, cfg.window)
+            out["note"] = f"no trial met --quality-budget {qb} or could be tested at context {C}: flags' values kept"
+        chosen = {"budget": best[0], "window": best[1]}
+        out["quality"] = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb,
+                          "context": int(C), "scored": int(score) * len(spans), "spans": len(spans), "trials": trials}
+    attrs = {"budget": float(chosen["budget"]), "window": int(chosen["window"])}
+    if "min_context" in cfg.given:
+        attrs["min_context"] = int(cfg.min_context)
+    else:
+        pa = next(n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN)
+        node_attrs = {k: a.value for k, a in pa.attributes.items()
+                      if k in ("scale", "mode", "eps", "min_candidates", "sinks", "qbits", "popcnt", "kv_quant",
+                               "select", "local_window", "softcap")}
+        Hq, Hkv, D, Dv = _layer_shape(pa)
+        if 0 < attrs["budget"] < 1:
+            x = timing.attention_crossover(Hq, Hkv, D, Dv, {**node_attrs, **attrs}, threads=ctx.threads)
+            c = x["crossover"]
+            attrs["min_context"] = int(c) if c is not None else 1 << 20
+            out["min_context_measured"] = {
+                "crossover": c, "threads": ctx.threads,
+                "speedup": {p: round(v["speedup"], 3) for p, v in x["pasts"].items()},
+                "measured": "one decode step of the op alone at the layer shape, candidate vs exact path, "
+                            "interleaved medians (rewriter.kit.timing.attention_crossover)"}
+        else:
+            attrs["min_context"] = int(cfg.min_context)
+    _set_attrs(model, attrs)
+    out.update(attrs)
+    mc = attrs["min_context"]
+    out["summary"] = (f"budget {attrs['budget']:g}, window {attrs['window']}, "
+                      f"min_context {mc if mc < 1 << 20 else 'never (candidates not faster up to 4096)'}")
+    return out
+
+
+def _layer_shape(pa: ir.Node) -> tuple[int, int, int, int]:
+    """(Hq, Hkv, D, Dv) of an apply_gqa PackedAttention node (its Reshape targets)."""
+    dims = []
+    for i in range(3):
+        r = pa.inputs[i].producer().inputs[0].producer()   # Transpose ← Reshape(x, [0, 0, H, d])
+        dims.append([int(x) for x in r.inputs[1].const_value.numpy()[2:]])
+    (Hq, D), (Hkv, _), (_, Dv) = dims
+    return Hq, Hkv, D, Dv
+
+
 def _layer_of(node: ir.Node) -> str:
     m = re.search(r"layers?\.(\d+)", node.name or "")
     return f"layers.{m.group(1)}" if m else (node.name or "?")
@@ -356,6 +568,7 @@ class PackedAttentionPass(GraphPassBase):
         mode = "ternary" if sp.mode == "ternary" else ("sign" if args.attn_pack_bits == "sign" else "binary")
         cfg = options.from_args(AttnConfig, args, enabled=sp.kv, mode=mode, popcnt=sp.popcnt, eps_given=sp.eps is not None,
                                 eps=float(sp.eps if sp.eps is not None else (0.0 if mode == "sign" else 1e-4)))
+        cfg.given = tuple(n for n in ("budget", "window", "min_context") if getattr(args, f"attn_{n}", None) is not None)
         cfg.validate()
         return cfg
 
@@ -368,12 +581,29 @@ class PackedAttentionPass(GraphPassBase):
                                "give --state-pack-eps E, or --calib-text FILE to choose eps per head for "
                                "--attn-target-density")
         if ctx.opts.calib_text and (need_eps or cfg.kscale == "auto") and ctx.io is not None and ctx.io.has_past:
-            cal = calibrate_eps(ctx.source(), ctx.calib, cfg)
+            cal = calibrate_eps(ctx.source(), ctx.calib, cfg, io_hint=ctx.io)
         if any(n.op_type == "GroupQueryAttention" for n in model.graph):
             if need_eps:
                 raise OrtleanError("fused graph (GroupQueryAttention): eps-mode key bits need --state-pack-eps E "
                                    "(per-head calibration reads the optimum graph's present keys)")
-            return apply_gqa(model, cfg)
+            ks = cal.get("kscale") if cfg.kscale == "auto" else None
+            max_pos = _max_positions(model, ctx)
+            trials = (cfg.tune == "auto" and ctx.opts.calib_text and ctx.opts.quality_budget is not None
+                      and not {"budget", "window"} <= set(cfg.given))
+            ref = modelfile.serialized(model) if trials else None   # the exact-attention twin
+            recs = apply_gqa(model, cfg, kscale=ks)
+            if cfg.tune == "auto" and any(r["backend"] == "packed_attention" for r in recs):
+                tune = tune_gqa(model, ref, cfg, ctx, max_pos)
+                for r in recs:
+                    if r["backend"] == "packed_attention":
+                        r["decision"] = re.sub(r"budget [0-9.e-]+\)", f"{tune['summary']})", r["decision"])
+                first = next(r for r in recs if r["backend"] == "packed_attention")
+                first["tune"] = tune
+            if ks:
+                for r in recs:
+                    if r["backend"] == "packed_attention":
+                        r["decision"] += "; per-channel key scale (calibrated)"
+            return recs
         recs = apply(model, cfg, eps_heads=cal.get("eps") if need_eps else None,
                      kscale=cal.get("kscale") if cfg.kscale == "auto" else None)
         if cfg.kscale == "auto" and not cal and any(r.get("cache") for r in recs):

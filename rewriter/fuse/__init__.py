@@ -33,11 +33,9 @@ equivalent (GQA takes ``sum(attention_mask) - 1`` as the last position of every 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -207,16 +205,6 @@ def _trim_rotary_caches(model: ir.Model, rows: int) -> int:
                 v.const_value = ir.tensor(np.ascontiguousarray(a[:rows]), name=v.name)
                 v.shape = ir.Shape(v.const_value.shape)
     return rows
-
-
-def config_max_positions(model_path) -> int | None:
-    """``max_position_embeddings`` of the ``config.json`` beside ``model_path`` (None without one)."""
-    cfg = Path(model_path).parent / "config.json"
-    try:
-        v = json.loads(cfg.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return int(v) if isinstance(v, int) and v > 0 else None
 
 
 def fuse_decoder(model: ir.Model, *, pack_qkv: bool = True, max_positions: int | None = None

@@ -3,6 +3,7 @@ sidecars, the checker, and the I/O signature of a loaded model."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -226,3 +227,13 @@ def model_io(model: ir.Model, path=None):
 
     return ModelIO.from_signature([sig(v) for v in model.graph.inputs if v.name not in inits],
                                   [sig(v) for v in model.graph.outputs]).resolve_dims(path)
+
+
+def max_positions(model_path: Path) -> int | None:
+    """``max_position_embeddings`` of the ``config.json`` beside the model (None without one)."""
+    cfg = Path(model_path).parent / "config.json"
+    try:
+        v = json.loads(cfg.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(v) if isinstance(v, int) and v > 0 else None

@@ -5,6 +5,7 @@ cached per CPU, library build, thread count, ONNX Runtime version and the caller
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import platform
@@ -129,3 +130,90 @@ def speed_check(measure, speed_M: int, flag: str) -> tuple[dict, float]:
     except Exception as e:
         raise OrtleanError(f"speed check needs the ortlean library ({e}); pass {flag}=off to skip it") from None
     return {f"M{M}": v for M, v in res.items()}, res[speed_M]["speedup"]
+
+
+def cached(key_parts: list, threads: int, compute):
+    """`compute()` (a JSON value), cached in speed.json under key_parts + CPU + library build +
+    thread count + ORT version (the same key as ``measure_vs_dense``)."""
+    import onnxruntime as ort
+
+    key = hashlib.sha1(json.dumps([*key_parts, _cpu_id(), _lib_sig(), threads, ort.__version__]).encode()).hexdigest()
+    cf = cache_file()
+    cache = {}
+    if cf.exists():
+        try:
+            cache = json.loads(cf.read_text())
+        except Exception:
+            cache = {}
+    if key in cache:
+        return cache[key]
+    val = cache[key] = compute()
+    cf.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cf.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cache))
+    os.replace(tmp, cf)
+    return val
+
+
+def packed_attention_model(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict) -> bytes:
+    """One PackedAttention node in its KV-cache mode (Q, K, V [B, H, 1, D], past_bits, past_kv →
+    Y, present_bits, present_kv), `attrs` typed by the op schema."""
+    q, k, v = (ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, h, 1, d]))
+               for n, h, d in (("Q", Hq, D), ("K", Hkv, D), ("V", Hkv, Dv)))
+    pb, pk = (ir.Value(name=n, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([1, Hkv, "P", "W" + n]))
+              for n in ("past_bits", "past_kv"))
+    node = surgery.op_node("PackedAttention", [q, k, v, None, pb, pk], attrs, name="pa", num_outputs=3)
+    for o, n in zip(node.outputs, ("Y", "bits", "kv")):
+        o.name = n
+        o.type = ir.TensorType(ir.DataType.FLOAT if n == "Y" else ir.DataType.INT32)
+    g = ir.Graph([q, k, v, pb, pk], list(node.outputs), nodes=[node], opset_imports={"": OPSET, DOMAIN: 1}, name="pa")
+    return ir.serde.serialize_model(ir.Model(g, ir_version=IR_VERSION)).SerializeToString()
+
+
+def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(64, 128, 256, 512, 1024, 2048, 4096),
+                        threads: int = 1, use_cache: bool = True) -> dict:
+    """One decode step of PackedAttention at the layer's shape: the candidate path (``attrs``,
+    min_context 0) against the exact path (budget 1) at each past length, interleaved, medians;
+    cached per CPU and library build. Returns {"pasts": {P: {"exact": s, "approx": s,
+    "speedup": exact/approx}}, "crossover": the least P from which every longer past is faster on
+    the candidate path (None: never within the grid)}."""
+    import custom_ops
+    from custom_ops import runtime
+    from custom_ops.reference.attn import pack_keys, pack_kv
+
+    a = {**attrs, "min_context": 0}
+
+    def measure():
+        s_ap = custom_ops.session(packed_attention_model(Hq, Hkv, D, Dv, a), threads=threads)
+        s_ex = custom_ops.session(packed_attention_model(Hq, Hkv, D, Dv, {**a, "budget": 1.0}), threads=threads)
+        rng = np.random.default_rng(0)
+        out = {}
+        for P in pasts:
+            Kp = rng.standard_normal((1, Hkv, P, D), dtype=np.float32)
+            Vp = rng.standard_normal((1, Hkv, P, Dv), dtype=np.float32)
+            f = {"Q": rng.standard_normal((1, Hq, 1, D), dtype=np.float32),
+                 "K": rng.standard_normal((1, Hkv, 1, D), dtype=np.float32),
+                 "V": rng.standard_normal((1, Hkv, 1, Dv), dtype=np.float32),
+                 "past_bits": pack_keys(Kp, a.get("mode", "sign"), a.get("eps", 0.0)),
+                 "past_kv": pack_kv(Kp, Vp, a.get("kv_quant", "int8"))}
+            t = runtime.time_sessions({"exact": s_ex, "approx": s_ap}, f, min_time=0.1)
+            out[str(P)] = {"exact": t["exact"], "approx": t["approx"], "speedup": t["exact"] / max(t["approx"], 1e-12)}
+        return out
+
+    key = ["PackedAttention-crossover", Hq, Hkv, D, Dv, sorted((k, v) for k, v in a.items()
+                                                               if k not in ("layer", "scale")), list(pasts)]
+    res = cached(key, threads, measure) if use_cache else measure()
+    ps = sorted(pasts)
+    first = len(ps)                      # the first grid past from which every longer one is faster
+    while first > 0 and res[str(ps[first - 1])]["speedup"] > 1.0:
+        first -= 1
+    if first == len(ps):
+        cross = None
+    elif first == 0:
+        cross = ps[0]
+    else:                                # speedup 1 interpolated in log(P) between the two grid points
+        lo, hi = ps[first - 1], ps[first]
+        s_lo, s_hi = res[str(lo)]["speedup"], res[str(hi)]["speedup"]
+        f = (1.0 - s_lo) / max(s_hi - s_lo, 1e-12)
+        cross = int(round(math.exp(math.log(lo) + f * (math.log(hi) - math.log(lo)))))
+    return {"pasts": res, "crossover": cross}

@@ -1,9 +1,11 @@
 """Long-context decode: SmolLM2 int4 (ortlean's fused graph, MatMulNBits int4 + GroupQueryAttention,
 tests/bench/fastgraph_models.py) vs the same graph with every GroupQueryAttention replaced by
-PackedAttention (rewriter.backends.packed_attention.apply_gqa) at several K/V formats and budgets.
+PackedAttention at several K/V formats and budgets, each made by the CLI path (`ortlean rewrite
+--state-pack binary --attn-kv Q --attn-budget B --attn-tune off`; budget "auto": the rewriter's
+own choice, --attn-tune with the calibration novel).
 
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
-                                             [--variants int8:1,int8:0.25,int8:0.125,int4:0.125]
+                                             [--variants int8:1,int8:0.25,int8:0.125,int4:0.125,int8:auto]
                                              [--steps 8] [--rounds 3] [--ppl-context 4096] [--ppl-score 64]
                                              [--ppl-windows 1] [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
@@ -13,7 +15,7 @@ interleaved rounds (rotating order), each with one K/V buffer per state bound to
 (runtime.shared_kv, as onnxruntime-genai runs these graphs); the median step → tokens/s and the
 ratio to the GQA model in the same run. The caches: GQA's from its own chunked prefill of the same
 random tokens; PackedAttention's from that cache's K/V quantized and packed exactly as the op stores
-new rows (custom_ops.reference.attn.pack_kv / pack_keys), so no model pays a slow prefill. Also per
+new rows (custom_ops.runtime.bench.state_from_kv), so no model pays a slow prefill. Also per
 variant: KV-cache bytes per token (all layers) against GQA's fp32 cache, and decode-mode Δppl on
 held-out Persuasion (runtime.decode_perplexity: --ppl-context tokens of prefill through the model
 itself, then --ppl-score teacher-forced decode steps scored) against the GQA model.
@@ -37,23 +39,30 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _variant_models(base: Path, variants: list[tuple[str, float]], out: Path) -> dict[str, Path]:
-    import onnx_ir as ir
-
-    from rewriter.backends import packed_attention as attn
+def _variant_models(base: Path, variants: list[tuple[str, str]], out: Path, calib: str | None) -> dict[str, Path]:
+    """One model per variant through the CLI path (`ortlean rewrite BASE --state-pack binary
+    --attn-kv Q --attn-budget B --attn-tune off`; budget "auto": --attn-tune with --calib-text)."""
+    from rewriter import cli
 
     paths = {}
     for kvq, budget in variants:
-        name = f"packed {kvq} b{budget:g}"
+        name = f"packed {kvq} b{budget}"
         p = out / name.replace(" ", "_") / "model.onnx"
         p.parent.mkdir(parents=True, exist_ok=True)
-        m = ir.load(str(base))
-        cfg = attn.AttnConfig(enabled=True, kv_quant=kvq, budget=budget)
-        cfg.validate()
-        recs = attn.apply_gqa(m, cfg)
-        if not any(r["backend"] == "packed_attention" for r in recs):
-            raise SystemExit(f"{base}: no GroupQueryAttention replaced: {recs}")
-        ir.save(m, str(p))
+        flags = ["--state-pack", "binary", "--attn-kv", kvq]
+        if budget == "auto":
+            if not calib:
+                raise SystemExit("variant budget 'auto' needs the calibration novel (models.corpus)")
+            flags += ["--calib-text", calib, "--report", str(p.parent / "report.json")]
+        else:
+            flags += ["--attn-budget", budget, "--attn-tune", "off"]
+        rc = cli.main(["rewrite", str(base), "-o", str(p), "-q", *flags])
+        if rc != 0:
+            raise SystemExit(f"{base}: rewrite {flags} failed ({rc})")
+        if budget == "auto":
+            tune = next(r["tune"] for r in json.loads((p.parent / "report.json").read_text())["graph_passes"]
+                        if "tune" in r)
+            print(f"packed {kvq} auto: {tune['summary']}", flush=True)
         paths[name] = p
     return paths
 
@@ -72,35 +81,24 @@ def _kv_bytes_per_token(io) -> int:
     return n
 
 
-def _fill_packed(kv_gqa, kv_packed, io_p, past: int, variant: str):
-    """The packed model's state from the GQA cache: K/V rows quantized + key bits, as the op stores them."""
-    from custom_ops.reference.attn import pack_keys, pack_kv
-
-    kvq = variant.split()[1]
-    state = {}
-    for name in io_p.past_to_present:
-        n = name.split(".")[1]
-        K = kv_gqa.arrays[f"past_key_values.{n}.key"][:, :, :past]
-        V = kv_gqa.arrays[f"past_key_values.{n}.value"][:, :, :past]
-        state[name] = pack_kv(K, V, kvq) if name.endswith(".kv") else pack_keys(K)
-        del K, V
-    kv_packed.fill(past, state)
-
-
 def run(a) -> dict:
     import numpy as np
 
     import custom_ops
     from custom_ops import runtime
+    from custom_ops.runtime import bench as rb
     from custom_ops.runtime.shared_kv import SharedKV
     from fastgraph_models import fused_model, quantized_model
     from rewriter.quantize import DEFAULTS
 
     c = DEFAULTS["int4"]
     base = quantized_model(fused_model("smollm2"), c.bits, c.block_size, c.symmetric, c.accuracy_level)
-    variants = [(v.split(":")[0], float(v.split(":")[1])) for v in a.variants.split(",")]
+    variants = [(v.split(":")[0], v.split(":")[1]) for v in a.variants.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-longctx-"))
-    paths = {"gqa int4": base, **_variant_models(base, variants, tmp)}
+    from models import corpus
+
+    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(b == "auto" for _, b in variants) else None
+    paths = {"gqa int4": base, **_variant_models(base, variants, tmp, calib)}
     pasts = [int(x) for x in a.pasts.split(",") if x]  # --pasts "": quality only
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
@@ -124,9 +122,11 @@ def run(a) -> dict:
             g.prefill(prompt[None, :min(512, past)])
             for c0 in range(min(512, past), past, 512):
                 g.step(prompt[None, c0:min(c0 + 512, past)])
-            for n in paths:
+            built = {k: arr[:, :, :past] for k, arr in g.arrays.items()}
+            for n in paths:   # the packed models' caches: GQA's K/V quantized and packed as the op stores them
                 if n != "gqa int4":
-                    _fill_packed(g, kvs[n], ios[n], past, n)
+                    kvs[n].fill(past, rb.state_from_kv(ios[n], built))
+            del built
             times = {n: [] for n in paths}
             names = list(paths)
             for r in range(a.rounds + 1):
@@ -215,7 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=["run", "plot"])
     ap.add_argument("--pasts", default="128,1024,4096,8192")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125")
+    ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125",
+                    help="K/V format:budget list; budget 'auto' = chosen by --attn-tune")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ppl-context", type=int, default=4096)

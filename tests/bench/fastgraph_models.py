@@ -47,10 +47,11 @@ def fused_model(name: str = "smollm2", progress: bool = True) -> Path:
 
         import onnx_ir as ir
 
-        from rewriter.fuse import config_max_positions, fuse_decoder
+        from rewriter.fuse import fuse_decoder
+        from rewriter.kit.modelfile import max_positions
 
         t0 = time.monotonic()   # as `ortlean rewrite` does: the rotary caches keep the config's positions
-        model, report = fuse_decoder(ir.load(src), max_positions=config_max_positions(src))
+        model, report = fuse_decoder(ir.load(src), max_positions=max_positions(src))
         ir.save(model, out)
         shutil.copy(src.parent / "tokenizer.json", out.parent / "tokenizer.json")
         (out.parent / "fuse.txt").write_text(report.summary() + "\n")

@@ -1,0 +1,311 @@
+"""`ortlean rewrite --state-pack binary` on fused graphs (issue 10): PackedAttention replaces the
+GroupQueryAttention of an optimum export fused by --fuse=auto and of a genai builder model, with
+--weights int4; --fuse=off keeps the legacy unfused path; --attn-tune chooses budget/window from
+decode-mode perplexity and min_context from a measured crossover; the rewritten model runs with
+the shared-KV loop, `ortlean generate/eval` and in `ortlean bench`'s decode table at long pasts;
+a sliding-window model of another family (Mistral, head dim 48) is exact at full budget."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import custom_ops  # noqa: E402
+from custom_ops import runtime  # noqa: E402
+
+from conftest import requires_native  # noqa: E402
+
+pytestmark = requires_native
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import tiny_hf
+
+    return tiny_hf.models()
+
+
+@pytest.fixture(scope="module")
+def forms():
+    import tiny_hf
+
+    return tiny_hf.forms()
+
+
+def _rewrite(src, out, *flags):
+    from rewriter import cli
+
+    rep = Path(str(out) + ".json")
+    rc = cli.main(["rewrite", str(src), "-o", str(out), "-q", "--report", str(rep), *flags])
+    return rc, (json.loads(rep.read_text()) if rep.exists() else None)
+
+
+def _ops(path):
+    import onnx
+
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+def _shared_logits(path, prompt, steps, ref_io=None):
+    """Prefill + single-token steps with runtime.SharedKV (one buffer per state)."""
+    sess = custom_ops.session(str(path), threads=2)
+    io = runtime.ModelIO.from_session(sess, str(path))
+    kv = runtime.SharedKV(sess, io, max_len=prompt.shape[1] + steps.shape[1])
+    out = [kv.prefill(prompt)[:, -1]]
+    out += [kv.step(t[:, None])[:, -1] for t in steps.T]
+    return np.stack(out, 1)
+
+
+def _calib_text(path: Path, seed=0, phrases=30, n=400):
+    """Word-level text for the tiny tokenizer (w0..w255) with repeated phrases, so attention matters."""
+    r = np.random.default_rng(seed)
+    ph = [" ".join(f"w{x}" for x in r.integers(4, 256, 12)) for _ in range(phrases)]
+    path.write_text(" ".join(ph[i] for i in r.integers(0, phrases, n)))
+    return path
+
+
+def _check_packed(path, kvq):
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    pa = [n for n in m.graph.node if n.op_type == "PackedAttention"]
+    assert pa and not any(n.op_type == "GroupQueryAttention" for n in m.graph.node)
+    assert all(next(a.s.decode() for a in n.attribute if a.name == "kv_quant") == kvq for n in pa)
+    names = {i.name for i in m.graph.input}
+    assert "past_key_values.0.kv" in names and "past_key_values.0.key_bits" in names
+    return pa
+
+
+# --------------------------------------------------------------------------- the three input paths
+def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
+    """(a) optimum export: --fuse=auto fuses (GroupQueryAttention), then PackedAttention replaces
+    it; with --weights int4 and fp32 rows at full budget the logits equal the fused int4 twin's
+    (--fuse=auto --weights int4) to 1e-5 over a prompt and decode steps."""
+    src = tiny["llama"] / "model.onnx"
+    rc, rep = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4")
+    assert rc == 0 and "GroupQueryAttention" in _ops(tmp_path / "twin.onnx")
+    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-kv", "fp32",
+                       "--attn-budget", "1", "--attn-tune", "off")
+    assert rc == 0, rep
+    assert rep["graph_passes"][0]["backend"] == "fuse"
+    assert [r["backend"] for r in rep["graph_passes"][1:3]] == ["packed_attention"] * 2
+    assert "MatMulNBits" in _ops(tmp_path / "pa.onnx")
+    _check_packed(tmp_path / "pa.onnx", "fp32")
+    r = np.random.default_rng(0)
+    prompt, steps = r.integers(0, 256, (1, 30)), r.integers(0, 256, (1, 8))
+    np.testing.assert_allclose(_shared_logits(tmp_path / "pa.onnx", prompt, steps),
+                               _shared_logits(tmp_path / "twin.onnx", prompt, steps), atol=1e-5, rtol=1e-5)
+
+
+def test_genai_builder_model_packed(forms, tmp_path):
+    """(b) a genai builder model (GroupQueryAttention already, head dim declared symbolic): exact at
+    full budget to 1e-5 against it; int8 rows close; `ortlean generate` runs it (plain loop)."""
+    from rewriter import cli
+
+    if "genai-int4" not in forms:
+        pytest.skip("onnxruntime-genai not installed")
+    src = forms["genai-int4"] / "model.onnx"
+    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget", "1",
+                       "--attn-tune", "off")
+    assert rc == 0 and [r["backend"] for r in rep["graph_passes"]].count("packed_attention") == 2, rep
+    _check_packed(tmp_path / "pa.onnx", "fp32")
+    r = np.random.default_rng(1)
+    prompt, steps = r.integers(0, 256, (1, 25)), r.integers(0, 256, (1, 6))
+    ref = _shared_logits(src, prompt, steps)
+    np.testing.assert_allclose(_shared_logits(tmp_path / "pa.onnx", prompt, steps), ref, atol=1e-5, rtol=1e-5)
+    rc, _ = _rewrite(src, tmp_path / "p8.onnx", "--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "1",
+                     "--attn-tune", "off")
+    got8 = _shared_logits(tmp_path / "p8.onnx", prompt, steps)
+    assert rc == 0 and np.abs(got8 - ref).max() < 0.02 * np.abs(ref).max()
+    assert cli.main(["generate", str(tmp_path / "pa.onnx"), "--prompt", "w5 w6 w7", "--max-new-tokens", "4",
+                     "--tokenizer", str(forms["genai-int4"] / "tokenizer.json")]) == 0
+
+
+def test_fuse_off_keeps_the_unfused_path(tiny, tmp_path):
+    """(c) --fuse=off: PackedAttention on the unfused attention core (key bits state, float K/V cache)."""
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "u.onnx", "--fuse=off", "--weights", "int4",
+                       "--state-pack", "binary")
+    ops = _ops(tmp_path / "u.onnx")
+    assert rc == 0 and "PackedAttention" in ops and "GroupQueryAttention" not in ops and "MatMulNBits" in ops
+    import onnx
+
+    names = {i.name for i in onnx.load(str(tmp_path / "u.onnx"), load_external_data=False).graph.input}
+    assert {"past_key_values.0.key", "past_key_values.0.key_bits"} <= names and "past_key_values.0.kv" not in names
+
+
+def test_eps_bits_without_eps_stay_unfused(tiny, forms, tmp_path):
+    """eps-mode key bits calibrate eps per head on the unfused core: --fuse=auto stands aside (one
+    report line); given --state-pack-eps it fuses and PackedAttention replaces the GroupQueryAttention."""
+    tok = str(forms["genai-fp32"] / "tokenizer.json")   # the same w0..w255 vocabulary as the tiny llama
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "e.onnx", "--state-pack", "ternary",
+                       "--calib-text", str(_calib_text(tmp_path / "c.txt")), "--tokenizer", tok)
+    assert rc == 0 and rep["graph_passes"][0]["decision"].startswith("kept unfused: --state-pack eps-mode")
+    assert "PackedAttention" in _ops(tmp_path / "e.onnx") and "GroupQueryAttention" not in _ops(tmp_path / "e.onnx")
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "f.onnx", "--state-pack", "ternary",
+                       "--state-pack-eps", "0.5")
+    assert rc == 0 and rep["graph_passes"][0]["backend"] == "fuse"
+    _check_packed(tmp_path / "f.onnx", "int8")
+
+
+# --------------------------------------------------------------------------- --attn-tune
+def test_tune_chooses_budget_window_min_context(forms, tmp_path):
+    """--attn-tune (default) with --calib-text: trials of decode-mode Δppl vs the exact-attention
+    model, the chosen budget/window the smallest passing ones, min_context from the measured
+    crossover; the nodes carry the chosen values and the report says them."""
+    import onnx
+
+    src = forms["genai-fp32"] / "model.onnx"
+    calib = _calib_text(tmp_path / "calib.txt")
+    rc, rep = _rewrite(src, tmp_path / "t.onnx", "--state-pack", "binary", "--weights", "int4", "--calib-text",
+                       str(calib), "--attn-tune-context", "300", "--attn-tune-score", "32", "--quality-budget", "0.05")
+    assert rc == 0, rep
+    rec = next(r for r in rep["graph_passes"] if "tune" in r)
+    t = rec["tune"]
+    trials = t["quality"]["trials"]
+    assert trials[0]["budget"] == 1.0 and t["quality"]["context"] == 300
+    passing = [x for x in trials if x["delta_ppl"] <= 0.05]
+    assert {"budget": t["budget"], "window": t["window"]} in [{"budget": x["budget"], "window": x["window"]}
+                                                              for x in passing]
+    assert t["budget"] == min(x["budget"] for x in passing)
+    for x in trials:   # every approximate trial tested its budget (more candidates than window + sinks)
+        assert x["budget"] == 1.0 or np.ceil(x["budget"] * 300) > x["window"] + 4
+    if 0 < t["budget"] < 1:
+        x = rec["tune"]["min_context_measured"]
+        sp = sorted((int(p), v) for p, v in x["speedup"].items())
+        if x["crossover"] is None:
+            assert sp[-1][1] <= 1
+        else:   # every grid past from the crossover on is faster on the candidate path, the one below is not
+            assert all(v >= 1 for p, v in sp if p >= x["crossover"])     # (speedups rounded to 3 decimals)
+            below = [v for p, v in sp if p < x["crossover"]]
+            assert not below or below[-1] <= 1
+        assert t["min_context"] == (x["crossover"] if x["crossover"] is not None else 1 << 20)
+    m = onnx.load(str(tmp_path / "t.onnx"), load_external_data=False)
+    for n in (n for n in m.graph.node if n.op_type == "PackedAttention"):
+        a = {x.name: x for x in n.attribute}
+        assert abs(a["budget"].f - t["budget"]) < 1e-7 and a["window"].i == t["window"]
+        assert a["min_context"].i == t["min_context"]
+    assert f"budget {t['budget']:g}, window {t['window']}" in rec["decision"]
+
+
+def test_crossover_is_measured_and_cached(monkeypatch, tmp_path):
+    """min_context comes from timing the op's two paths (cached per CPU/library in speed.json)."""
+    from rewriter.kit import timing
+
+    monkeypatch.setattr(timing, "cache_file", lambda: tmp_path / "speed.json")
+    attrs = dict(kv_quant="int8", budget=0.25, window=16, sinks=4, scale=0.25, mode="sign")
+    x = timing.attention_crossover(4, 2, 32, 32, attrs, pasts=(32, 256, 1024))
+    assert set(x["pasts"]) == {"32", "256", "1024"} and all(v["exact"] > 0 and v["approx"] > 0
+                                                             for v in x["pasts"].values())
+    ok = [p for p in (32, 256, 1024) if x["pasts"][str(p)]["speedup"] > 1]
+    assert (x["crossover"] is None) == (1024 not in ok)
+    cached = json.loads((tmp_path / "speed.json").read_text())
+    assert len(cached) == 1
+    calls = []
+    monkeypatch.setattr(timing, "packed_attention_model", lambda *a, **k: calls.append(a))
+    assert timing.attention_crossover(4, 2, 32, 32, attrs, pasts=(32, 256, 1024)) == x and not calls
+
+
+# --------------------------------------------------------------------------- eval / bench
+def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
+    """`ortlean eval` scores an approximate PackedAttention model in decode mode (context capped by
+    the model's positions); `runtime.bench.decode_table` builds long pasts once (chunked prefill of
+    the GQA model) and gives PackedAttention rows their cache quantized from it: exact (fp32 rows,
+    budget 1) from that cache equals GQA's next-step logits."""
+    from custom_ops.runtime import bench as rb
+    from rewriter import cli
+
+    src = forms["genai-fp32"] / "model.onnx"
+    rc, _ = _rewrite(src, tmp_path / "a.onnx", "--state-pack", "binary", "--attn-budget", "0.25", "--attn-window", "8",
+                     "--attn-min-context", "16", "--attn-tune", "off")
+    assert rc == 0
+    text = _calib_text(tmp_path / "eval.txt", seed=3)
+    assert cli.main(["eval", str(tmp_path / "a.onnx"), "--ref", str(src), "--text", str(text), "--decode-score", "16",
+                     "--windows", "4", "--peers", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "decode-mode" in out and "Δppl" in out
+    rc, _ = _rewrite(src, tmp_path / "x.onnx", "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget", "1",
+                     "--attn-tune", "off")
+    models = {}
+    for k, p in (("gqa", src), ("pa", tmp_path / "a.onnx"), ("exact", tmp_path / "x.onnx")):
+        s = custom_ops.session(str(p), threads=1)
+        models[k] = (s, runtime.ModelIO.from_session(s, str(p)))
+    tab = rb.decode_table(models, [16, 200], prefill_len=8, steps=2, repeats=1, shared=("gqa", "pa", "exact"),
+                          long_past_from="gqa", own_past=64)
+    assert {"gqa", "pa", "gqa | shared KV", "pa | shared KV"} <= set(tab)
+    assert all(tab[r]["decode200"] > 0 for r in tab)
+    ids = np.random.default_rng(5).integers(3, 256, (1, 200))
+    s, io = models["gqa"]
+    built = rb.chunked_state(s, io, ids, chunk=64)
+    nxt = np.array([[7]])
+    g = runtime.run(s, io, runtime.feeds(io, nxt, built, 200))[io.logits_name]
+    s2, io2 = models["exact"]
+    p = runtime.run(s2, io2, runtime.feeds(io2, nxt, rb.state_from_kv(io2, built), 200))[io2.logits_name]
+    np.testing.assert_allclose(p, g, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- another family: sliding window
+@pytest.fixture(scope="module")
+def sliding():
+    import tiny_hf
+
+    d = tiny_hf.sliding()
+    if d is None:
+        pytest.skip("onnxruntime-genai not installed")
+    return d
+
+
+def test_sliding_window_family_exact_and_int8(sliding, tmp_path):
+    """Mistral (sliding window 24, head dim 48, GQA 4/2) from the genai builder, rewritten by the
+    CLI: fp32 rows at full budget equal GroupQueryAttention to 1e-5 over a prompt and 30 decode
+    steps (well past the window); int8 rows within quantization tolerance; an approximate budget
+    keeps the window (local_window) and runs."""
+    import onnx
+
+    src = sliding / "model.onnx"
+    gqa = [n for n in onnx.load(str(src), load_external_data=False).graph.node if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(next(a.i for a in n.attribute if a.name == "local_window_size") == 24 for n in gqa)
+    r = np.random.default_rng(2)
+    prompt, steps = r.integers(0, 256, (1, 20)), r.integers(0, 256, (1, 30))
+    ref = _shared_logits(src, prompt, steps)
+    rc, _ = _rewrite(src, tmp_path / "f.onnx", "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget", "1",
+                     "--attn-tune", "off")
+    pa = _check_packed(tmp_path / "f.onnx", "fp32")
+    assert rc == 0 and all(next(a.i for a in n.attribute if a.name == "local_window") == 24 for n in pa)
+    np.testing.assert_allclose(_shared_logits(tmp_path / "f.onnx", prompt, steps), ref, atol=1e-5, rtol=1e-5)
+    rc, _ = _rewrite(src, tmp_path / "q.onnx", "--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "1",
+                     "--attn-tune", "off")
+    got8 = _shared_logits(tmp_path / "q.onnx", prompt, steps)
+    assert rc == 0 and np.abs(got8 - ref).max() < 0.02 * np.abs(ref).max()
+    rc, _ = _rewrite(src, tmp_path / "b.onnx", "--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "0.3",
+                     "--attn-window", "4", "--attn-min-context", "8", "--attn-tune", "off")
+    approx = _shared_logits(tmp_path / "b.onnx", prompt, steps)
+    assert rc == 0 and np.isfinite(approx).all() and np.abs(approx - ref).max() < 0.5 * np.abs(ref).max()
+
+
+def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
+    """`ortlean bench PACKED --ref GQA_TWIN --decode-past ...`: plain and shared-KV rows for both;
+    a past at the model's position limit runs at limit − steps (said in a note)."""
+    from rewriter import cli
+
+    src = tiny["llama"] / "model.onnx"
+    assert _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4")[0] == 0
+    assert _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-budget", "0.5",
+                    "--attn-window", "16", "--attn-min-context", "32", "--attn-tune", "off")[0] == 0
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", str(tmp_path / "pa.onnx"), "--ref", str(tmp_path / "twin.onnx"), "--decode-past", "64,512",
+                   "--threads", "1", "--repeats", "1", "--steps", "2", "--nbits", "none", "--peers", "none",
+                   "--no-llama", "--no-profile", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["pasts"] == [64, 510] and any("512 positions" in n for n in r["notes"])
+    rows = r["table"]["t1"]
+    assert {"dense", "lean", "dense | shared KV", "lean | shared KV"} <= set(rows)
+    assert all(rows[k]["decode510"] > 0 for k in rows)
+    assert "dec P510 t1" in capsys.readouterr().out
