@@ -39,8 +39,11 @@ def fused_model(name: str = "smollm2", progress: bool = True) -> Path:
     from models import prepare
 
     src = prepare.prepare(name) / "model.onnx"
+    from rewriter.kit.modelfile import max_positions
+
+    rows = max_positions(src)     # as `ortlean rewrite` does: the rotary caches keep the config's positions
     key = artifact_key(f"{name}-fused", {"src": src.parent.name, "code": _code_hash("rewriter/fuse"),
-                                         "tools": versions(TOOLS)})
+                                         "rotary_rows": rows, "tools": versions(TOOLS)})
 
     def make(out: Path):
         import shutil
@@ -48,10 +51,9 @@ def fused_model(name: str = "smollm2", progress: bool = True) -> Path:
         import onnx_ir as ir
 
         from rewriter.fuse import fuse_decoder
-        from rewriter.kit.modelfile import max_positions
 
-        t0 = time.monotonic()   # as `ortlean rewrite` does: the rotary caches keep the config's positions
-        model, report = fuse_decoder(ir.load(src), max_positions=max_positions(src))
+        t0 = time.monotonic()
+        model, report = fuse_decoder(ir.load(src), max_positions=rows)
         ir.save(model, out)
         shutil.copy(src.parent / "tokenizer.json", out.parent / "tokenizer.json")
         (out.parent / "fuse.txt").write_text(report.summary() + "\n")
