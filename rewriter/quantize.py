@@ -111,44 +111,32 @@ def tied_embedding(graph: ir.Graph, W) -> ir.Node | None:
     return None
 
 
-def block_rows(graph: ir.Graph, blob: ir.Value, scales: ir.Value, zero_points, idx: ir.Value, D: int,
-               bits: int, block: int, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+def block_rows(b, graph: ir.Graph, blob: ir.Value, scales: ir.Value, zero_points, idx: ir.Value, D: int,
+               bits: int, block: int, prefix: str) -> ir.Value:
     """Rows ``idx`` of a MatMulNBits weight (its blocks ``blob`` [N, nb, blob_size] uint8, ``scales``
     [N, nb], unpacked ``zero_points`` [N, nb] uint8 or None for the default 2^(bits−1)) as float32
     ``[*idx.shape, D]`` (= rows of Wᵀ): com.microsoft ``GatherBlockQuantized`` over the blocks as they
-    are (no new weight bytes; the scales are reshaped at run time). Returns the nodes (in order; the
-    caller places them) and the output value. Shape constants are registered in ``graph``."""
+    are (no new weight bytes; the scales are reshaped at run time). The nodes go to the
+    ``kit.surgery.NodeBuilder`` ``b`` (the caller places them); constants, named under ``prefix``,
+    are registered in ``graph``. Returns the output value."""
     import numpy as np
 
+    from .kit import surgery
+
     N, nb = int(blob.const_value.shape[0]), int(blob.const_value.shape[1])
-
-    def const(name, vals):
-        v = ir.Value(name=f"{prefix}.{name}", const_value=ir.tensor(np.asarray(vals, np.int64), name=f"{prefix}.{name}"))
-        graph.register_initializer(v)
-        return v
-
-    nodes: list[ir.Node] = []
-
-    def add(op, inputs, name, attrs=None, domain=""):
-        node = ir.Node(domain, op, inputs, attributes=[ir.convenience.convert_attribute(k, v)
-                                                        for k, v in (attrs or {}).items()], name=f"{prefix}/{name}")
-        node.outputs[0].name = f"{prefix}/{name}_output_0"   # named: the nodes may go into a subgraph
-        nodes.append(node)
-        return node.outputs[0]
-
-    s3 = add("Reshape", [scales, const("scales_shape", [N, nb, 1])], "Scales")
+    s3 = b("Reshape", [scales, surgery.int64s(graph, f"{prefix}.scales_shape", [N, nb, 1])], "Scales")
     ins = [blob, idx, s3]
     if zero_points is not None:
-        z = ir.Value(name=f"{prefix}.zero_points", const_value=ir.tensor(
-            np.ascontiguousarray(np.asarray(zero_points, np.uint8).reshape(N, nb, 1)), name=f"{prefix}.zero_points"))
-        graph.register_initializer(z)
-        ins.append(z)
-    q = add("GatherBlockQuantized", ins, "GatherBlockQuantized",
-            dict(gather_axis=0, quantize_axis=2, block_size=block, bits=bits), domain="com.microsoft")  # [..., nb, block]
-    r = add("Reshape", [q, const("rows_shape", [0] * len(idx.shape or [0, 0]) + [nb * block])], "Rows")
+        ins.append(surgery.initializer(graph, f"{prefix}.zero_points",
+                                       np.asarray(zero_points, np.uint8).reshape(N, nb, 1)))
+    q = b("GatherBlockQuantized", ins, "GatherBlockQuantized",
+          dict(gather_axis=0, quantize_axis=2, block_size=block, bits=bits), domain="com.microsoft")  # [..., nb, block]
+    rows_shape = [0] * len(idx.shape or [0, 0]) + [nb * block]
+    r = b("Reshape", [q, surgery.int64s(graph, f"{prefix}.rows_shape", rows_shape)], "Rows")
     if nb * block != D:
-        r = add("Slice", [r, const("zero", [0]), const("D", [D]), const("last", [-1])], "RowsSlice")
-    return nodes, r
+        r = b("Slice", [r, surgery.int64s(graph, f"{prefix}.zero", [0]), surgery.int64s(graph, f"{prefix}.D", [D]),
+                        surgery.int64s(graph, f"{prefix}.last", [-1])], "RowsSlice")
+    return r
 
 
 def share_embedding(graph: ir.Graph, gather: ir.Node, head: ir.Node) -> None:
@@ -167,9 +155,10 @@ def share_embedding(graph: ir.Graph, gather: ir.Node, head: ir.Node) -> None:
     zp = None if zp_v is None else unpack_zero_points(zp_v.const_value.numpy(), N, nb, bits)
     table = gather.inputs[0]
     D = int(table.const_value.shape[1])
-    nodes, out = block_rows(graph, blob, scales, zp, gather.inputs[1], D, bits, block,
-                            surgery.safe_name(gather.name) + ".shared")
-    for n in nodes:
+    prefix = surgery.safe_name(gather.name) + ".shared"
+    b = surgery.NodeBuilder(prefix)
+    out = block_rows(b, graph, blob, scales, zp, gather.inputs[1], D, bits, block, prefix)
+    for n in b.nodes:
         graph.insert_before(gather, n)
     surgery.take_over(graph, gather, out)
     surgery.drop_if_unused(graph, table)

@@ -67,37 +67,16 @@ class HeadConfig(Options):
             raise OrtleanError(f"--head-candidates {self.candidates}: must be ≥ 1")
 
 
-def _i64(graph: ir.Graph, name: str, vals) -> ir.Value:
-    return surgery.initializer(graph, name, np.asarray(vals, np.int64))
-
-
-class _Builder:
-    """Nodes of one subgraph, with values named under a prefix."""
-
-    def __init__(self, prefix: str):
-        self.nodes: list[ir.Node] = []
-        self.prefix = prefix
-
-    def __call__(self, op: str, inputs, name: str, attrs: dict | None = None, domain: str = "", n_out: int = 1):
-        node = ir.Node(domain, op, inputs, attributes=[ir.convenience.convert_attribute(k, v)
-                                                        for k, v in (attrs or {}).items()],
-                       name=f"{self.prefix}/{name}", num_outputs=n_out)
-        for i, o in enumerate(node.outputs):
-            o.name = f"{self.prefix}/{name}_output_{i}"
-        self.nodes.append(node)
-        return node.outputs if n_out > 1 else node.outputs[0]
-
-
-def _int8_activations(b: "_Builder", g: ir.Graph, base: str, x: ir.Value, D: int, block: int, opset: int) -> ir.Value:
+def _int8_activations(b: surgery.NodeBuilder, g: ir.Graph, base: str, x: ir.Value, D: int, block: int, opset: int) -> ir.Value:
     """``x`` [B, D] rounded as MatMulNBits accuracy_level 4 rounds its input (custom_ops.reference.head
     .int8_activations): per block of ``block``, scale = max|x| / 127, round half to even, × scale."""
     nb = -(-D // block)
     f32 = lambda name, v: surgery.initializer(g, f"{base}.{name}", np.asarray(v, np.float32))  # noqa: E731
     if nb * block != D:
-        x = b("Pad", [x, _i64(g, f"{base}.act_pad", [0, 0, 0, nb * block - D])], "ActPad")
-    xb = b("Reshape", [x, _i64(g, f"{base}.act_blocks", [0, nb, block])], "ActBlocks")          # [B, nb, block]
+        x = b("Pad", [x, surgery.int64s(g, f"{base}.act_pad", [0, 0, 0, nb * block - D])], "ActPad")
+    xb = b("Reshape", [x, surgery.int64s(g, f"{base}.act_blocks", [0, nb, block])], "ActBlocks")          # [B, nb, block]
     ab = b("Abs", [xb], "ActAbs")
-    amax = (b("ReduceMax", [ab, _i64(g, f"{base}.act_axis", [2])], "ActMax", dict(keepdims=1)) if opset >= 18
+    amax = (b("ReduceMax", [ab, surgery.int64s(g, f"{base}.act_axis", [2])], "ActMax", dict(keepdims=1)) if opset >= 18
             else b("ReduceMax", [ab], "ActMax", dict(keepdims=1, axes=[2])))                    # [B, nb, 1]
     scale = b("Div", [amax, f32("act_127", 127.0)], "ActScale")
     zero = f32("act_zero", 0.0)
@@ -105,10 +84,10 @@ def _int8_activations(b: "_Builder", g: ir.Graph, base: str, x: ir.Value, D: int
     inv = b("Where", [pos, b("Div", [f32("act_one", 1.0), b("Where", [pos, scale, f32("act_one_b", 1.0)], "ActSafe")],
                              "ActInvSafe"), zero], "ActInv")
     q = b("Mul", [b("Round", [b("Mul", [xb, inv], "ActScaled")], "ActRound"), scale], "ActDequant")
-    x = b("Reshape", [q, _i64(g, f"{base}.act_rows", [0, nb * block])], "ActRows")
+    x = b("Reshape", [q, surgery.int64s(g, f"{base}.act_rows", [0, nb * block])], "ActRows")
     if nb * block != D:
-        x = b("Slice", [x, _i64(g, f"{base}.act_zero_i", [0]), _i64(g, f"{base}.act_D", [D]),
-                        _i64(g, f"{base}.act_last", [1])], "ActSlice")
+        x = b("Slice", [x, surgery.int64s(g, f"{base}.act_zero_i", [0]), surgery.int64s(g, f"{base}.act_D", [D]),
+                        surgery.int64s(g, f"{base}.act_last", [1])], "ActSlice")
     return x
 
 
@@ -123,9 +102,9 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
     a_v = surgery.initializer(g, f"{base}.A", A)
     b_v = surgery.initializer(g, f"{base}.B_q{cfg.bits}", blob)
     s_v = surgery.initializer(g, f"{base}.B_scales", scales)
-    k_v = _i64(g, f"{base}.candidates", [C])
-    ax1, ax2 = _i64(g, f"{base}.axis1", [1]), _i64(g, f"{base}.axis2", [2])
-    b = _Builder(prefix)
+    k_v = surgery.int64s(g, f"{base}.candidates", [C])
+    ax1, ax2 = surgery.int64s(g, f"{base}.axis1", [1]), surgery.int64s(g, f"{base}.axis2", [2])
+    b = surgery.NodeBuilder(prefix)
     x = head.x
 
     # rows of Wᵀ for the candidates: an existing initializer, or one stored for it
@@ -157,8 +136,7 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
     else:
         nbk, bits, block = int(nb["blob"].const_value.shape[1]), nb["bits"], nb["block"]
         zp = None if nb["zero_points"] is None else unpack_zero_points(nb["zp"], V, nbk, bits)
-        nodes, r = quantize.block_rows(g, nb["blob"], nb["scales"], zp, idx, D, bits, block, base)   # [B, C, D]
-        b.nodes += nodes
+        r = quantize.block_rows(b, g, nb["blob"], nb["scales"], zp, idx, D, bits, block, base)   # [B, C, D]
         how = f"exact rows: the head's own int{bits} blocks (GatherBlockQuantized)"
     xe = xs
     acc = head.node.attributes.get("accuracy_level")
@@ -190,8 +168,8 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
     for i in range(len(node.inputs)):
         node.replace_input_with(i, None)
 
-    c = _Builder(prefix)
-    one = _i64(g, f"{base}.one", 1)
+    c = surgery.NodeBuilder(prefix)
+    one = surgery.int64s(g, f"{base}.one", 1)
     seq = c("Gather", [c("Shape", [x], "InputShape"), one], "SeqLen", dict(axis=0))
     cond = c("Equal", [seq, one], "IsDecode")
     iff = ir.Node("", "If", [cond], attributes=[ir.AttrGraph("then_branch", then_g), ir.AttrGraph("else_branch", else_g)],

@@ -24,6 +24,29 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return v
 
 
+def int64s(graph: ir.Graph, name: str, vals) -> ir.Value:
+    """An int64 initializer (shapes, axes, indices)."""
+    return initializer(graph, name, np.asarray(vals, np.int64))
+
+
+class NodeBuilder:
+    """Nodes of one (sub)graph in order, named ``prefix/name`` with outputs ``prefix/name_output_i``
+    (named: they may go into an If branch, where unnamed values would collide)."""
+
+    def __init__(self, prefix: str):
+        self.nodes: list[ir.Node] = []
+        self.prefix = prefix
+
+    def __call__(self, op: str, inputs, name: str, attrs: dict | None = None, domain: str = "", n_out: int = 1):
+        node = ir.Node(domain, op, inputs, attributes=[ir.convenience.convert_attribute(k, v)
+                                                        for k, v in (attrs or {}).items()],
+                       name=f"{self.prefix}/{name}", num_outputs=n_out)
+        for i, o in enumerate(node.outputs):
+            o.name = f"{self.prefix}/{name}_output_{i}"
+        self.nodes.append(node)
+        return node.outputs if n_out > 1 else node.outputs[0]
+
+
 def op_attrs(op_type: str, values: dict) -> list[ir.Attr]:
     """Node attributes of an ortlean op, typed by its schema (a name the op does not have is a
     programming error: KeyError naming the op and its attributes)."""
