@@ -186,3 +186,36 @@ def test_quality_guard_budget_over_the_quantized_baseline():
                                                               ("c", "int4 (MatMulNBits)")]
     assert abs(res["baseline"] - 0.05) < 1e-12 and abs(res["loss"] - 0.01) < 1e-9
     assert "over the quantized baseline" in records["b"].decision
+
+
+@requires_native
+def test_gating_bound_counts_measured_keep(tiny_llama, word_text, tmp_path):
+    """tests/bench/gating_bound.py (issue 11's ceiling on what gating can give): decode steps report
+    each gated node's kept channels (KWTA keep 0.6 → ~0.6), the gated bytes are those fractions of
+    the gated weights, the rest is counted whole, and the bound lies between 1 and 1/keep."""
+    import onnx
+
+    from bench import gating_bound as gb
+    from custom_ops.runtime.io import load_tokenizer, tokenize
+
+    tok, text = word_text
+    out = tmp_path / "k.onnx"
+    rc, _ = _rewrite(tiny_llama, out, tok, text, "--kwta=on", "--kwta-k", "0.6", "--weights", "int4",
+                     "--quality-budget", "off")
+    assert rc == 0
+    ids = tokenize(load_tokenizer(out, tok), text.read_text())[:40]
+    keep, roles, kv = gb.measure_keep(str(out), ids, past=16, steps=8, threads=1)
+    m = onnx.load(str(out), load_external_data=False)
+    gated_nodes = [n.name for n in m.graph.node if n.op_type == "EventGatedMatMul"]
+    assert sorted(keep) == sorted(gated_nodes) and set(roles) <= {"gate", "up", "down"}
+    assert all(0.5 < k < 0.7 for k in keep.values()), keep
+    twin, gated = gb.bytes_per_token(m, {}, kv), gb.bytes_per_token(m, keep, kv)
+    sizes = {t.name: gb._nbytes(t) for t in m.graph.initializer}
+    whole = sum(sizes[i] for n in m.graph.node if n.op_type == "EventGatedMatMul" for i in n.input if i in sizes)
+    assert twin["gated"] == pytest.approx(whole)
+    assert gated["gated"] == pytest.approx(sum(keep[n.name] * sum(sizes[i] for i in n.input if i in sizes)
+                                               for n in m.graph.node if n.op_type == "EventGatedMatMul"))
+    assert twin["total"] - twin["gated"] == pytest.approx(gated["total"] - gated["gated"])
+    io = runtime.ModelIO.from_model(m)
+    assert twin["kv_cache"] == kv == 2 * io.num_layers * 16 * io.kv_heads * io.head_dim * 4 > 0
+    assert 1.0 < twin["total"] / gated["total"] < 1 / 0.6
