@@ -14,7 +14,8 @@ bytes every node reads per token:
 - MatMulNBits and ungated weights: all their initializer bytes;
 - EventGatedMatMul: kept fraction x (weights + scales) -- the ideal (element-wise skipping
   of whole bytes and scale groups; the int4k layout actually skips channel pairs);
-- a Gather/GatherBlockQuantized of a table: one row;
+- a Gather/GatherBlockQuantized of a table: one row (a Reshape/Cast of a constant: nothing, ORT
+  folds it when the session starts);
 - attention: the fp32 K/V cache at the given past, one row of the rotary cos/sin caches.
 
 The twin is the same graph at keep 1. The printed bound ignores the gate's own compute (so it is
@@ -60,6 +61,8 @@ def bytes_per_token(model, keep: dict[str, float], kv_cache: float) -> dict:
             out["gated"] += keep.get(n.name, 1.0) * total
         elif n.op_type in ("MatMulNBits", "MatMul", "Gemm"):
             out["head" if "lm_head" in n.name else "matmul"] += total
+        elif n.op_type in ("Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze"):
+            continue  # on a constant: folded at session start (the shared embedding's scales view)
         elif n.op_type in ("GroupQueryAttention", "RotaryEmbedding"):
             out["other"] += sum(b / max(d[0], 1) for b, d in w if d)  # one row of the cos/sin caches
         else:
