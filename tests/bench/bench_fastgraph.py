@@ -7,7 +7,8 @@ would otherwise run, all in ONE process on this machine.
 Models (ONNX Runtime CPU EP):
   optimum fp32     the optimum export, unfused (the reference of every Δppl)
   fused fp32       rewriter.fuse.fuse_decoder(optimum export)
-  fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS)
+  fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS: the tied
+                   embedding shared, each MLP's gate and up packed into one MatMulNBits + Split)
   genai fp32/int4  onnxruntime-genai 0.15.2's model builder on the same fp32 checkpoint (models.peers)
 Drivers (the row name says which; custom_ops.runtime.bench.LoopRow / SharedRow / OgRow, the table
 loop is custom_ops.runtime.bench.decode_table, the same code `ortlean bench` runs):
