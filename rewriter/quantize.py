@@ -41,7 +41,7 @@ DEFAULTS = {
 
 def quantize_weights(model: ir.Model, weights: str, *, block_size: int | None = None,
                      symmetric: bool | None = None, accuracy_level: int | None = None,
-                     exclude: Iterable[str] = (), embed: str = "shared", pack: bool = True) -> tuple[ir.Model, dict]:
+                     exclude: Iterable[str] = (), embed: str = "shared", pack: bool = False) -> tuple[ir.Model, dict]:
     """``weights="fp32"`` returns the model unchanged; ``"int8"``/``"int4"`` returns a new model
     whose constant-weight MatMuls (except ``exclude``) are MatMulNBits. With ``embed="shared"`` a
     token-embedding Gather whose table is the (quantized) head weight transposed reads the head's
@@ -208,7 +208,12 @@ def pack_shared_input(graph: ir.Graph) -> list[str]:
     concatenated along N and a ``Split`` giving each its old output: one weight stream and one
     kernel launch (one int8 quantization of the activations) instead of several. The same numbers:
     every output column keeps its own blocks, scales and zero points along K, and the activations'
-    blocks along K are the same. Returns the packed nodes' names."""
+    blocks along K are the same. Returns the packed nodes' names.
+
+    Off by default (``quantize_weights(pack=False)``, ``--weights-pack off``): on SmolLM2-135M int4
+    (2 cores, AVX2, ORT 1.32) decode and prefill measured the same as unpacked within the noise
+    (±3 %, load 2-5; a 30-layer MLP chain at M=1 and M=128 too): the saved launch and activation
+    quantization are ~µs per layer, and the Split adds a copy."""
     import numpy as np
 
     from .kit import surgery

@@ -140,8 +140,7 @@ def test_quantized_fused_model_runs(tiny, fused, weights, tmp_path):
     assert len(info["quantized"]) == n_mm and not info["kept"]
     assert "/lm_head/MatMul" in info["quantized"]
     ops = [n.op_type for n in q.graph]
-    assert len(info["packed"]) == 2      # each layer's gate and up: one MatMulNBits
-    assert ops.count("MatMulNBits") == n_mm - 2 and "MatMul" not in ops
+    assert info["packed"] == [] and ops.count("MatMulNBits") == n_mm and "MatMul" not in ops
     bits = {n.attributes["bits"].value for n in q.graph if n.op_type == "MatMulNBits"}
     assert bits == {int(weights[3:])}
     p = tmp_path / "q.onnx"
@@ -202,7 +201,7 @@ def test_pack_needs_the_same_input_and_settings(fused):
     a layer whose up projection stays a float MatMul keeps its gate alone."""
     m = ir.load(fused["llama"][0])
     up0 = next(n.name for n in m.graph if n.op_type == "MatMul" and "layers.0/mlp/up_proj" in n.name)
-    q, info = quantize_weights(m, "int4", exclude=[up0])
+    q, info = quantize_weights(m, "int4", exclude=[up0], pack=True)
     assert info["packed"] == ["/model/layers.1/mlp/gate_up_proj/MatMul_Q4"]
     assert any(n.op_type == "MatMulNBits" and "layers.0/mlp/gate_proj" in n.name for n in q.graph)
 
@@ -358,10 +357,8 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     assert rows and all(r["backend"] == "int4 (MatMulNBits)" for r in rows)
     assert any(r["target"] == "head" for r in rows)
     n_layers = tiny_hf.FAMILIES[fam]["num_hidden_layers"]
-    # qkv, o, gate+up (packed, --weights-pack on by default), down; head
-    assert sum(1 for n in m.graph if n.op_type == "MatMulNBits") == 4 * n_layers + 1
-    assert sum(1 for n in m.graph if n.op_type == "Split") == n_layers
-    assert rep["graph_passes"][-1]["backend"] == "weights_pack" and f"{n_layers} groups" in rep["graph_passes"][-1]["decision"]
+    assert sum(1 for n in m.graph if n.op_type == "MatMulNBits") == 5 * n_layers + 1  # qkv, o, gate, up, down; head
+    assert "Split" not in ops and not [g for g in rep["graph_passes"] if g["backend"] == "weights_pack"]
     tied = tiny_hf.FAMILIES[fam]["tie_word_embeddings"]   # the tied embedding reads the head's blocks
     assert ("GatherBlockQuantized" in ops) == tied and ("model.embed_tokens.weight" in m.graph.initializers) != tied
     head = next(r for r in rows if r["target"] == "head")
@@ -373,13 +370,13 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     a = runtime.run(s0, io0, runtime.feeds(io0, ids))["logits"]
     b = runtime.run(s1, io1, runtime.feeds(io1, ids))["logits"]
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.2
-    # --weights-pack off: gate and up stay two MatMulNBits, and the logits are the same numbers
-    rc, rep2 = _cli_rewrite(src, tmp_path / "unpacked.onnx", "--weights", "int4", "--weights-pack", "off")
-    m2 = ir.load(tmp_path / "unpacked.onnx")
-    assert rc == 0 and sum(1 for n in m2.graph if n.op_type == "MatMulNBits") == 5 * n_layers + 1
-    assert "Split" not in {n.op_type for n in m2.graph}
-    assert not [g for g in rep2["graph_passes"] if g["backend"] == "weights_pack"]
-    s2 = _sess(tmp_path / "unpacked.onnx")
+    # --weights-pack on: gate and up become one MatMulNBits + Split, and the logits are the same numbers
+    rc, rep2 = _cli_rewrite(src, tmp_path / "packed.onnx", "--weights", "int4", "--weights-pack", "on")
+    m2 = ir.load(tmp_path / "packed.onnx")
+    assert rc == 0 and sum(1 for n in m2.graph if n.op_type == "MatMulNBits") == 4 * n_layers + 1
+    assert sum(1 for n in m2.graph if n.op_type == "Split") == n_layers
+    assert rep2["graph_passes"][-1]["backend"] == "weights_pack" and f"{n_layers} groups" in rep2["graph_passes"][-1]["decision"]
+    s2 = _sess(tmp_path / "packed.onnx")
     np.testing.assert_array_equal(b, runtime.run(s2, io1, runtime.feeds(io1, ids))["logits"])
 
 

@@ -103,9 +103,9 @@ class WeightsBackend(WeightBackendBase):
 # --------------------------------------------------------------------------- --weights-pack (a "post" graph pass)
 @dataclass
 class PackConfig(Options):
-    pack: bool = flag("--weights-pack", True, "with --weights int8|int4: MatMulNBits layers that read one input "
+    pack: bool = flag("--weights-pack", False, "with --weights int8|int4: MatMulNBits layers that read one input "
                       "(an MLP's gate and up) become one MatMulNBits over their blocks and a Split — the same "
-                      "numbers, one weight stream and one kernel launch (default on)", type=onoff, metavar="on|off")
+                      "numbers, one weight stream and one kernel launch; default off: measured no faster on SmolLM2 int4)", type=onoff, metavar="on|off")
     enabled: bool = False
     targets: tuple = ()
     explicit: bool = False     # never a request by itself: --weights is
