@@ -24,7 +24,7 @@ import onnx_ir as ir
 from custom_ops.runtime.weights import QuantConfig, matmul_nbits_proto
 
 __all__ = ["WEIGHTS", "EMBED", "QuantConfig", "DEFAULTS", "quantize_weights", "matmul_nbits_proto",
-           "tied_embedding", "block_rows", "share_embedding"]
+           "tied_embedding", "block_rows", "share_embedding", "pack_shared_input"]
 
 WEIGHTS = ("fp32", "int8", "int4")
 # the token embedding of a model whose lm_head is tied to it: "shared" reads the head's quantized
@@ -41,12 +41,13 @@ DEFAULTS = {
 
 def quantize_weights(model: ir.Model, weights: str, *, block_size: int | None = None,
                      symmetric: bool | None = None, accuracy_level: int | None = None,
-                     exclude: Iterable[str] = (), embed: str = "shared") -> tuple[ir.Model, dict]:
+                     exclude: Iterable[str] = (), embed: str = "shared", pack: bool = False) -> tuple[ir.Model, dict]:
     """``weights="fp32"`` returns the model unchanged; ``"int8"``/``"int4"`` returns a new model
     whose constant-weight MatMuls (except ``exclude``) are MatMulNBits. With ``embed="shared"`` a
     token-embedding Gather whose table is the (quantized) head weight transposed reads the head's
-    blocks (:func:`share_embedding`). ``info`` records the configuration, which nodes were
-    quantized / kept and the shared embedding (or None)."""
+    blocks (:func:`share_embedding`). With ``pack`` the MatMulNBits that read one input (gate and
+    up) become one (:func:`pack_shared_input`). ``info`` records the configuration, which nodes were
+    quantized / kept, the shared embedding (or None) and the packed groups."""
     if embed not in EMBED:
         raise ValueError(f"--weights-embed {embed!r}: one of {', '.join(EMBED)}")
     if weights not in WEIGHTS:
@@ -83,8 +84,9 @@ def quantize_weights(model: ir.Model, weights: str, *, block_size: int | None = 
         if head is not None and gather is not None:
             share_embedding(out.graph, gather, head)
             shared = tied[1]
+    packed = pack_shared_input(out.graph) if pack else []
     return out, {"weights": weights, **asdict(cfg), "quantized": quantized, "kept": kept,
-                 "embedding_shared": shared}
+                 "embedding_shared": shared, "packed": packed}
 
 
 # --------------------------------------------------------------------------- the tied token embedding
@@ -162,6 +164,102 @@ def share_embedding(graph: ir.Graph, gather: ir.Node, head: ir.Node) -> None:
         graph.insert_before(gather, n)
     surgery.take_over(graph, gather, out)
     surgery.drop_if_unused(graph, table)
+
+
+# --------------------------------------------------------------------------- shared-input projections
+_PACK_ATTRS = ("K", "bits", "block_size", "accuracy_level")
+
+
+def _packable(node: ir.Node) -> bool:
+    """A MatMulNBits with constant blocks and scales (and zero points), no g_idx / bias, 2-D scales."""
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or not node.inputs or node.inputs[0] is None:
+        return False
+    ins = list(node.inputs)
+    if len(ins) > 4 and any(v is not None for v in ins[4:]):
+        return False
+    if any(v is None or v.const_value is None for v in ins[1:3]) or (len(ins) > 3 and ins[3] is not None
+                                                                   and ins[3].const_value is None):
+        return False
+    return len(node.outputs) == 1 and not node.outputs[0].is_graph_output()
+
+
+def _pack_key(node: ir.Node) -> tuple:
+    a = node.attributes
+    return (tuple(a[k].as_int() if k in a else None for k in _PACK_ATTRS),
+            len(node.inputs) > 3 and node.inputs[3] is not None,
+            node.inputs[2].const_value.dtype, len(node.inputs[2].const_value.shape))
+
+
+def _packed_name(names: list[str]) -> str:
+    """"/model/layers.0/mlp/gate_proj/MatMul_Q4" + ".../up_proj/MatMul_Q4" -> ".../gate_up_proj/MatMul_Q4"."""
+    import re
+
+    parts = [re.search(r"([^/]*)_proj/", n) for n in names]
+    if all(parts) and len({n[:m.start()] + n[m.end():] for n, m in zip(names, parts)}) == 1:
+        m = parts[0]
+        joined = "_".join(p.group(1) for p in parts)
+        return f"{names[0][:m.start()]}{joined}_proj/{names[0][m.end():]}"
+    return f"{names[0]}_packed"
+
+
+def pack_shared_input(graph: ir.Graph) -> list[str]:
+    """MatMulNBits nodes that read the same input with the same K, bits, block size, accuracy level
+    and zero-point form (a Llama MLP's gate and up projections) → one MatMulNBits over their blocks
+    concatenated along N and a ``Split`` giving each its old output: one weight stream and one
+    kernel launch (one int8 quantization of the activations) instead of several. The same numbers:
+    every output column keeps its own blocks, scales and zero points along K, and the activations'
+    blocks along K are the same. Returns the packed nodes' names.
+
+    Off by default (``quantize_weights(pack=False)``, ``--weights-pack off``): on SmolLM2-135M int4
+    (2 cores, AVX2, ORT 1.32) decode and prefill measured the same as unpacked within the noise
+    (±3 %, load 2-5; a 30-layer MLP chain at M=1 and M=128 too): the saved launch and activation
+    quantization are ~µs per layer, and the Split adds a copy."""
+    import numpy as np
+
+    from .kit import surgery
+
+    groups: dict[tuple, list[ir.Node]] = {}
+    for node in graph:
+        if _packable(node):
+            groups.setdefault((id(node.inputs[0]), _pack_key(node)), []).append(node)
+    opset = graph.opset_imports.get("", 0)
+    done = []
+    for nodes in groups.values():
+        if len(nodes) < 2:
+            continue
+        first = nodes[0]
+        Ns = [int(n.attributes["N"].as_int()) for n in nodes]
+        name = _packed_name([n.name for n in nodes])
+        base = surgery.safe_name(name)
+
+        def cat(i: int, what: str) -> ir.Value:
+            return surgery.initializer(graph, f"{base}.{what}",
+                                       np.concatenate([n.inputs[i].const_value.numpy() for n in nodes], axis=0))
+
+        ins = [first.inputs[0], cat(1, "weight_packed"), cat(2, "weight_scales")]
+        if len(first.inputs) > 3 and first.inputs[3] is not None:
+            ins.append(cat(3, "weight_zero_points"))
+        attrs = [a for a in first.attributes.values() if a.name != "N"] + [ir.AttrInt64("N", sum(Ns))]
+        mm = ir.Node("com.microsoft", "MatMulNBits", ins, attrs, name=name)
+        mm.outputs[0].name = f"{name}_output_0"
+        if opset >= 13:
+            split = ir.Node("", "Split", [mm.outputs[0], surgery.int64s(graph, f"{base}.split", Ns)],
+                            [ir.AttrInt64("axis", -1)], name=f"{name}/Split", num_outputs=len(nodes))
+        else:
+            split = ir.Node("", "Split", [mm.outputs[0]], [ir.AttrInt64("axis", -1), ir.AttrInt64s("split", Ns)],
+                            name=f"{name}/Split", num_outputs=len(nodes))
+        graph.insert_before(first, [mm, split])
+        for n, out in zip(nodes, split.outputs):
+            old = n.outputs[0]
+            name_, old.name = old.name, None
+            out.name, out.type, out.shape = name_, old.type, old.shape
+            old.replace_all_uses_with(out)
+            weights = [v for v in n.inputs[1:] if v is not None]
+            graph.remove(n, safe=True)
+            for v in weights:
+                surgery.drop_if_unused(graph, v)
+        done.append(name)
+    return done
 
 
 # --------------------------------------------------------------------------- one layer (the --weights backend)

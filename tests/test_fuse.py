@@ -101,6 +101,10 @@ def test_fused_graph_shape(tiny, fused, fam):
     assert ops.count("MatMul") == 5 * layers + 1
     gqa = next(n for n in m.graph if n.op_type == "GroupQueryAttention")
     assert gqa.inputs[1] is None and gqa.inputs[2] is None
+    # the normalizations' mean / inverse std-dev outputs are absent (nothing reads them), as in genai's graph
+    for n in m.graph:
+        if n.op_type == "SkipSimplifiedLayerNormalization":
+            assert [o.name for o in n.outputs[1:3]] in ([], ["", ""]), n.name
     assert gqa.attributes["do_rotary"].value == 1
     assert report.nodes_after < report.nodes_before / 8
     assert report.fusions["GroupQueryAttention"] == layers and report.fusions["packed_qkv"] == layers
@@ -136,7 +140,7 @@ def test_quantized_fused_model_runs(tiny, fused, weights, tmp_path):
     assert len(info["quantized"]) == n_mm and not info["kept"]
     assert "/lm_head/MatMul" in info["quantized"]
     ops = [n.op_type for n in q.graph]
-    assert ops.count("MatMulNBits") == n_mm and "MatMul" not in ops
+    assert info["packed"] == [] and ops.count("MatMulNBits") == n_mm and "MatMul" not in ops
     bits = {n.attributes["bits"].value for n in q.graph if n.op_type == "MatMulNBits"}
     assert bits == {int(weights[3:])}
     p = tmp_path / "q.onnx"
@@ -147,6 +151,59 @@ def test_quantized_fused_model_runs(tiny, fused, weights, tmp_path):
     ppl0 = runtime.perplexity(s0, io, ids, window=32)["ppl"]
     ppl1 = runtime.perplexity(s1, io, ids, window=32)["ppl"]
     assert abs(ppl1 / ppl0 - 1) < (0.01 if weights == "int8" else 0.05)
+
+
+def _logits_steps(path, ids, steps=3):
+    """Prefill logits of ``ids`` and of ``steps`` decode steps after it (the plain loop)."""
+    s = _sess(path)
+    io = runtime.ModelIO.from_session(s)
+    o = runtime.run(s, io, runtime.feeds(io, ids))
+    out, past, plen = [o["logits"]], io.next_state(o), ids.shape[1]
+    for t in range(steps):
+        o = runtime.run(s, io, runtime.feeds(io, ids[:, t: t + 1], past, plen))
+        out.append(o["logits"])
+        past, plen = io.next_state(o), plen + 1
+    return out
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("weights,symmetric,acc", [("int4", True, 4), ("int4", False, 4), ("int8", True, 4),
+                                                   ("int4", True, 0)])
+def test_packed_gate_up_equals_unpacked(tiny, fused, fam, weights, symmetric, acc, tmp_path):
+    """gate and up (MatMulNBits reading one input) packed into one MatMulNBits + Split compute the
+    same numbers as the two of them: every column keeps its blocks along K, the activations' int8
+    blocks are the same. Prefill (M > 1) and decode (M = 1), batch 2."""
+    m = ir.load(fused[fam][0])
+    layers = fused[fam][1].layers
+    paths, nbytes = [], []
+    for pack in (False, True):
+        q, info = quantize_weights(m, weights, symmetric=symmetric, accuracy_level=acc, pack=pack)
+        ops = [n.op_type for n in q.graph]
+        assert ops.count("Split") == (layers if pack else 0)
+        assert ops.count("MatMulNBits") == (4 if pack else 5) * layers + 1
+        assert len(info["packed"]) == (layers if pack else 0)
+        assert all("/mlp/gate_up_proj/" in n for n in info["packed"])
+        nbytes.append(sum(v.const_value.nbytes for v in q.graph.initializers.values()))
+        if pack:   # the separate blocks are gone, not kept beside the packed ones: the same bytes + the split sizes
+            assert nbytes[1] - nbytes[0] == layers * 2 * 8
+            packed = next(n for n in q.graph if n.op_type == "MatMulNBits" and "gate_up" in n.name)
+            assert packed.attributes["N"].as_int() == 2 * tiny_hf.FAMILIES[fam]["intermediate_size"]
+            assert (len(packed.inputs) > 3) == (not symmetric)
+        paths.append(tmp_path / f"q{int(pack)}.onnx")
+        ir.save(q, paths[-1])
+    ids = np.random.default_rng(11).integers(3, 250, (2, 6))
+    for a, b in zip(_logits_steps(paths[0], ids), _logits_steps(paths[1], ids)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_pack_needs_the_same_input_and_settings(fused):
+    """Only MatMulNBits of one input with the same K / bits / block / accuracy / zero-point form pack:
+    a layer whose up projection stays a float MatMul keeps its gate alone."""
+    m = ir.load(fused["llama"][0])
+    up0 = next(n.name for n in m.graph if n.op_type == "MatMul" and "layers.0/mlp/up_proj" in n.name)
+    q, info = quantize_weights(m, "int4", exclude=[up0], pack=True)
+    assert info["packed"] == ["/model/layers.1/mlp/gate_up_proj/MatMul_Q4"]
+    assert any(n.op_type == "MatMulNBits" and "layers.0/mlp/gate_proj" in n.name for n in q.graph)
 
 
 def test_quantize_excludes_and_rejects(fused):
@@ -301,6 +358,7 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     assert any(r["target"] == "head" for r in rows)
     n_layers = tiny_hf.FAMILIES[fam]["num_hidden_layers"]
     assert sum(1 for n in m.graph if n.op_type == "MatMulNBits") == 5 * n_layers + 1  # qkv, o, gate, up, down; head
+    assert "Split" not in ops and not [g for g in rep["graph_passes"] if g["backend"] == "weights_pack"]
     tied = tiny_hf.FAMILIES[fam]["tie_word_embeddings"]   # the tied embedding reads the head's blocks
     assert ("GatherBlockQuantized" in ops) == tied and ("model.embed_tokens.weight" in m.graph.initializers) != tied
     head = next(r for r in rows if r["target"] == "head")
@@ -312,6 +370,14 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     a = runtime.run(s0, io0, runtime.feeds(io0, ids))["logits"]
     b = runtime.run(s1, io1, runtime.feeds(io1, ids))["logits"]
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.2
+    # --weights-pack on: gate and up become one MatMulNBits + Split, and the logits are the same numbers
+    rc, rep2 = _cli_rewrite(src, tmp_path / "packed.onnx", "--weights", "int4", "--weights-pack", "on")
+    m2 = ir.load(tmp_path / "packed.onnx")
+    assert rc == 0 and sum(1 for n in m2.graph if n.op_type == "MatMulNBits") == 4 * n_layers + 1
+    assert sum(1 for n in m2.graph if n.op_type == "Split") == n_layers
+    assert rep2["graph_passes"][-1]["backend"] == "weights_pack" and f"{n_layers} groups" in rep2["graph_passes"][-1]["decision"]
+    s2 = _sess(tmp_path / "packed.onnx")
+    np.testing.assert_array_equal(b, runtime.run(s2, io1, runtime.feeds(io1, ids))["logits"])
 
 
 def test_rewrite_fuse_flags(tiny, toy_model, tmp_path, capsys):

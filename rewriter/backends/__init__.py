@@ -29,11 +29,11 @@ from .head import CheapHeadPass
 from .packed_attention import PackedAttentionPass
 from .procsparse import ProcBackend
 from .tt import TTBackend
-from .weights import WeightsBackend
+from .weights import WeightsBackend, WeightsPackPass
 
 # WeightsBackend (--weights int8|int4) stays last: it takes exactly the layers the others left dense
 WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend, WeightsBackend]
-GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass]
+GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass, WeightsPackPass]
 
 
 def all_backends() -> list:

@@ -18,9 +18,9 @@ import numpy as np
 import onnx_ir as ir
 
 from ..kit import gaps, surgery
-from ..kit.backend import Plan, WeightBackendBase
+from ..kit.backend import GraphPassBase, Plan, WeightBackendBase
 from ..kit.candidates import Candidate, GroupCandidate
-from ..kit.options import Options, flag, from_args
+from ..kit.options import Options, flag, from_args, onoff
 from .. import quantize
 
 MS_DOMAIN = "com.microsoft"
@@ -98,3 +98,38 @@ class WeightsBackend(WeightBackendBase):
         gather = next((n for n in graph if n.name == tied), None) if tied else None
         if gather is not None:
             quantize.share_embedding(graph, gather, node)
+
+
+# --------------------------------------------------------------------------- --weights-pack (a "post" graph pass)
+@dataclass
+class PackConfig(Options):
+    pack: bool = flag("--weights-pack", False, "with --weights int8|int4: MatMulNBits layers that read one input "
+                      "(an MLP's gate and up) become one MatMulNBits over their blocks and a Split — the same "
+                      "numbers, one weight stream and one kernel launch; default off: measured no faster on SmolLM2 int4)", type=onoff, metavar="on|off")
+    enabled: bool = False
+    targets: tuple = ()
+    explicit: bool = False     # never a request by itself: --weights is
+
+
+class WeightsPackPass(GraphPassBase):
+    """After every weight backend emitted: ``rewriter.quantize.pack_shared_input`` on the graph
+    (MatMulNBits of one input and one setting → one MatMulNBits + Split; layers other backends took
+    are not MatMulNBits and stay as they are)."""
+    name = "weights_pack"
+    stage = "post"
+    Config = PackConfig
+    title = "packing of the MatMulNBits layers that share an input"
+
+    @classmethod
+    def config(cls, args, state_pack) -> PackConfig:
+        cfg = from_args(PackConfig, args)
+        cfg.enabled = cfg.pack and getattr(args, "weights", "fp32") != "fp32"
+        return cfg
+
+    def run(self, model, ctx) -> list[dict]:
+        packed = quantize.pack_shared_input(model.graph)
+        if not packed:
+            return []
+        return [{"layer": packed[0] if len(packed) == 1 else f"{packed[0]} … ({len(packed)})", "backend": "weights_pack",
+                 "decision": f"{len(packed)} groups of MatMulNBits reading one input packed into one MatMulNBits + Split "
+                             "each (the same numbers)"}]

@@ -207,6 +207,27 @@ def _trim_rotary_caches(model: ir.Model, rows: int) -> int:
     return rows
 
 
+# optional outputs nobody reads (ORT's kernels skip what is absent; onnx-ir names empty outputs "v", "v_1" …)
+_OPTIONAL_OUTPUTS = {("com.microsoft", "SkipSimplifiedLayerNormalization"): (1, 2, 3),
+                     ("com.microsoft", "SkipLayerNormalization"): (1, 2, 3),
+                     ("", "SimplifiedLayerNormalization"): (1,), ("", "LayerNormalization"): (1, 2)}
+
+
+def _drop_unused_optional_outputs(model: ir.Model) -> int:
+    """Make the unused optional outputs of the normalizations absent (the mean / inverse std-dev
+    SkipSimplifiedLayerNormalization would otherwise allocate and write at every step, as the genai
+    builder's graph does not). Returns how many were dropped."""
+    n = 0
+    for node in model.graph:
+        for i in _OPTIONAL_OUTPUTS.get((node.domain, node.op_type), ()):
+            if i < len(node.outputs):
+                v = node.outputs[i]
+                if v.name and not v.uses() and not v.is_graph_output():
+                    v.name = ""
+                    n += 1
+    return n
+
+
 def fuse_decoder(model: ir.Model, *, pack_qkv: bool = True, max_positions: int | None = None
                  ) -> tuple[ir.Model, FuseReport]:
     """Rewrite an optimum Llama-family decoder with past into ORT's fused ops (a new model; the input
@@ -240,6 +261,7 @@ def fuse_decoder(model: ir.Model, *, pack_qkv: bool = True, max_positions: int |
     common_passes.RemoveUnusedNodesPass()(fused)
     common_passes.RemoveUnusedFunctionsPass()(fused)
     common_passes.RemoveUnusedOpsetsPass()(fused)
+    fusions["unused_outputs_dropped"] = _drop_unused_optional_outputs(fused)
     left = [x.name for x in fused.graph if x.op_type in ("RotaryEmbedding", "Softmax")
             or (x.op_type != "GroupQueryAttention" and any(i is not None and i.name.startswith("past_key_values.")
                                                             for i in x.inputs))]

@@ -7,7 +7,8 @@ would otherwise run, all in ONE process on this machine.
 Models (ONNX Runtime CPU EP):
   optimum fp32     the optimum export, unfused (the reference of every Δppl)
   fused fp32       rewriter.fuse.fuse_decoder(optimum export)
-  fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS)
+  fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS: the tied
+                   embedding shared)
   genai fp32/int4  onnxruntime-genai 0.15.2's model builder on the same fp32 checkpoint (models.peers)
 Drivers (the row name says which; custom_ops.runtime.bench.LoopRow / SharedRow / OgRow, the table
 loop is custom_ops.runtime.bench.decode_table, the same code `ortlean bench` runs):
@@ -67,6 +68,24 @@ def isa_line() -> str:
             f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
+def fix_malloc_threshold(nbytes: int = 32 << 20) -> str:
+    """Every session's weights placed alike: glibc's *dynamic* mmap threshold puts the big buffers
+    (the prepacked MatMulNBits weights) of the first large session of a process in fresh mmap'd chunks
+    and those of later ones on the heap once a freed chunk raised the threshold — measured: the first
+    of three identical sessions 5-8 % slower in CPU time (SmolLM2 int4 and a 30-layer MatMulNBits MLP
+    chain, taskset, 1 thread; none with MALLOC_MMAP_THRESHOLD_=32 MiB or a large session built first),
+    so in one process the build order, not the graph, decided a few per cent between rows.
+    mallopt(M_MMAP_THRESHOLD) fixes the threshold (buffers below it from the heap, for every session).
+    Returns a note for the output ("" when glibc is not there)."""
+    import ctypes
+
+    try:
+        ok = ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes))   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return ""
+    return f"glibc mmap threshold fixed at {nbytes >> 20} MiB (mallopt; --malloc-as-is to skip)" if ok else ""
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -84,8 +103,12 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-op ORT profile of fused int4 vs genai int4 decode")
     ap.add_argument("--models", help="comma list of models (optimum fp32, fused fp32, fused int8, fused int4, "
                                      "genai fp32, genai int4); default all")
+    ap.add_argument("--malloc-as-is", action="store_true",
+                    help="leave glibc's dynamic mmap threshold (the sessions' weights then sit where the build "
+                         "order puts them; see fix_malloc_threshold)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    malloc_note = "" if a.malloc_as_is else fix_malloc_threshold()
     threads = [int(x) for x in a.threads.split(",")]
     pasts = [int(x) for x in a.pasts.split(",")]
     t_start = time.monotonic()
@@ -96,7 +119,7 @@ def main():
     from rewriter.quantize import DEFAULTS
 
     print(isa_line(), flush=True)
-    notes = []
+    notes = [malloc_note] if malloc_note else []
     dense = prepare.prepare("smollm2") / "model.onnx"
     fp32 = fused_model("smollm2")
     models: dict[str, Path] = {"optimum fp32": dense, "fused fp32": fp32}
