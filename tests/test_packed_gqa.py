@@ -590,3 +590,22 @@ def test_decode_perplexity_equals_full_forward_and_sees_the_budget(tmp_path):
     pio = runtime.ModelIO.from_session(ps)
     d = runtime.decode_perplexity(ps, pio, ids, context=c, score=s, windows=1)
     assert d["loop"] == "shared" and abs(d["nll"] - nll) > 1e-3   # the decode-time approximation is seen
+
+
+def test_fit_pasts_at_the_rotary_limit(tmp_path):
+    """rewriter.evaluate.fit_pasts (`ortlean bench` and bench_longctx.py): a past beyond the rotary
+    cache's rows minus the decode steps runs at that limit, with a note; the limit is read from a
+    GroupQueryAttention graph and from its PackedAttention rewrite (cos_cache on the op)."""
+    import onnx
+    import onnx_ir as ir
+
+    from rewriter.evaluate import fit_pasts, max_positions
+
+    m = _gqa_layer_model(4, 2, 32, max_pos=256)
+    onnx.save(m, tmp_path / "gqa.onnx")
+    lean, _ = _rewrite_gqa(ir.from_proto(m), kv_quant="int8", budget=1.0)
+    packed = _save(lean, tmp_path / "packed.onnx")
+    assert max_positions(str(tmp_path / "gqa.onnx")) == max_positions(packed) == 256
+    assert fit_pasts([64, 128], 8, [packed]) == ([64, 128], None)
+    pasts, note = fit_pasts([64, 256, 1000], 8, [tmp_path / "gqa.onnx", packed])
+    assert pasts == [64, 248] and "256 positions" in note and "ran at 248" in note

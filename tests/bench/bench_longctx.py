@@ -99,11 +99,16 @@ def run(a) -> dict:
 
     calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(b == "auto" for _, b in variants) else None
     paths = {"gqa int4": base, **_variant_models(base, variants, tmp, calib)}
-    pasts = [int(x) for x in a.pasts.split(",") if x]  # --pasts "": quality only
+    from rewriter.evaluate import fit_pasts
+
+    pasts, note = fit_pasts([int(x) for x in a.pasts.split(",") if x], a.steps, paths.values())  # "": quality only
+    if note:
+        print(f"[{custom_ops.isa()}] note: {note}", flush=True)
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
-           "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {}}
+           "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {},
+           "pasts": pasts, "notes": [note] if note else []}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps, dtype=np.int64)
