@@ -393,15 +393,29 @@ def _decode_nll(sess, ids: np.ndarray, context: int, score: int, state: dict | N
 
 BUDGETS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 WINDOWS = (256, 64)
+# an approximate budget is chosen over exact int8 only when the op's candidate path is at least this
+# much faster at the calibration context (interleaved medians of one node vary by a few %)
+MIN_SPEEDUP = 1.05
 
 
 def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
-    """--attn-tune on the PackedAttention nodes apply_gqa wrote: the smallest budget (and, per
-    budget, the window) whose decode-mode Δppl on the calibration text against ``ref`` (the same
-    model with exact attention) is within --quality-budget; then min_context = the op's measured
-    exact/candidate crossover at the layer shape and the chosen budget. Sets the nodes' attributes;
-    returns what was chosen and measured (the report's "tune")."""
+    """--attn-tune on the PackedAttention nodes apply_gqa wrote: among the budgets and windows whose
+    decode-mode Δppl on the calibration text against ``ref`` (the same model with exact attention)
+    is within --quality-budget, the fastest by the op's measured decode step at the calibration
+    context (kit.timing.attention_crossover at the layer shape; exact, budget 1, unless a candidate
+    is at least MIN_SPEEDUP faster); then min_context = the measured exact/candidate crossover of
+    the chosen budget. Sets the nodes' attributes; returns what was chosen and measured (the
+    report's "tune")."""
     import custom_ops
+
+    pa = next(n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN)
+    node_attrs = {k: a.value for k, a in pa.attributes.items()
+                  if k in ("scale", "mode", "eps", "min_candidates", "sinks", "qbits", "popcnt", "kv_quant",
+                           "select", "local_window", "softcap")}
+
+    def crossover(b, w):
+        return timing.attention_crossover(*_layer_shape(pa), {**node_attrs, "budget": float(b), "window": int(w)},
+                                          threads=ctx.threads)
 
     out: dict = {"given": list(cfg.given)}
     chosen = {"budget": cfg.budget, "window": cfg.window}
@@ -434,7 +448,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         del s_ref
         budgets = BUDGETS if "budget" not in cfg.given else (cfg.budget,)
         windows = WINDOWS if "window" not in cfg.given else (cfg.window,)
-        trials, states, best = [], [None] * len(spans), None
+        trials, states, best, passed = [], [None] * len(spans), None, []
         for b in budgets:
             passing = []
             # a trial whose candidates at context C are no more than the window and sinks does not test
@@ -457,7 +471,19 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
                 del sess
             if not passing:
                 break
-            best = (b, min(passing)[1])
+            passed += [(b, w) for _, w in passing]
+        if passed:
+            # the fastest passing trial at the calibration context, by the op's measured step time
+            speed = {(b, w): (1.0 if not 0 < b < 1 else timing.speedup_at(crossover(b, w), C)) for b, w in passed}
+            for t in trials:
+                if (t["budget"], t["window"]) in speed:
+                    t["speedup"] = round(speed[(t["budget"], t["window"])], 3)
+            fast = max(speed, key=lambda k: (speed[k], k[0]))   # ties: the larger budget
+            if 0 < fast[0] < 1 and speed[fast] < MIN_SPEEDUP:
+                fast = next(((b, w) for b, w in passed if b == 1.0), (1.0, cfg.window))
+                out["speed_note"] = (f"no passing budget is {MIN_SPEEDUP}x faster than exact at context {C} "
+                                     f"(best {max(speed.values()):.3f}x): exact kept")
+            best = fast
         if best is None and trials and trials[0]["budget"] == 1.0:
             # the K/V format alone (budget 1 = exact candidates) is over the budget
             best = (1.0, cfg.window)
@@ -473,13 +499,8 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
     if "min_context" in cfg.given:
         attrs["min_context"] = int(cfg.min_context)
     else:
-        pa = next(n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN)
-        node_attrs = {k: a.value for k, a in pa.attributes.items()
-                      if k in ("scale", "mode", "eps", "min_candidates", "sinks", "qbits", "popcnt", "kv_quant",
-                               "select", "local_window", "softcap")}
-        Hq, Hkv, D, Dv = _layer_shape(pa)
         if 0 < attrs["budget"] < 1:
-            x = timing.attention_crossover(Hq, Hkv, D, Dv, {**node_attrs, **attrs}, threads=ctx.threads)
+            x = crossover(attrs["budget"], attrs["window"])
             c = x["crossover"]
             attrs["min_context"] = int(c) if c is not None else 1 << 20
             out["min_context_measured"] = {
@@ -494,6 +515,12 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
     mc = attrs["min_context"]
     out["summary"] = (f"budget {attrs['budget']:g}, window {attrs['window']}, "
                       f"min_context {mc if mc < 1 << 20 else 'never (candidates not faster up to 4096)'}")
+    sp = next((t["speedup"] for t in out.get("quality", {}).get("trials", []) if "speedup" in t
+               and (t["budget"], t["window"]) == (attrs["budget"], attrs["window"])), None)
+    if sp is not None and 0 < attrs["budget"] < 1:
+        out["summary"] += f" (op {sp:.2f}x exact at context {out['quality']['context']})"
+    if "speed_note" in out:
+        out["summary"] += f"; {out['speed_note']}"
     return out
 
 
