@@ -515,7 +515,8 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
     mc = attrs["min_context"]
     out["summary"] = (f"budget {attrs['budget']:g}, window {attrs['window']}, "
                       f"min_context {mc if mc < 1 << 20 else 'never (candidates not faster up to 4096)'}")
-    sp = next((t["speedup"] for t in out.get("quality", {}).get("trials", []) if "speedup" in t
+    q = out.get("quality")
+    sp = next((t["speedup"] for t in (q["trials"] if isinstance(q, dict) else []) if "speedup" in t
                and (t["budget"], t["window"]) == (attrs["budget"], attrs["window"])), None)
     if sp is not None and 0 < attrs["budget"] < 1:
         out["summary"] += f" (op {sp:.2f}x exact at context {out['quality']['context']})"

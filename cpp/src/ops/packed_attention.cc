@@ -569,7 +569,7 @@ struct KvCall {
   bool global_exact = false;
   // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
   std::vector<int64_t> lo, hi, n, off;      // off: candidate list offset (or -1: the range)
-  std::vector<int32_t> idx;  // candidate lists of the approximating rows (Tc apart)
+  std::vector<int32_t> idx;  // candidate lists of the approximating rows (each row's context length apart)
   const float* mask_row(int64_t b, int64_t h, int64_t m) const {
     return mask ? mask + b * msb + h * msh + m * msm : nullptr;
   }
@@ -826,6 +826,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
   c.n.assign(static_cast<size_t>(rows), 0);
   c.off.assign(static_cast<size_t>(rows), -1);
   std::vector<int64_t> approx_rows;
+  int64_t n_idx = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / (c.Hkv * M), m = r % M;
     const int64_t pos = c.pos0[static_cast<size_t>(b)] + m;
@@ -838,12 +839,13 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const bool exact = c.global_exact || (M > 1 && !p.approx_prefill) || nctx <= p.min_context ||
                        n_candidates(p, nctx) >= nctx;
     if (!exact) {
-      c.off[static_cast<size_t>(r)] = static_cast<int64_t>(approx_rows.size()) * Tc;
+      c.off[static_cast<size_t>(r)] = n_idx;  // room for the whole context (not the buffer's capacity Tc)
+      n_idx += nctx;
       approx_rows.push_back(r);
     }
   }
   if (approx_rows.empty()) return;
-  c.idx.resize(approx_rows.size() * static_cast<size_t>(Tc));
+  c.idx.resize(static_cast<size_t>(n_idx));
   std::atomic<bool> oom{false};
   auto task = [&](size_t i) noexcept {
     const int64_t r = approx_rows[i];
