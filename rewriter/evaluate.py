@@ -82,10 +82,23 @@ def max_positions(path: str) -> int | None:
     m = onnx.load(path, load_external_data=False)
     inits = {t.name: t for t in m.graph.initializer}
     for n in m.graph.node:
-        i = {"GroupQueryAttention": 7, "RotaryEmbedding": 2}.get(n.op_type)
+        i = {"GroupQueryAttention": 7, "RotaryEmbedding": 2, "PackedAttention": 7}.get(n.op_type)
         if i is not None and len(n.input) > i and n.input[i] in inits:
             return int(inits[n.input[i]].dims[0])
     return None
+
+
+def fit_pasts(pasts, steps: int, models) -> tuple[list[int], str | None]:
+    """Decode pasts the models can take: a past beyond the smallest position limit of ``models``
+    (paths; :func:`max_positions`) minus ``steps`` runs at that limit minus ``steps`` (SmolLM2's
+    8192 leaves room for the decode steps after it). Returns the pasts and a note (None when all fit)."""
+    cap = min([m for m in (max_positions(str(v)) for v in models) if m] or [1 << 30])
+    pasts = list(pasts)
+    if not pasts or max(pasts) + steps <= cap:
+        return pasts, None
+    return sorted({min(p, cap - steps) for p in pasts}), (
+        f"decode pasts {','.join(map(str, pasts))}: the models take {cap} positions, so pasts beyond "
+        f"{cap - steps} ran at {cap - steps} ({steps} decode steps after them)")
 
 
 def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
@@ -248,12 +261,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
     genai = peer_models(ref, peers, notes)
     variants.update(genai)
-    cap = min([m for m in (max_positions(v) for v in variants.values()) if m] or [1 << 30])
-    if max(pasts) + steps > cap:   # a past at the model's limit (SmolLM2: 8192) leaves room for the steps
-        fit = sorted({min(p, cap - steps) for p in pasts})
-        notes.append(f"--decode-past {','.join(map(str, pasts))}: the models take {cap} positions, so pasts beyond "
-                     f"{cap - steps} ran at {cap - steps} ({steps} decode steps after them)")
-        pasts = fit
+    pasts, note = fit_pasts(pasts, steps, variants.values())
+    if note:
+        notes.append(f"--{note}")
     shared = [k for k, v in variants.items() if _has_gqa(v)]
     og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,

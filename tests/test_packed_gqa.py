@@ -24,7 +24,7 @@ from custom_ops.reference.attn import (kv_row_words, n_words, pack_keys, pack_kv
 
 from conftest import requires_native  # noqa: E402
 
-IN_NAMES = ("Q", "K", "V", "mask", "past_bits", "past_kv", "seqlens_k")
+IN_NAMES = ("Q", "K", "V", "mask", "past_bits", "past_kv", "seqlens_k", "cos_cache", "sin_cache")
 
 
 def kv_model(attrs, *, use=("Q", "K", "V", "past_bits", "past_kv"), outs=3, name="pkv") -> bytes:
@@ -297,6 +297,94 @@ def test_bad_shapes_are_refused():
         run_native(dict(kv_quant="int8"), f)
 
 
+# --------------------------------------------------------------------------- GroupQueryAttention's layout
+def gqa_case(B, Hq, Hkv, S, P, D, Dv, q, *, packed, rot_half, seqlens=None, seed=0):
+    """Feeds in GroupQueryAttention's layout: Q/K/V [B, S, H·D] (or Q packed), a past cache of P rows,
+    rotary caches of rot_half columns (0: none)."""
+    r = np.random.default_rng(seed)
+    f = case(B=B, Hq=Hq, Hkv=Hkv, S=S, P=P, D=D, Dv=Dv, q=q, seed=seed)
+    flat = {n: f[n].transpose(0, 2, 1, 3).reshape(B, S, -1) for n in ("Q", "K", "V")}
+    feed = ({"Q": np.concatenate([flat["Q"], flat["K"], flat["V"]], -1)} if packed else flat)
+    if P:
+        feed.update(past_bits=f["past_bits"], past_kv=f["past_kv"])
+    if seqlens is not None:
+        feed["seqlens_k"] = np.asarray(seqlens, np.int32)
+    if rot_half:
+        ang = r.uniform(0, 2 * np.pi, (P + S + 8, rot_half)).astype(np.float32)
+        feed.update(cos_cache=np.cos(ang), sin_cache=np.sin(ang))
+    return feed
+
+
+def run_ref_op(attrs, feed):
+    from custom_ops.reference.attn import op
+
+    f = dict(feed)
+    return op(f.pop("Q"), f.pop("K", None), f.pop("V", None), f.pop("mask", None), f.pop("past_bits", None),
+              f.pop("past_kv", None), f.pop("seqlens_k", None), f.pop("cos_cache", None), f.pop("sin_cache", None),
+              **attrs)
+
+
+GQA_LAYOUT_CASES = [  # B, Hq, Hkv, S, P, D, Dv, q, packed, rot_half, interleaved, seqlens, extra attrs
+    (1, 9, 3, 1, 40, 64, 64, "int8", True, 32, 0, [40], dict(budget=1.0)),            # SmolLM2 decode step
+    (1, 9, 3, 1, 300, 64, 64, "int8", True, 32, 0, [300], dict(budget=0.25, window=8, min_context=16)),
+    (2, 6, 2, 5, 12, 32, 32, "fp32", True, 8, 1, [16, 13], dict(budget=1.0)),         # r < D, interleaved, padding
+    (2, 4, 1, 7, 0, 16, 24, "int8", False, 8, 0, [6, 3], dict(budget=1.0)),           # separate K/V, Dv != D, prefill
+    (1, 4, 2, 3, 20, 32, 32, "int4", False, 0, 0, None, dict(budget=1.0, local_window=6)),  # no rotary
+]
+
+
+@requires_native
+@pytest.mark.parametrize("B,Hq,Hkv,S,P,D,Dv,q,packed,rot_half,inter,seqlens,extra", GQA_LAYOUT_CASES)
+def test_gqa_layout_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, packed, rot_half, inter, seqlens, extra):
+    """num_heads > 0: the node reads GQA's own inputs (packed or separate Q/K/V, rotary from cos/sin
+    caches at pos0 + m, padding rows unrotated) and writes Y [B, S, Hq·Dv]: the kernel equals the
+    reference (which rotates and transposes in numpy, then runs the cache mode), for prefill and
+    decode rows, and equals the [B, H, S, D] node on the same (rotated) values."""
+    if packed:
+        Dv = D
+    attrs = dict(kv_quant=q, scale=float(D) ** -0.5, num_heads=Hq, kv_num_heads=Hkv, rotary_interleaved=inter, **extra)
+    feed = gqa_case(B, Hq, Hkv, S, P, D, Dv, q, packed=packed, rot_half=rot_half, seqlens=seqlens)
+    Yr, br, kr = run_ref_op(attrs, feed)
+    Y, bits, kv = run_native(attrs, feed)
+    assert Y.shape == (B, S, Hq * Dv)
+    np.testing.assert_array_equal(kv, kr)
+    np.testing.assert_array_equal(bits, br)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+    if not rot_half:   # without rotary the layouts differ only by the transposes
+        f4 = {n: feed[n].reshape(B, S, H, -1).transpose(0, 2, 1, 3).copy()
+              for n, H in (("Q", Hq), ("K", Hkv), ("V", Hkv)) if n in feed}
+        f4.update({k: v for k, v in feed.items() if k not in ("Q", "K", "V")})
+        core = {k: v for k, v in attrs.items() if k not in ("num_heads", "kv_num_heads", "rotary_interleaved")}
+        Y4, _, _ = run_native(core, f4)
+        np.testing.assert_array_equal(Y, Y4.transpose(0, 2, 1, 3).reshape(B, S, -1))
+
+
+@requires_native
+@pytest.mark.parametrize("attrs,needle", [
+    (dict(num_heads=4), "kv_num_heads"),
+    (dict(kv_quant="none", num_heads=4, kv_num_heads=2), "kv_quant"),
+    (dict(num_heads=6, kv_num_heads=4), "multiple"),
+])
+def test_gqa_layout_invalid_node_fails_with_name(attrs, needle):
+    attrs = {"kv_quant": "int8", **attrs}
+    with pytest.raises(Exception) as e:
+        custom_ops.session(kv_model(attrs, name="bad_gqa_node"))
+    assert "bad_gqa_node" in str(e.value) and needle in str(e.value)
+
+
+@requires_native
+def test_gqa_layout_bad_inputs_are_refused():
+    attrs = dict(kv_quant="int8", num_heads=9, kv_num_heads=3)
+    f = gqa_case(1, 9, 3, 1, 10, 64, 64, "int8", packed=True, rot_half=32, seqlens=[10])
+    bad = {**f, "Q": f["Q"][..., :-8]}
+    with pytest.raises(Exception, match="packed QKV"):
+        run_native(attrs, bad)
+    with pytest.raises(Exception, match="rotary caches"):
+        run_native(attrs, {**f, "seqlens_k": np.array([70], np.int32)})   # position 70 of 19 rows
+    with pytest.raises(Exception, match="cos_cache"):
+        run_native(attrs, {**f, "cos_cache": f["cos_cache"][:, :7]})
+
+
 # --------------------------------------------------------------------------- GroupQueryAttention → PackedAttention
 def _fused(family):
     import onnx_ir as ir
@@ -351,6 +439,10 @@ def test_gqa_replaced_exact_at_full_budget(tmp_path, family):
     m, recs = _rewrite_gqa(_fused(family), kv_quant="fp32", budget=1.0)
     assert [r["backend"] for r in recs] == ["packed_attention"] * 2, recs
     assert not any(n.op_type == "GroupQueryAttention" for n in m.graph)
+    # one PackedAttention in place of each GroupQueryAttention, on its own inputs: no nodes around it
+    assert sorted(n.op_type for n in m.graph) == sorted(
+        "PackedAttention" if n.op_type == "GroupQueryAttention" else n.op_type for n in g.graph), \
+        [n.op_type for n in m.graph]
     names = {i.name for i in m.graph.inputs}
     assert "past_key_values.0.kv" in names and "past_key_values.0.key" not in names
     dst = _save(m, tmp_path / "packed.onnx")
@@ -498,3 +590,22 @@ def test_decode_perplexity_equals_full_forward_and_sees_the_budget(tmp_path):
     pio = runtime.ModelIO.from_session(ps)
     d = runtime.decode_perplexity(ps, pio, ids, context=c, score=s, windows=1)
     assert d["loop"] == "shared" and abs(d["nll"] - nll) > 1e-3   # the decode-time approximation is seen
+
+
+def test_fit_pasts_at_the_rotary_limit(tmp_path):
+    """rewriter.evaluate.fit_pasts (`ortlean bench` and bench_longctx.py): a past beyond the rotary
+    cache's rows minus the decode steps runs at that limit, with a note; the limit is read from a
+    GroupQueryAttention graph and from its PackedAttention rewrite (cos_cache on the op)."""
+    import onnx
+    import onnx_ir as ir
+
+    from rewriter.evaluate import fit_pasts, max_positions
+
+    m = _gqa_layer_model(4, 2, 32, max_pos=256)
+    onnx.save(m, tmp_path / "gqa.onnx")
+    lean, _ = _rewrite_gqa(ir.from_proto(m), kv_quant="int8", budget=1.0)
+    packed = _save(lean, tmp_path / "packed.onnx")
+    assert max_positions(str(tmp_path / "gqa.onnx")) == max_positions(packed) == 256
+    assert fit_pasts([64, 128], 8, [packed]) == ([64, 128], None)
+    pasts, note = fit_pasts([64, 256, 1000], 8, [tmp_path / "gqa.onnx", packed])
+    assert pasts == [64, 248] and "256 positions" in note and "ran at 248" in note

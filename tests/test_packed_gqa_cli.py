@@ -173,7 +173,12 @@ def test_tune_chooses_budget_window_min_context(forms, tmp_path):
     passing = [x for x in trials if x["delta_ppl"] <= 0.05]
     assert {"budget": t["budget"], "window": t["window"]} in [{"budget": x["budget"], "window": x["window"]}
                                                               for x in passing]
-    assert t["budget"] == min(x["budget"] for x in passing)
+    # the fastest passing trial by the op's measured speedup at the context (exact unless one is >= MIN_SPEEDUP)
+    from rewriter.backends.packed_attention import MIN_SPEEDUP
+
+    sp = {(x["budget"], x["window"]): x["speedup"] for x in passing}
+    fastest = max(sp, key=lambda k: (sp[k], k[0]))
+    assert (t["budget"], t["window"]) == (fastest if sp[fastest] >= MIN_SPEEDUP or fastest[0] == 1.0 else (1.0, 256))
     for x in trials:   # every approximate trial tested its budget (more candidates than window + sinks)
         assert x["budget"] == 1.0 or np.ceil(x["budget"] * 300) > x["window"] + 4
     if 0 < t["budget"] < 1:
@@ -192,6 +197,46 @@ def test_tune_chooses_budget_window_min_context(forms, tmp_path):
         assert abs(a["budget"].f - t["budget"]) < 1e-7 and a["window"].i == t["window"]
         assert a["min_context"].i == t["min_context"]
     assert f"budget {t['budget']:g}, window {t['window']}" in rec["decision"]
+
+
+@pytest.mark.parametrize("speeds,want", [({0.5: 1.5, 0.25: 1.4}, 0.5),     # fastest, not the smallest budget
+                                         ({0.5: 1.1, 0.25: 0.9}, 1.0)])    # none MIN_SPEEDUP faster: exact
+def test_tune_weighs_measured_speed(forms, tmp_path, monkeypatch, speeds, want):
+    """--attn-tune among the trials within --quality-budget takes the fastest by the op's measured
+    decode step at the calibration context (kit.timing.attention_crossover, here stubbed with given
+    speedups), and exact int8 when no approximate budget is MIN_SPEEDUP faster."""
+    from rewriter.kit import timing
+
+    def fake(Hq, Hkv, D, Dv, attrs, **kw):
+        s = speeds.get(attrs["budget"], 0.5)
+        return {"pasts": {"64": {"exact": 1.0, "approx": 1.0, "speedup": 0.8 * s},
+                          "1024": {"exact": 1.0, "approx": 1.0, "speedup": s}}, "crossover": 128}
+
+    monkeypatch.setattr(timing, "attention_crossover", fake)
+    src = forms["genai-fp32"] / "model.onnx"
+    rc, rep = _rewrite(src, tmp_path / "t.onnx", "--state-pack", "binary", "--weights", "int4", "--calib-text",
+                       str(_calib_text(tmp_path / "calib.txt")), "--attn-tune-context", "300",
+                       "--attn-tune-score", "16", "--quality-budget", "10")
+    assert rc == 0, rep
+    t = next(r for r in rep["graph_passes"] if "tune" in r)["tune"]
+    tried = {x["budget"]: x for x in t["quality"]["trials"]}
+    assert {1.0, 0.5, 0.25} <= set(tried)            # all within the (wide) quality budget
+    for b, sp in speeds.items():   # measured at the calibration context (300: between the grid's 64 and 1024)
+        assert 0.8 * sp < tried[b]["speedup"] < sp
+        assert tried[b]["speedup"] == pytest.approx(timing.speedup_at(fake(0, 0, 0, 0, {"budget": b}), 300), abs=1e-3)
+    assert t["budget"] == want
+    if want == 1.0:
+        assert "exact kept" in t["summary"] and t["min_context"] == 256   # the flag's default min_context
+    else:
+        assert t["min_context"] == 128
+
+
+def test_speedup_at_interpolates_in_log_past():
+    from rewriter.kit import timing
+
+    r = {"pasts": {"100": {"speedup": 1.0}, "10000": {"speedup": 3.0}}}
+    assert timing.speedup_at(r, 50) == 1.0 and timing.speedup_at(r, 20000) == 3.0
+    assert timing.speedup_at(r, 1000) == pytest.approx(2.0)
 
 
 def test_crossover_is_measured_and_cached(monkeypatch, tmp_path):

@@ -53,6 +53,16 @@ NEW tokens only; the cache is graph state (int32 rows, like the key bits):
   the group's first head; the sinks are the first `sinks` keys of the context, the window its
   last `window` keys; decode rows (M == 1, or approx_prefill) use them under the same rules as
   above with the context length pos − lo + 1 for T. `mix` must be 0 in this mode.
+
+GroupQueryAttention's layout (cache mode with num_heads = Hq > 0, kv_num_heads = Hkv): the node
+takes GQA's own inputs, so no Split / RotaryEmbedding / Reshape / Transpose nodes surround it:
+  Q [B, S, Hq·D], K [B, S, Hkv·D], V [B, S, Hkv·Dv] — or K and V absent and Q the packed
+  [B, S, (Hq + 2 Hkv)·D] (query heads, then key heads, then value heads; Dv = D); Y [B, S, Hq·Dv].
+  Optional inputs 7, 8: cos_cache / sin_cache [max_pos, r/2] (r ≤ D): the first r dims of every Q
+  and K head of row m of sequence b are rotated at pos = pos0_b + m (GQA's do_rotary), pairs
+  (i, i + r/2), or (2i, 2i + 1) with rotary_interleaved = 1: x1' = x1 cos − x2 sin,
+  x2' = x2 cos + x1 sin (padding rows, pos ≥ total_b, are not rotated). Then as above on
+  [B, H, S, D].
 """
 from __future__ import annotations
 
@@ -382,9 +392,67 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
     return Y, bits, kv
 
 
-def op(q, k, v, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
+def _absent(x) -> bool:
+    return x is None or np.asarray(x).size == 0
+
+
+def rotary(x: np.ndarray, pos: np.ndarray, cos_cache, sin_cache, interleaved: bool) -> np.ndarray:
+    """x [B, H, S, D] rotated at positions pos [B, S] (< 0: not rotated) by the first r = 2 · cos
+    width dims (module docstring: GroupQueryAttention's layout)."""
+    cos_cache, sin_cache = np.asarray(cos_cache, np.float32), np.asarray(sin_cache, np.float32)
+    half = cos_cache.shape[1]
+    i1 = np.arange(half) * 2 if interleaved else np.arange(half)
+    i2 = i1 + 1 if interleaved else i1 + half
+    p = np.maximum(pos, 0)
+    c, s_ = cos_cache[p][:, None], sin_cache[p][:, None]          # [B, 1, S, half]
+    x1, x2 = x[..., i1], x[..., i2]
+    y = x.copy()
+    keep = (pos < 0)[:, None, :, None]
+    y[..., i1] = np.where(keep, x1, (x1 * c - x2 * s_).astype(np.float32))
+    y[..., i2] = np.where(keep, x2, (x2 * c + x1 * s_).astype(np.float32))
+    return y
+
+
+def gqa_layout_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, cos_cache=None,
+                  sin_cache=None, **attrs):
+    """The cache mode on GroupQueryAttention's layout (module docstring). Returns (Y [B, S, Hq·Dv],
+    present_bits, present_kv)."""
+    a = _SCHEMA.resolve(attrs)
+    Hq, Hkv = a["num_heads"], a["kv_num_heads"]
+    Q = np.asarray(Q, np.float32)
+    B, S, X = Q.shape
+    if _absent(K):                                            # packed QKV
+        D = Dv = X // (Hq + 2 * Hkv)
+        Q, K, V = Q[..., :Hq * D], Q[..., Hq * D:(Hq + Hkv) * D], Q[..., (Hq + Hkv) * D:]
+    else:
+        K, V = np.asarray(K, np.float32), np.asarray(V, np.float32)
+        D, Dv = X // Hq, V.shape[-1] // Hkv
+
+    def heads(x, H, d):
+        return np.ascontiguousarray(x.reshape(B, S, H, d).transpose(0, 2, 1, 3))
+
+    Q4, K4, V4 = heads(Q, Hq, D), heads(K, Hkv, D), heads(V, Hkv, Dv)
+    if not _absent(cos_cache):
+        P = 0 if _absent(past_kv) else np.asarray(past_kv).shape[2]
+        total = (np.full(B, P + S, np.int64) if _absent(seqlens_k) else np.asarray(seqlens_k, np.int64).reshape(B) + 1)
+        pos = np.maximum(0, total - S)[:, None] + np.arange(S)[None]
+        pos = np.where(pos < total[:, None], pos, -1)
+        if pos.max(initial=-1) >= np.asarray(cos_cache).shape[0]:
+            raise ValueError(f"position {pos.max()} beyond the rotary caches' {np.asarray(cos_cache).shape[0]} rows")
+        inter = bool(a["rotary_interleaved"])
+        Q4, K4 = rotary(Q4, pos, cos_cache, sin_cache, inter), rotary(K4, pos, cos_cache, sin_cache, inter)
+    core = {k: v for k, v in attrs.items() if k not in ("num_heads", "kv_num_heads", "rotary_interleaved")}
+    Y, bits, kv = packed_attention_kv(Q4, K4, V4, mask, past_bits, past_kv, seqlens_k, **core)
+    return np.ascontiguousarray(Y.transpose(0, 2, 1, 3)).reshape(B, S, Hq * Dv), bits, kv
+
+
+def op(q, k=None, v=None, mask=None, past_bits=None, past_kv=None, seqlens_k=None, cos_cache=None,
+       sin_cache=None, **attrs):
     """The op as ONNX Runtime calls it (custom_ops.schema: PackedAttention.reference)."""
-    if _SCHEMA.resolve(attrs)["kv_quant"] != "none":
+    a = _SCHEMA.resolve(attrs)
+    if a["num_heads"] > 0:
+        return gqa_layout_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, cos_cache, sin_cache, **attrs)
+    if a["kv_quant"] != "none":
         return packed_attention_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, **attrs)
     Y, bits = packed_attention(q, k, v, mask, past_bits, **attrs)
     return Y, bits, np.zeros((0,), np.int32)

@@ -217,3 +217,17 @@ def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(
         f = (1.0 - s_lo) / max(s_hi - s_lo, 1e-12)
         cross = int(round(math.exp(math.log(lo) + f * (math.log(hi) - math.log(lo)))))
     return {"pasts": res, "crossover": cross}
+
+
+def speedup_at(res: dict, P: int) -> float:
+    """The candidate path's speedup over the exact one at past ``P`` from :func:`attention_crossover`'s
+    measured grid (``res["pasts"]``): interpolated in log P between grid points, the end values
+    beyond the grid."""
+    pts = sorted((int(p), v["speedup"]) for p, v in res["pasts"].items())
+    if P <= pts[0][0]:
+        return float(pts[0][1])
+    for (lo, s_lo), (hi, s_hi) in zip(pts, pts[1:]):
+        if P <= hi:
+            f = (math.log(P) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return float(s_lo + f * (s_hi - s_lo))
+    return float(pts[-1][1])

@@ -7,7 +7,7 @@ own choice, --attn-tune with the calibration novel).
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
                                              [--variants int8:1,int8:0.25,int8:0.125,int4:0.125,int8:auto]
                                              [--steps 8] [--rounds 3] [--ppl-context 4096] [--ppl-score 64]
-                                             [--ppl-windows 1] [--json FILE]
+                                             [--ppl-windows 1] [--extra NAME=MODEL,...] [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
 
 run: per past length, every model decodes --steps tokens after a cache of that many tokens, in
@@ -19,6 +19,8 @@ new rows (custom_ops.runtime.bench.state_from_kv), so no model pays a slow prefi
 variant: KV-cache bytes per token (all layers) against GQA's fp32 cache, and decode-mode Δppl on
 held-out Persuasion (runtime.decode_perplexity: --ppl-context tokens of prefill through the model
 itself, then --ppl-score teacher-forced decode steps scored) against the GQA model.
+--extra: more models with the same interface in the same interleaved rounds (e.g. a build of another
+revision: before/after rows measured together).
 plot: the quality/speed frontier (Δppl vs speedup at each past, one point per variant) to a PNG.
 Every line printed carries the ISA and thread count; --json writes everything.
 """
@@ -99,11 +101,21 @@ def run(a) -> dict:
 
     calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(b == "auto" for _, b in variants) else None
     paths = {"gqa int4": base, **_variant_models(base, variants, tmp, calib)}
-    pasts = [int(x) for x in a.pasts.split(",") if x]  # --pasts "": quality only
+    for e in filter(None, a.extra.split(",")):
+        name, _, path = e.partition("=")
+        if not Path(path).is_file():
+            raise SystemExit(f"--extra {e}: no model file {path}")
+        paths[name] = Path(path)
+    from rewriter.evaluate import fit_pasts
+
+    pasts, note = fit_pasts([int(x) for x in a.pasts.split(",") if x], a.steps, paths.values())  # "": quality only
+    if note:
+        print(f"[{custom_ops.isa()}] note: {note}", flush=True)
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
-           "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {}}
+           "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {},
+           "pasts": pasts, "notes": [note] if note else []}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps, dtype=np.int64)
@@ -222,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-context", type=int, default=4096)
     ap.add_argument("--ppl-score", type=int, default=64)
     ap.add_argument("--ppl-windows", type=int, default=1)
+    ap.add_argument("--extra", default="", help="NAME=MODEL,... more models in the same rounds")
     ap.add_argument("--json")
     ap.add_argument("--png")
     a = ap.parse_args(argv)

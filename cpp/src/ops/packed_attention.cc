@@ -216,10 +216,17 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
            {"eps_heads", &p.eps_heads}, {"kscale", &p.kscale}});
   std::string kvq;
   at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
-  at.read({{"local_window", &p.local_window}});
+  at.read({{"local_window", &p.local_window}, {"num_heads", &p.num_heads}, {"kv_num_heads", &p.kv_num_heads},
+           {"rotary_interleaved", &p.rotary_interleaved}});
   p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
   if (p.kv_bits && p.mix > 0) fail("attribute mix must be 0 with kv_quant " + kvq);
   if (p.kv_bits && layout != "bhtd") fail("attribute k_layout must be bhtd with kv_quant " + kvq);
+  if ((p.num_heads > 0) != (p.kv_num_heads > 0))
+    fail("attributes num_heads and kv_num_heads go together (GroupQueryAttention's layout)");
+  if (p.num_heads > 0 && !p.kv_bits) fail("attribute num_heads needs kv_quant fp32 | int8 | int4");
+  if (p.num_heads > 0 && p.num_heads % p.kv_num_heads)
+    fail("num_heads " + std::to_string(p.num_heads) + " not a multiple of kv_num_heads " +
+         std::to_string(p.kv_num_heads));
   p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : KeyMode::Sign;
   p.k_bhdt = layout == "bhdt";
   p.oracle = select == "exact";
@@ -246,6 +253,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
 // at the first Run).
 void PackedAttentionKernel::check_list_lengths(const Ort::ConstKernelInfo& info) const {
   if (p_.eps_heads.empty() && p_.kscale.empty()) return;
+  if (info.GetInputCount() < 2 || p_.num_heads > 0) return;  // no K, or GQA's layout: checked on the first Run()
   auto ti = info.GetInputTypeInfo(1);
   if (ti.GetONNXType() != ONNX_TYPE_TENSOR) return;
   const auto ks = ti.GetTensorTypeAndShapeInfo().GetShape();
@@ -266,7 +274,11 @@ void PackedAttentionKernel::check_list_lengths(int64_t Hkv, int64_t D) const {
 // ------------------------------------------------------------------ compute
 std::array<std::vector<int64_t>, 3> PackedAttentionKernel::qkv_shapes(Ort::KernelContext& ctx) const {
   std::array<std::vector<int64_t>, 3> s;
-  for (size_t i = 0; i < 3; ++i) s[i] = ctx.GetInput(i).GetTensorTypeAndShapeInfo().GetShape();
+  for (size_t i = 0; i < 3; ++i) {
+    Ort::ConstValue v = ctx.GetInput(i);
+    if (!v) fail(std::string(i == 1 ? "K" : "V") + " is absent (only GroupQueryAttention's packed QKV layout omits it)");
+    s[i] = v.GetTensorTypeAndShapeInfo().GetShape();
+  }
   if (s[0].size() != 4 || s[1].size() != 4 || s[2].size() != 4)
     fail("Q, K, V must have rank 4, got " + shape_str(s[0]) + ", " + shape_str(s[1]) + ", " + shape_str(s[2]));
   return s;
@@ -548,6 +560,7 @@ struct KvCall {
   KvRowFormat kf;
   const float *Q = nullptr, *K = nullptr, *V = nullptr;
   float* Y = nullptr;
+  float* y_bsh = nullptr;  // GQA layout with M > 1: the output [B, M, Hq * Dv] (Y is then staged)
   const float* mask = nullptr;
   int64_t msb = 0, msh = 0, msm = 0, mst = 0;
   const uint32_t *past_bits = nullptr, *past_kv = nullptr;
@@ -556,7 +569,7 @@ struct KvCall {
   bool global_exact = false;
   // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
   std::vector<int64_t> lo, hi, n, off;      // off: candidate list offset (or -1: the range)
-  std::vector<int32_t> idx;  // candidate lists of the approximating rows (Tc apart)
+  std::vector<int32_t> idx;  // candidate lists of the approximating rows (each row's context length apart)
   const float* mask_row(int64_t b, int64_t h, int64_t m) const {
     return mask ? mask + b * msb + h * msh + m * msm : nullptr;
   }
@@ -577,7 +590,7 @@ const T* data_or_null(Ort::KernelContext& ctx, size_t i) {
 KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   Ort::ConstValue qv = ctx.GetInput(0), kv = ctx.GetInput(1), vv = ctx.GetInput(2);
-  const auto [qs, ks, vs] = qkv_shapes(ctx);
+  const auto [qs, ks, vs] = p.num_heads > 0 ? gqa_shapes(ctx) : qkv_shapes(ctx);
   const int64_t B = qs[0], Hq = qs[1], M = qs[2], D = qs[3], Hkv = ks[1], S = ks[2], Dv = vs[3];
   if (ks[0] != B || vs[0] != B || vs[1] != Hkv || vs[2] != S || ks[3] != D)
     fail("shapes do not agree: Q " + shape_str(qs) + ", K (new tokens) " + shape_str(ks) + ", V " + shape_str(vs));
@@ -645,10 +658,14 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
       c.msb = ms[0] == 1 ? 0 : ms[1] * ms[2] * ms[3];
     }
   }
-  c.Q = qv.GetTensorData<float>();
-  c.K = kv.GetTensorData<float>();
-  c.V = vv.GetTensorData<float>();
-  c.Y = ctx.GetOutput(0, {B, Hq, M, Dv}).GetTensorMutableData<float>();
+  if (p.num_heads > 0) {
+    stage_gqa(c, ctx);
+  } else {
+    c.Q = qv.GetTensorData<float>();
+    c.K = kv.GetTensorData<float>();
+    c.V = vv.GetTensorData<float>();
+    c.Y = ctx.GetOutput(0, {B, Hq, M, Dv}).GetTensorMutableData<float>();
+  }
   c.global_exact = !(p.budget > 0 && p.budget < 1);
   return c;
 }
@@ -809,6 +826,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
   c.n.assign(static_cast<size_t>(rows), 0);
   c.off.assign(static_cast<size_t>(rows), -1);
   std::vector<int64_t> approx_rows;
+  int64_t n_idx = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / (c.Hkv * M), m = r % M;
     const int64_t pos = c.pos0[static_cast<size_t>(b)] + m;
@@ -821,12 +839,13 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const bool exact = c.global_exact || (M > 1 && !p.approx_prefill) || nctx <= p.min_context ||
                        n_candidates(p, nctx) >= nctx;
     if (!exact) {
-      c.off[static_cast<size_t>(r)] = static_cast<int64_t>(approx_rows.size()) * Tc;
+      c.off[static_cast<size_t>(r)] = n_idx;  // room for the whole context (not the buffer's capacity Tc)
+      n_idx += nctx;
       approx_rows.push_back(r);
     }
   }
   if (approx_rows.empty()) return;
-  c.idx.resize(approx_rows.size() * static_cast<size_t>(Tc));
+  c.idx.resize(static_cast<size_t>(n_idx));
   std::atomic<bool> oom{false};
   auto task = [&](size_t i) noexcept {
     const int64_t r = approx_rows[i];
@@ -1072,6 +1091,109 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
   }
 }
 
+// ------------------------------------------------------------------ GroupQueryAttention's layout
+// num_heads > 0: the node takes GQA's own inputs (no Split / RotaryEmbedding / Reshape / Transpose
+// nodes around it): Q [B, S, Hq * D], K [B, S, Hkv * D], V [B, S, Hkv * Dv], or Q alone packed
+// [B, S, (Hq + 2 Hkv) * D]; inputs 7/8 cos/sin caches [max_pos, r / 2] rotate the first r dims of
+// each Q and K head at positions pos0_b + m (GQA's do_rotary; rotary_interleaved: pairs 2i, 2i + 1,
+// else halves i, i + r / 2). Returned shapes are the [B, H, S, D] ones the cache mode reads.
+std::array<std::vector<int64_t>, 3> PackedAttentionKernel::gqa_shapes(Ort::KernelContext& ctx) const {
+  const int64_t Hq = p_.num_heads, Hkv = p_.kv_num_heads;
+  const auto qs = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape();
+  if (qs.size() != 3) fail("num_heads > 0: Q must be [B, S, H * D], got " + shape_str(qs));
+  const int64_t B = qs[0], S = qs[1];
+  Ort::ConstValue kv = ctx.GetInputCount() > 1 ? ctx.GetInput(1) : Ort::ConstValue{nullptr};
+  Ort::ConstValue vv = ctx.GetInputCount() > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr};
+  if (static_cast<bool>(kv) != static_cast<bool>(vv)) fail("num_heads > 0: K and V are both given or both absent");
+  int64_t D, Dv;
+  if (!kv) {
+    if (qs[2] % (Hq + 2 * Hkv)) fail("packed QKV " + shape_str(qs) + ": width not a multiple of num_heads + 2 kv_num_heads");
+    D = Dv = qs[2] / (Hq + 2 * Hkv);
+  } else {
+    const auto ks = kv.GetTensorTypeAndShapeInfo().GetShape(), vs = vv.GetTensorTypeAndShapeInfo().GetShape();
+    if (qs[2] % Hq || ks.size() != 3 || vs.size() != 3 || ks[0] != B || vs[0] != B || ks[1] != S || vs[1] != S ||
+        ks[2] * Hq != qs[2] * Hkv || vs[2] % Hkv)
+      fail("num_heads > 0: Q " + shape_str(qs) + ", K " + shape_str(ks) + ", V " + shape_str(vs) +
+           " are not [B, S, H * D] of " + std::to_string(Hq) + " / " + std::to_string(Hkv) + " heads");
+    D = qs[2] / Hq;
+    Dv = vs[2] / Hkv;
+  }
+  return {std::vector<int64_t>{B, Hq, S, D}, std::vector<int64_t>{B, Hkv, S, D}, std::vector<int64_t>{B, Hkv, S, Dv}};
+}
+
+namespace {
+Scratch& stage_scratch() {  // the staged Q/K/V/Y of one call (outer and task scratch are taken)
+  thread_local Scratch s;
+  return s;
+}
+}  // namespace
+
+void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const {
+  const int64_t B = c.B, Hq = c.Hq, Hkv = c.Hkv, M = c.M, D = c.D, Dv = c.Dv;
+  const float* q = ctx.GetInput(0).GetTensorData<float>();
+  const bool packed = data_or_null<float>(ctx, 1) == nullptr;
+  const float* k = packed ? q + Hq * D : ctx.GetInput(1).GetTensorData<float>();
+  const float* v = packed ? q + (Hq + Hkv) * D : ctx.GetInput(2).GetTensorData<float>();
+  const int64_t qw = packed ? (Hq + 2 * Hkv) * D : Hq * D, kw = packed ? qw : Hkv * D, vw = packed ? qw : Hkv * Dv;
+  // rotary caches
+  const float *cs = data_or_null<float>(ctx, 7), *sn = data_or_null<float>(ctx, 8);
+  int64_t half = 0, max_pos = 0;
+  if (static_cast<bool>(cs) != static_cast<bool>(sn)) fail("cos_cache and sin_cache are both given or both absent");
+  if (cs) {
+    const auto cshp = ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetShape();
+    const auto sshp = ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetShape();
+    if (cshp.size() != 2 || cshp != sshp || 2 * cshp[1] > D || cshp[1] < 1)
+      fail("cos_cache " + shape_str(cshp) + " / sin_cache " + shape_str(sshp) + " must both be [max_pos, r / 2], r <= head dim " +
+           std::to_string(D));
+    max_pos = cshp[0];
+    half = cshp[1];
+  }
+  const size_t nq = static_cast<size_t>(B * Hq * M * D), nk = static_cast<size_t>(B * Hkv * M * D),
+               nv = static_cast<size_t>(B * Hkv * M * Dv), ny = M > 1 ? static_cast<size_t>(B * Hq * M * Dv) : 0;
+  float* buf = stage_scratch().get(round_up16(nq) + round_up16(nk) + round_up16(nv) + ny + 16);
+  float* Q4 = buf;
+  float* K4 = Q4 + round_up16(nq);
+  float* V4 = K4 + round_up16(nk);
+  const bool inter = p_.rotary_interleaved != 0;
+  auto put = [&](const float* src, float* dst, int64_t d, int64_t pos) {
+    std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(d));
+    if (pos < 0) return;
+    const float* cr = cs + pos * half;
+    const float* sr = sn + pos * half;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t i1 = inter ? 2 * i : i, i2 = inter ? 2 * i + 1 : i + half;
+      const float x1 = src[i1], x2 = src[i2];
+      dst[i1] = x1 * cr[i] - x2 * sr[i];
+      dst[i2] = x2 * cr[i] + x1 * sr[i];
+    }
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t pos = c.pos0[static_cast<size_t>(b)] + m;
+      // rows at or beyond the sequence's total are padding (not stored, Y = 0): no rotary
+      const int64_t rp = cs && pos < c.total[static_cast<size_t>(b)] ? pos : -1;
+      if (rp >= max_pos && cs)
+        fail("position " + std::to_string(rp) + " beyond the rotary caches' " + std::to_string(max_pos) + " rows");
+      const int64_t row = b * M + m;
+      for (int64_t h = 0; h < Hq; ++h) put(q + row * qw + h * D, Q4 + ((b * Hq + h) * M + m) * D, D, rp);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        put(k + row * kw + h * D, K4 + ((b * Hkv + h) * M + m) * D, D, rp);
+        put(v + row * vw + h * Dv, V4 + ((b * Hkv + h) * M + m) * Dv, Dv, -1);
+      }
+    }
+  }
+  c.Q = Q4;
+  c.K = K4;
+  c.V = V4;
+  float* out = ctx.GetOutput(0, {B, M, Hq * Dv}).GetTensorMutableData<float>();
+  if (M == 1) {
+    c.Y = out;  // [B, 1, Hq * Dv] is [B, Hq, 1, Dv] in memory
+  } else {
+    c.Y = V4 + round_up16(nv);
+    c.y_bsh = out;
+  }
+}
+
 void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   KvCall c = read_kv_inputs(ctx);
   store_kv(c, ctx);
@@ -1079,6 +1201,13 @@ void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   select_kv(c, ctx);
   metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));
   attend_kv(c, ctx);
+  if (c.y_bsh) {  // staged [B, Hq, M, Dv] -> [B, M, Hq * Dv]
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.Hq; ++h)
+        for (int64_t m = 0; m < c.M; ++m)
+          std::memcpy(c.y_bsh + ((b * c.M + m) * c.Hq + h) * c.Dv, c.Y + ((b * c.Hq + h) * c.M + m) * c.Dv,
+                      sizeof(float) * static_cast<size_t>(c.Dv));
+  }
 }
 
 }  // namespace ortlean

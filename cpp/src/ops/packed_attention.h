@@ -27,6 +27,9 @@ struct AttnParams {
   int kv_bits = 0;               // 0: K/V are the context; 32 / 8 / 4: cache rows (past_kv) of fp32 / int8 / int4
   int64_t local_window = -1;     // kv cache mode: the last w keys [pos - w + 1, pos] when > 0
   float softcap = 0.0f;          // kv cache mode: softcap * tanh(logit / softcap) when > 0
+  // kv cache mode, GroupQueryAttention's layout when > 0: Q/K/V [B, S, H * D] (K and V absent: Q
+  // holds the packed [B, S, (Hq + 2 Hkv) * D]), Y [B, S, Hq * Dv]; rotary from cos/sin caches
+  int64_t num_heads = 0, kv_num_heads = 0, rotary_interleaved = 0;
 };
 
 struct KvCall;
@@ -34,9 +37,11 @@ struct KvCall;
 class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
  public:
   static constexpr const char* kOpType = "PackedAttention";
-  // Q, K, V, [mask], [past_bits], [past_kv], [seqlens_k] -> Y, [present_bits], [present_kv]
-  static constexpr IoSpec kInputs[] = {{kF32}, {kF32}, {kF32}, {kF32, kOptional}, {kI32, kOptional},
-                                       {kI32, kOptional}, {kI32, kOptional}};
+  // Q, [K], [V], [mask], [past_bits], [past_kv], [seqlens_k], [cos_cache], [sin_cache]
+  //   -> Y, [present_bits], [present_kv]   (K, V absent only in the packed-QKV GQA layout)
+  static constexpr IoSpec kInputs[] = {{kF32}, {kF32, kOptional}, {kF32, kOptional}, {kF32, kOptional},
+                                       {kI32, kOptional}, {kI32, kOptional}, {kI32, kOptional},
+                                       {kF32, kOptional}, {kF32, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}, {kI32, kOptional}};
   static constexpr AttrSpec kAttrs[] = {
       attr_float("scale", 1.0f),  // any finite value
@@ -59,6 +64,9 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_string("kv_quant", "none").one_of("none|fp32|int8|int4"),
       attr_int("local_window", -1).range(-1, kMaxDim),
       attr_float("softcap", 0.0f).at_least(0),
+      attr_int("num_heads", 0).range(0, kMaxDim),     // > 0: GroupQueryAttention's Q/K/V/Y layout
+      attr_int("kv_num_heads", 0).range(0, kMaxDim),
+      attr_int("rotary_interleaved", 0).flag(),
       attr_optional("layer", AttrType::String),
   };
 
@@ -77,6 +85,10 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   // quantized cache mode (kv_quant = int8 | int4): packed_attention.cc "cache mode"
   void compute_kv(Ort::KernelContext& ctx) const;
   KvCall read_kv_inputs(Ort::KernelContext& ctx) const;
+  // GroupQueryAttention's layout (num_heads > 0): Q/K/V shapes as [B, H, S, D], and the staged
+  // [B, H, S, D] copies (rotary applied) the cache mode reads
+  std::array<std::vector<int64_t>, 3> gqa_shapes(Ort::KernelContext& ctx) const;
+  void stage_gqa(KvCall& c, Ort::KernelContext& ctx) const;
   void store_kv(KvCall& c, Ort::KernelContext& ctx) const;
   void select_kv(KvCall& c, Ort::KernelContext& ctx) const;
   void attend_kv(KvCall& c, Ort::KernelContext& ctx) const;
