@@ -112,11 +112,20 @@ def test_reference_row_format_roundtrip(q):
     assert rows.shape[-1] * 4 == ((16 + 24) if q == "int8" else 20) + 8
 
 
+# int8 / int4 score with the query quantized to 32767 levels per head (query_int16): a logit moves by at
+# most scale * max|q| / 65534 * sum|k̂| (~1e-5 for these feeds), Y by that much times |v|
+INT16_Q_ATOL = 1e-4
+
+
 def test_reference_full_budget_is_dense_over_cache():
     f = case(P=300, S=1)
     for budget in (0.0, 1.0):
         Y, bits, kv = run_ref(dict(kv_quant="int8", scale=0.125, budget=budget, min_context=0), f)
-        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=1e-5)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=INT16_Q_ATOL)
+        Y32, _, kv32 = run_ref(dict(kv_quant="fp32", scale=0.125, budget=budget, min_context=0),
+                               case(P=300, S=1, q="fp32"))
+        np.testing.assert_allclose(Y32, dense_over_cache(case(P=300, S=1, q="fp32"), kv32, 64, 64, "fp32", 0.125),
+                                   atol=1e-5)
     assert (bits[:, :, :300] == f["past_bits"]).all() and (kv[:, :, :300] == f["past_kv"]).all()
 
 
@@ -140,6 +149,9 @@ KERNEL_CASES = [
     (1, 10, 2, 1, 2500, 40, 24, "int4", dict(budget=0.2, window=16, min_context=64)),
     (1, 14, 2, 1, 1501, 24, 56, "int8", dict(budget=1.0)),
     (1, 3, 3, 1, 3000, 64, 64, "int8", dict(budget=0.125, qbits=2, min_context=0)),     # ties, long context
+    # integer q.k: head dim 8 mod 16 (int8, codes past D read x 0), D > 512 (the int64 fallback), rep 1 / 5
+    (1, 5, 1, 1, 77, 72, 8, "int8", dict(budget=1.0)),
+    (1, 2, 2, 1, 40, 520, 16, "int4", dict(budget=1.0)),
 ]
 
 
@@ -245,7 +257,21 @@ def test_exact_at_full_budget_matches_dense_and_gqa_shapes():
     for Hq, Hkv in ((3, 3), (9, 3), (8, 1)):
         f = case(Hq=Hq, Hkv=Hkv, P=257, D=64)
         Y, bits, kv = run_native(dict(kv_quant="int8", scale=0.125, budget=1.0), f)
-        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=1e-5)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=INT16_Q_ATOL)
+        f32 = case(Hq=Hq, Hkv=Hkv, P=257, D=64, q="fp32")
+        Y, _, kv = run_native(dict(kv_quant="fp32", scale=0.125, budget=1.0), f32)
+        np.testing.assert_allclose(Y, dense_over_cache(f32, kv, 64, 64, "fp32", 0.125), atol=1e-5)
+
+
+def test_reference_query_int16():
+    """The integer query of the int8 / int4 q·k: levels ±32767 at max|q|, zero and non-finite heads."""
+    from custom_ops.reference.attn import QK_LEVELS, query_int16
+    q = np.array([0.5, -2.0, 1e-3, 1.0], np.float32)
+    qi, qs = query_int16(q)
+    assert qi.tolist() == [8192, -QK_LEVELS, 16, 16384] and qs == np.float32(2.0 / QK_LEVELS)
+    assert np.abs(qi * qs - q).max() <= qs / 2 * 1.0001
+    assert query_int16(np.zeros(4, np.float32))[1] == 0
+    assert np.isnan(query_int16(np.array([1.0, np.inf], np.float32))[1])
 
 
 def _isa_worker() -> None:

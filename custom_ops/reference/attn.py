@@ -47,7 +47,11 @@ NEW tokens only; the cache is graph state (int32 rows, like the key bits):
   max(0, pos − local_window + 1) when local_window > 0: the last local_window keys, as ONNX
   Runtime's GroupQueryAttention local_window_size (checked against ORT 1.32).
   Logits scale · q·k̂ (softcap > 0: softcap · tanh(logits / softcap)) + mask (mask broadcast to
-  [B, Hq, M, Tc]); softmax · V̂ over the context or the candidates. Candidates are chosen once per
+  [B, Hq, M, Tc]); softmax · V̂ over the context or the candidates. int8 / int4: q·k̂ is an integer
+  dot (query_int16): per query head a = max|q|, qi = clip(rint(q · (QK_LEVELS / a)), ±QK_LEVELS)
+  (QK_LEVELS = 32767), qs = a / QK_LEVELS (a = 0: qi = 0, qs = 0; a not finite: qs = NaN), and
+  scale · q·k̂ := float32(Σ_d qi_d · code_d) · (qs · (kscale · scale)) (the sum exact); fp32 keeps
+  the float dot (q·k) · scale. Candidates are chosen once per
   KV-head group (all query heads of a KV head read the same keys): group score = the approximate
   score above of the group query q_g = Σ_h q_h (float32, heads in order), plus the mask row of
   the group's first head; the sinks are the first `sinks` keys of the context, the window its
@@ -305,6 +309,31 @@ def unpack_kv(rows: np.ndarray, D: int, Dv: int, kv_quant: str = "int8") -> tupl
     return (kc.astype(np.float32) * ks).astype(np.float32), (vc.astype(np.float32) * vs).astype(np.float32)
 
 
+QK_LEVELS = 32767
+
+
+def query_int16(q: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """One query head [D] float32 → (qi int64 [D], qs float32): the integer query of the int8 / int4
+    cache's q·k (module docstring)."""
+    q = np.asarray(q, np.float32)
+    a = np.float32(np.abs(q).max()) if q.size else np.float32(0)
+    if not np.isfinite(a):
+        return np.zeros(q.shape, np.int64), np.float32(np.nan)
+    if a == 0:
+        return np.zeros(q.shape, np.int64), np.float32(0)
+    L = np.float32(QK_LEVELS)
+    qi = np.clip(np.rint(q * (L / a)), -QK_LEVELS, QK_LEVELS).astype(np.int64)
+    return qi, np.float32(a / L)
+
+
+def kv_key_codes(rows: np.ndarray, D: int, kv_quant: str) -> tuple[np.ndarray, np.ndarray]:
+    """Cache rows [..., T, R] int32 (int8 / int4) → (K codes [..., T, D] int64, K scale [..., T] float32)."""
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    kb = _CODE_BYTES[kv_quant](D)
+    return (_bytes_codes(b[..., :kb], D, kv_quant).astype(np.int64),
+            np.ascontiguousarray(b[..., kb:kb + 4]).view(np.float32)[..., 0])
+
+
 def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
     """The quantized cache mode (module docstring). Returns (Y, present_bits, present_kv)."""
     a = _SCHEMA.resolve(attrs)
@@ -343,6 +372,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
         kv[b, :, pos0[b]:pos0[b] + n] = new_kv[b, :, :n]
         bits[b, :, pos0[b]:pos0[b] + n] = new_bits[b, :, :n]
     Kd, Vd = unpack_kv(kv, D, Dv, kvq)
+    Kc, Ks = kv_key_codes(kv, D, kvq) if kvq != "fp32" else (None, None)
     mask = None if mask is None or np.asarray(mask).size == 0 else np.asarray(mask, np.float32)
     # density: eps modes over every key in context (auto-disable), sign mode informational
     live = np.concatenate([bits[b, :, :total[b]].reshape(-1, W) for b in range(B)], 0)
@@ -380,7 +410,11 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                     g = np.where(np.isnan(g), np.float32(-np.inf), g)
                     idx = lo + select_candidates(n_ctx, g, budget, min_candidates, sinks, window)
                 for h in heads:
-                    logits = (Kh[idx] @ Q[b, h, m]) * scale
+                    if Kc is None:
+                        logits = (Kh[idx] @ Q[b, h, m]) * scale
+                    else:
+                        qi, qs = query_int16(Q[b, h, m])
+                        logits = (Kc[b, hk, idx] @ qi).astype(np.float32) * (qs * (Ks[b, hk, idx] * scale))
                     if softcap > 0:
                         logits = softcap * np.tanh(logits / softcap)
                     logits = logits + mrows[h][idx]

@@ -3,7 +3,7 @@
 //
 //   c++ -O3 -mavx2 -mfma -mpopcnt -Icpp/src -DORTLEAN_ISA_AVX2 -DORTLEAN_ISA_NS=attn_avx2 \
 //       -DORTLEAN_ISA_NAME='"avx2"' -D'ORTLEAN_ISA_TABLE(n)=n##_avx2' tests/bench/attn_kernels.cc -o /tmp/ak
-//   /tmp/ak [T=4096] [bits=8] [reps=50] [copies=1] [hugepages=0]
+//   /tmp/ak [T=4096] [bits=8] [reps=50] [copies=1] [hugepages=0] [only this case]
 //
 // Rows of one KV head in the cache-row format (K codes, K scale, V codes, V scale; D = Dv = 64),
 // 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows), fused =
@@ -12,7 +12,8 @@
 // 30-layer SmolLM2 int8 cache at T = 4096, from DRAM; hugepages = 1: madvise(MADV_HUGEPAGE)),
 // *_pf32 = with the rows 32 keys ahead prefetched (as the op does), op = the op's block loop
 // (gather, fused kernels, online softmax), sel8 = that loop over a sorted random eighth of the keys
-// (still per context key: x8 per selected key), stream = a plain read of the same buffer.
+// (still per context key: x8 per selected key), attend / attend_sel8 = the library's kv_attend task
+// over all keys / that list, stream = a plain read of the same buffer.
 #include <algorithm>
 #include <sys/mman.h>
 #include <cmath>
@@ -135,6 +136,21 @@ int main(int argc, char** argv) {
     }
     sink = sink + pr[5];
   };
+  // the library's attend task (kv_attend: int16 query . codes, online softmax, pv_rows), all T keys
+  std::vector<float> scr(ortlean::kv_attend_scratch(nq, D, Dv));
+  auto attend = [&](bool listed) {
+    auto& rows = next();
+    static std::vector<int32_t> sl;
+    sl.assign(sel.begin(), sel.end());
+    ortlean::KvAttend a{};
+    a.q = q.data(); a.ldq = D; a.nq = nq;
+    a.base = rows.data(); a.row_bytes = R; a.kbytes = kbytes; a.vbytes = vbytes;
+    a.list = listed ? sl.data() : nullptr; a.start = 0; a.n = listed ? static_cast<int64_t>(sl.size()) : T;
+    a.bits = bits; a.D = D; a.Dv = Dv; a.scale = 1e-3f; a.softcap = 0; a.mask = nullptr; a.mst = 0;
+    a.part = pr.data(); a.scratch = scr.data();
+    ak.kv_attend(a);
+    sink = sink + pr[5];
+  };
   auto op_pf = [&] { pfd = 32; op(); pfd = 0; };
   // every 8th key on average (a sorted random list, as a 0.125 budget selects): ns per context key
   auto sel_pf = [&](int64_t d) { return [&, d] { pfd = d; use_list = true; op(); use_list = false; pfd = 0; }; };
@@ -163,7 +179,10 @@ int main(int argc, char** argv) {
   auto fused_pf = [&](int64_t d) { return [&, d] { pfd = d; fused(); pfd = 0; }; };
   std::vector<Case> cs = {{"tile", tile, {}},          {"fused", fused, {}},           {"fused_pf32", fused_pf(32), {}},
                           {"op", op, {}},              {"op_pf32", op_pf, {}},         {"sel8", sel_pf(0), {}},
-                          {"sel8_pf32", sel_pf(32), {}}, {"lutscore", lut_, {}},       {"stream", stream, {}}};
+                          {"sel8_pf32", sel_pf(32), {}}, {"attend", [&] { attend(false); }, {}},
+                          {"attend_sel8", [&] { attend(true); }, {}}, {"lutscore", lut_, {}}, {"stream", stream, {}}};
+  if (argc > 6)  // only the named case (for perf)
+    cs.erase(std::remove_if(cs.begin(), cs.end(), [&](const Case& c) { return std::strcmp(c.name, argv[6]) != 0; }), cs.end());
   for (int r = 0; r < reps + 2; ++r)
     for (auto& c : cs) {
       const auto t0 = clk::now();

@@ -18,7 +18,8 @@ decode: one decode step of attention alone on SmolLM2 shapes (9 query heads, 3 K
 caches do not stay in the CPU caches between steps), past and present bound to one buffer per
 layer (IOBinding; GroupQueryAttention's shared-buffer mode, PackedAttention's seqlens_k mode):
 com.microsoft GroupQueryAttention (fp32 cache) vs PackedAttention kv_quant int8/int4 at each budget
-(1 = exact over the quantized cache). Beside each: the bytes the op reads per step (GQA: K and V;
+(1 = exact over the quantized cache); --lib-a PATH adds the same PackedAttention nodes on another
+build of the library (rows "A:…", interleaved with this checkout's: a kernel change's A/B). Beside each: the bytes the op reads per step (GQA: K and V;
 PackedAttention: the key bits of the context when it approximates + the selected quantized rows)
 and the streaming bound — the time to read those bytes from the same buffers with a plain
 streaming loop (tests/bench/attn_stream.c, same threads, same run, interleaved) — and op/bound.
@@ -251,7 +252,13 @@ def bench_decode(a) -> dict:
     so.inter_op_num_threads = 1
     gqa = ort.InferenceSession(gqa_model(), so, providers=["CPUExecutionProvider"])
     configs = [(kvq, float(b)) for kvq in a.kv.split(",") for b in a.budgets.split(",")]
-    packed = {c: custom_ops.session(packed_model(*c), threads=a.threads) for c in configs}
+    packed = {("", *c): custom_ops.session(packed_model(*c), threads=a.threads) for c in configs}
+    if a.lib_a:
+        so_a = ort.SessionOptions()
+        so_a.intra_op_num_threads, so_a.inter_op_num_threads = a.threads, 1
+        so_a.register_custom_ops_library(str(Path(a.lib_a).resolve()))
+        for c in configs:
+            packed[("A:", *c)] = ort.InferenceSession(packed_model(*c), so_a, providers=["CPUExecutionProvider"])
     for past in [int(x) for x in a.pasts.split(",")]:
         cap = past + 1
         runs, bytes_read, arrays = {}, {}, {}
@@ -276,8 +283,8 @@ def bench_decode(a) -> dict:
         runs["gqa_fp32"] = (gqa, bnd)
         bytes_read["gqa_fp32"] = 2 * Hkv * cap * D * 4
         arrays["gqa_fp32"] = [b[0] for b in bufs]
-        for (kvq, budget), s in packed.items():
-            name = f"packed_{kvq}_b{budget:g}"
+        for (tag, kvq, budget), s in packed.items():
+            name = f"{tag}packed_{kvq}_b{budget:g}"
             R, W = kv_row_words(D, D, kvq), n_words(D, "sign")
             bnd = s.io_binding()
             bnd.bind_cpu_input("Q", rng.standard_normal((1, Hq, 1, D), dtype=np.float32))
@@ -326,7 +333,7 @@ def bench_decode(a) -> dict:
             row[n] = {"us": round(t * 1e6, 1), "bytes": bytes_read[n], "stream_us": round(sb * 1e6, 1),
                       "vs_stream": round(t / sb, 2), "speedup_vs_gqa": round(g / t, 2),
                       "GBps_stream": round(bytes_read[n] / sb / 1e9, 1)}
-            print(f"past {past:5d} {n:22s} {t * 1e6:8.1f} us/op  x{g / t:5.2f} vs GQA  reads {bytes_read[n] / 1e3:8.1f} kB"
+            print(f"past {past:5d} {n:24s} {t * 1e6:8.1f} us/op  x{g / t:5.2f} vs GQA  reads {bytes_read[n] / 1e3:8.1f} kB"
                   f"  stream {sb * 1e6:7.1f} us  op/stream {t / sb:5.2f}  [{res['isa']}, {a.threads} thr]", flush=True)
         res["pasts"][str(past)] = row
         del bufs, runs, arrays
@@ -350,6 +357,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="op: timed runs; model: rounds of --steps decode steps")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--lib-a", help="decode: also time PackedAttention on this build of libortlean_ops.so")
     a = ap.parse_args(argv)
     res = bench_op(a) if a.what == "op" else bench_model(a) if a.what == "model" else bench_decode(a)
     if a.json:

@@ -5,6 +5,34 @@
 
 namespace ortlean {
 
+// One task of PackedAttention's cache-mode attend phase (kv_attend): online softmax . V over n cached
+// rows of one KV head for its nq query heads (custom_ops/reference/attn.py, packed_attention_kv).
+struct KvAttend {
+  const float* q;        // query heads h < nq at q + h * ldq, D floats each
+  int64_t ldq;
+  int nq;
+  const uint8_t* base;   // row t of the KV head at base + t * row_bytes: K codes (kbytes), K scale,
+  int64_t row_bytes;     // V codes (vbytes), V scale (float32)
+  int64_t kbytes, vbytes;
+  const int32_t* list;   // rows list[i] (candidates), or start + i when list is null; i < n
+  int64_t start, n;
+  int bits;              // 32 (float rows) | 8 | 4
+  int64_t D, Dv;
+  float scale, softcap;  // softcap > 0: softcap * tanh(logit / softcap)
+  const float* const* mask;  // null, or nq rows (each null or the head's mask row: key t at t * mst)
+  int64_t mst;
+  float* part;           // [nq][Dv + 2]: running max, sum of exp, y (written from scratch)
+  float* scratch;        // kv_attend_scratch(nq, D, Dv) floats
+};
+
+// Query levels of the integer q.k of quantized rows: qi = rint(q * (kQLevels / max|q|)) per head.
+constexpr int kQLevels = 32767;
+constexpr int64_t kKvAttendBlock = 32;  // rows per online-softmax block
+inline size_t kv_attend_scratch(int nq, int64_t D, int64_t Dv) {
+  const int64_t D16 = (D + 15) / 16 * 16;
+  return static_cast<size_t>(nq * kKvAttendBlock + nq + nq * D16 / 2 + kKvAttendBlock * (D + Dv) + 32);
+}
+
 struct AttnKernels {
   const char* name;  // ISA of this copy; popcount: scalar SWAR, avx2 POPCNT, avx512 VPOPCNTDQ
   // sum_i a[i] * b[i]
@@ -45,6 +73,10 @@ struct AttnKernels {
   // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
   // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);
+  // Cache-mode attend task (KvAttend above): blocks of kKvAttendBlock rows; float rows: logits =
+  // (q.k) * scale; int8 / int4 rows: logits = float(sum_d qi_d * code_d) * (qs * (kscale * scale)),
+  // qi / qs the query quantized per head to kQLevels levels (exact integer dot).
+  void (*kv_attend)(const KvAttend& a);
 };
 
 // kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ)

@@ -577,7 +577,6 @@ struct KvCall {
 
 namespace {
 constexpr int64_t kKvChunk = 512;  // keys per task in the attend phase
-constexpr int64_t kKvBlock = 32;   // keys per online-softmax block
 
 template <class T>
 const T* data_or_null(Ort::KernelContext& ctx, size_t i) {
@@ -983,88 +982,38 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const int64_t k = static_cast<int64_t>(k_), r = chunk_row[static_cast<size_t>(k)];
     const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M, h0 = hk * rep;
     const int64_t c0 = (k - first_chunk[static_cast<size_t>(r)]) * kKvChunk;
-    const int64_t cn = std::min(kKvChunk, c.n[static_cast<size_t>(r)] - c0);
-    const int32_t* list = c.off[static_cast<size_t>(r)] >= 0 ? c.idx.data() + c.off[static_cast<size_t>(r)] + c0 : nullptr;
-    const int64_t start = c.lo[static_cast<size_t>(r)] + c0;
-    const uint32_t* base = c.kv + (b * c.Hkv + hk) * Tc * R;
-    const float* q = c.Q + ((b * c.Hq + h0) * M + m) * D;  // heads at stride M * D
-    const bool f32 = c.kf.bits == 32;  // fp32 rows: float tiles (deq_rows, dots_tile, pv_tile)
+    const int irep = static_cast<int>(rep);
     float* buf;
     try {
-      buf = task_scratch().get(static_cast<size_t>(rep * kKvBlock + (f32 ? kKvBlock * (D + Dv) : 0) + 64));
+      buf = task_scratch().get(kv_attend_scratch(irep, D, Dv) + static_cast<size_t>(2 * rep + 2));
     } catch (...) {
       oom = true;
       return;
     }
-    float* L = buf;                      // [rep][kKvBlock] logits, then p * vscale
-    float* kf = L + rep * kKvBlock;      // fp32 rows: [kKvBlock][D] keys
-    float* vf = kf + kKvBlock * D;       // [kKvBlock][Dv]
-    const uint8_t* kr[kKvBlock];
-    const uint8_t* vr[kKvBlock];
-    float ksc[kKvBlock], vsc[kKvBlock];
-    int64_t tt[kKvBlock];
-    float* pr = part + k * ps;           // [rep][Dv + 2]: max, sum, y
-    for (int64_t h = 0; h < rep; ++h) {
-      pr[h * (Dv + 2)] = -INFINITY;
-      pr[h * (Dv + 2) + 1] = 0.0f;
-      std::fill(pr + h * (Dv + 2) + 2, pr + (h + 1) * (Dv + 2), 0.0f);
-    }
-    const int irep = static_cast<int>(rep);
-    const int kbits = c.kf.bits;
-    const int64_t R4 = R * 4;
-    for (int64_t i0 = 0; i0 < cn; i0 += kKvBlock) {
-      const int64_t nb = std::min(kKvBlock, cn - i0);
-      for (int64_t i = 0; i < nb; ++i) {
-        const int64_t t = list ? list[i0 + i] : start + i0 + i;
-        tt[i] = t;
-        const uint32_t* row = base + t * R;
-        kr[i] = c.kf.k(row);
-        vr[i] = c.kf.v(row);
-        ksc[i] = c.kf.kscale(row) * p.scale;
-        vsc[i] = c.kf.vscale(row);
-        if (i0 + i + kKvBlock < cn) {  // the next block's rows (scattered when listed): prefetch
-          const char* pf = reinterpret_cast<const char*>(base + (list ? list[i0 + i + kKvBlock] : t + kKvBlock) * R);
-          for (int64_t o = 0; o < R4; o += 64) __builtin_prefetch(pf + o);
-          __builtin_prefetch(pf + R4 - 1);
-        }
-      }
-      if (f32) {
-        ak.deq_rows(kr, nb, D, kbits, kf);
-        ak.dots_tile(q, irep, M * D, kf, nb, D, L);
-      } else {
-        ak.qk_rows(q, irep, M * D, kr, nb, D, kbits, L);
-      }
-      for (int64_t h = 0; h < rep; ++h) {
-        float* lh = L + h * nb;
-        const float* mr = c.mask_row(b, h0 + h, m);
-        for (int64_t i = 0; i < nb; ++i) lh[i] *= ksc[i];
-        if (p.softcap > 0)
-          for (int64_t i = 0; i < nb; ++i) lh[i] = p.softcap * std::tanh(lh[i] / p.softcap);
-        if (mr)
-          for (int64_t i = 0; i < nb; ++i) lh[i] += mr[tt[i] * c.mst];
-        float* ph = pr + h * (Dv + 2);
-        const float bm = ak.maxv(lh, nb);
-        const float nm = std::max(ph[0], bm);
-        if (!(nm > -INFINITY)) {
-          std::fill(lh, lh + nb, 0.0f);
-          continue;
-        }
-        if (nm > ph[0]) {
-          const float f = ph[0] > -INFINITY ? std::exp(ph[0] - nm) : 0.0f;
-          ph[1] *= f;
-          if (f != 1.0f) ak.scal(f, ph + 2, Dv);
-          ph[0] = nm;
-        }
-        ph[1] += ak.expsum(lh, nm, nb);
-        for (int64_t i = 0; i < nb; ++i) lh[i] *= vsc[i];
-      }
-      if (f32) {
-        ak.deq_rows(vr, nb, Dv, kbits, vf);
-        ak.pv_tile(L, irep, vf, nb, Dv, pr + 2, Dv + 2);
-      } else {
-        ak.pv_rows(L, irep, vr, nb, Dv, kbits, pr + 2, Dv + 2);
-      }
-    }
+    const float** mrows = c.mask ? reinterpret_cast<const float**>(buf) : nullptr;  // [rep] mask rows
+    if (mrows)
+      for (int64_t h = 0; h < rep; ++h) mrows[h] = c.mask_row(b, h0 + h, m);
+    KvAttend a{};
+    a.q = c.Q + ((b * c.Hq + h0) * M + m) * D;  // heads at stride M * D
+    a.ldq = M * D;
+    a.nq = irep;
+    a.base = reinterpret_cast<const uint8_t*>(c.kv + (b * c.Hkv + hk) * Tc * R);
+    a.row_bytes = R * 4;
+    a.kbytes = c.kf.kbytes;
+    a.vbytes = c.kf.vbytes;
+    a.list = c.off[static_cast<size_t>(r)] >= 0 ? c.idx.data() + c.off[static_cast<size_t>(r)] + c0 : nullptr;
+    a.start = c.lo[static_cast<size_t>(r)] + c0;
+    a.n = std::min(kKvChunk, c.n[static_cast<size_t>(r)] - c0);
+    a.bits = c.kf.bits;
+    a.D = D;
+    a.Dv = Dv;
+    a.scale = p.scale;
+    a.softcap = p.softcap;
+    a.mask = mrows;
+    a.mst = c.mst;
+    a.part = part + k * ps;
+    a.scratch = buf + 2 * rep + 2;
+    ak.kv_attend(a);
   };
   parallel_for(ctx, static_cast<size_t>(nchunks), task);
   if (oom) throw std::bad_alloc();
