@@ -219,3 +219,28 @@ def test_gating_bound_counts_measured_keep(tiny_llama, word_text, tmp_path):
     io = runtime.ModelIO.from_model(m)
     assert twin["kv_cache"] == kv == 2 * io.num_layers * 16 * io.kv_heads * io.head_dim * 4 > 0
     assert 1.0 < twin["total"] / gated["total"] < 1 / 0.6
+
+
+@requires_native
+def test_guard_loss_is_the_probe_loss_of_the_written_model(tiny_llama, word_text, tmp_path):
+    """The guard's figures are those of the files it writes (issue 11: a held-out gap is the probe's
+    sampling, not a different graph): the probe, rebuilt on the same calibration text, scores the
+    emitted gated model and its `--weights int4` twin exactly as the report says — `baseline` (twin
+    vs fp32) and `loss` (gated over twin)."""
+    from rewriter.kit.calib import CalibText
+    from rewriter.kit.quality import QualityProbe, relative_loss
+
+    tok, text = word_text
+    gated, twin = tmp_path / "g.onnx", tmp_path / "t.onnx"
+    rc, rep = _rewrite(tiny_llama, gated, tok, text, "--kwta=on", "--weights", "int4", "--quality-budget", "0.02")
+    assert rc == 0
+    rc, _ = _rewrite(tiny_llama, twin, tok, text, "--weights", "int4")
+    assert rc == 0
+    q = rep["quality"]
+    assert q["kept"] > 0
+    dense_io = runtime.ModelIO.from_session(custom_ops.session(str(tiny_llama)))
+    probe = QualityProbe(str(tiny_llama), dense_io, CalibText(tiny_llama, text, str(tok)), 1024, 1024, 1)
+    assert probe.size == q["probe_size"]
+    base, full = probe.loss(str(twin)), probe.loss(str(gated))
+    assert abs(base - q["baseline"]) < 1e-6 and abs(full - q["loss_vs_fp32"]) < 1e-6
+    assert abs(relative_loss(full, base) - q["loss"]) < 1e-6
