@@ -6,14 +6,13 @@
 //   /tmp/ak [T=4096] [bits=8] [reps=50] [copies=1] [hugepages=0] [only this case]
 //
 // Rows of one KV head in the cache-row format (K codes, K scale, V codes, V scale; D = Dv = 64),
-// 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows), fused =
-// qk_rows + pv_rows, lut = lutscore over 8 bytes of key bits, stream = a plain read of the rows.
+// 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows, the fp32
+// rows' path), attend = the library's kv_attend task (the op's decode loop: gather, int16 query .
+// codes, online softmax, pv_rows) over all keys, attend_sel8 = the same over a sorted random eighth of
+// the keys (as a 0.125 budget selects; still per context key: x8 per selected key), lut = lutscore
+// over 8 bytes of key bits, stream = a plain read of the rows.
 // Medians of reps; copies > 1 cycles through that many row buffers (copies = 90: the 50 MB of a
-// 30-layer SmolLM2 int8 cache at T = 4096, from DRAM; hugepages = 1: madvise(MADV_HUGEPAGE)),
-// *_pf32 = with the rows 32 keys ahead prefetched (as the op does), op = the op's block loop
-// (gather, fused kernels, online softmax), sel8 = that loop over a sorted random eighth of the keys
-// (still per context key: x8 per selected key), attend / attend_sel8 = the library's kv_attend task
-// over all keys / that list, stream = a plain read of the same buffer.
+// 30-layer SmolLM2 int8 cache at T = 4096, from DRAM; hugepages = 1: madvise(MADV_HUGEPAGE)).
 #include <algorithm>
 #include <sys/mman.h>
 #include <cmath>
@@ -74,68 +73,9 @@ int main(int argc, char** argv) {
     }
     sink = sink + y[0];
   };
-  int64_t pfd = 0;
-  auto fused = [&] {
-    auto& rows = next();
-    for (int64_t i0 = 0; i0 < T; i0 += nb) {
-      for (int64_t i = 0; i < nb; ++i) {
-        kr[i] = rows.data() + (i0 + i) * R;
-        vr[i] = kr[i] + kbytes + 4;
-        if (pfd && i0 + i + pfd < T) {
-          const char* pf = reinterpret_cast<const char*>(rows.data() + (i0 + i + pfd) * R);
-          for (int64_t o = 0; o < R; o += 64) __builtin_prefetch(pf + o);
-          __builtin_prefetch(pf + R - 1);
-        }
-      }
-      ak.qk_rows(q.data(), nq, D, kr, nb, D, bits, L.data());
-      for (auto& x : L) x *= 1e-3f;
-      ak.pv_rows(L.data(), nq, vr, nb, Dv, bits, y.data(), Dv);
-    }
-    sink = sink + y[0];
-  };
-  // the op's attend loop (attend_kv task body, one chunk = all T keys, no mask / softcap)
   std::vector<float> pr(nq * (Dv + 2));
   std::vector<int64_t> sel;
   for (int64_t t = 0; t < T; ++t) if (rng() % 8 == 0) sel.push_back(t);
-  bool use_list = false;
-  auto op = [&] {
-    auto& rows = next();
-    float ksc[nb], vsc[nb];
-    for (int h = 0; h < nq; ++h) { pr[h * (Dv + 2)] = -INFINITY; pr[h * (Dv + 2) + 1] = 0; std::fill(pr.begin() + h * (Dv + 2) + 2, pr.begin() + (h + 1) * (Dv + 2), 0.0f); }
-    const int64_t NT = use_list ? static_cast<int64_t>(sel.size()) : T;
-    for (int64_t i0 = 0; i0 + nb <= NT; i0 += nb) {
-      for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* row = rows.data() + (use_list ? sel[i0 + i] : i0 + i) * R;
-        kr[i] = row;
-        vr[i] = row + kbytes + 4;
-        float a, b2; std::memcpy(&a, row + kbytes, 4); std::memcpy(&b2, row + kbytes + 4 + vbytes, 4);
-        ksc[i] = a * 1e-3f; vsc[i] = b2 * 1e-3f;
-        if (pfd && i0 + i + pfd < NT) {
-          const char* pf = reinterpret_cast<const char*>(rows.data() + (use_list ? sel[i0 + i + pfd] : i0 + i + pfd) * R);
-          for (int64_t o = 0; o < R; o += 64) __builtin_prefetch(pf + o);
-          __builtin_prefetch(pf + R - 1);
-        }
-      }
-      ak.qk_rows(q.data(), nq, D, kr, nb, D, bits, L.data());
-      for (int h = 0; h < nq; ++h) {
-        float* lh = L.data() + h * nb;
-        for (int64_t i = 0; i < nb; ++i) lh[i] *= ksc[i];
-        float* ph = pr.data() + h * (Dv + 2);
-        const float bm = ak.maxv(lh, nb);
-        const float nm = std::max(ph[0], bm);
-        if (nm > ph[0]) {
-          const float f = ph[0] > -INFINITY ? std::exp(ph[0] - nm) : 0.0f;
-          ph[1] *= f;
-          if (f != 1.0f) ak.scal(f, ph + 2, Dv);
-          ph[0] = nm;
-        }
-        ph[1] += ak.expsum(lh, nm, nb);
-        for (int64_t i = 0; i < nb; ++i) lh[i] *= vsc[i];
-      }
-      ak.pv_rows(L.data(), nq, vr, nb, Dv, bits, pr.data() + 2, Dv + 2);
-    }
-    sink = sink + pr[5];
-  };
   // the library's attend task (kv_attend: int16 query . codes, online softmax, pv_rows), all T keys
   std::vector<float> scr(ortlean::kv_attend_scratch(nq, D, Dv));
   auto attend = [&](bool listed) {
@@ -151,9 +91,6 @@ int main(int argc, char** argv) {
     ak.kv_attend(a);
     sink = sink + pr[5];
   };
-  auto op_pf = [&] { pfd = 32; op(); pfd = 0; };
-  // every 8th key on average (a sorted random list, as a 0.125 budget selects): ns per context key
-  auto sel_pf = [&](int64_t d) { return [&, d] { pfd = d; use_list = true; op(); use_list = false; pfd = 0; }; };
   auto lut_ = [&] {
     ak.lutscore(kbits.data(), 3, T, 8, lut.data(), core.data());
     sink = sink + static_cast<float>(core[T / 2]);
@@ -176,10 +113,7 @@ int main(int argc, char** argv) {
     std::function<void()> f;
     std::vector<double> ns;
   };
-  auto fused_pf = [&](int64_t d) { return [&, d] { pfd = d; fused(); pfd = 0; }; };
-  std::vector<Case> cs = {{"tile", tile, {}},          {"fused", fused, {}},           {"fused_pf32", fused_pf(32), {}},
-                          {"op", op, {}},              {"op_pf32", op_pf, {}},         {"sel8", sel_pf(0), {}},
-                          {"sel8_pf32", sel_pf(32), {}}, {"attend", [&] { attend(false); }, {}},
+  std::vector<Case> cs = {{"tile", tile, {}}, {"attend", [&] { attend(false); }, {}},
                           {"attend_sel8", [&] { attend(true); }, {}}, {"lutscore", lut_, {}}, {"stream", stream, {}}};
   if (argc > 6)  // only the named case (for perf)
     cs.erase(std::remove_if(cs.begin(), cs.end(), [&](const Case& c) { return std::strcmp(c.name, argv[6]) != 0; }), cs.end());

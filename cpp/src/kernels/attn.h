@@ -51,7 +51,7 @@ struct AttnKernels {
   float (*maxv)(const float* x, int64_t n);
   // Cache rows (kv_quant): int8 codes, or int4 pairs (element 2i in the low nibble, two's complement).
   // Tiles of a block of cached rows (fp32 rows, and single rows for key packing / the exact oracle; int8 / int4
-  // blocks go through qk_rows / pv_rows): out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the
+  // blocks go through kv_attend): out[i * n + d] = code d of rows[i] as float (bits 8 | 4; 32: the
   // float32 values), i < nb
   void (*deq_rows)(const uint8_t* const* rows, int64_t nb, int64_t n, int bits, float* out);
   // out[h * nb + i] = sum_d q[h * ldq + d] * kf[i * D + d], h < nq, i < nb
@@ -60,9 +60,6 @@ struct AttnKernels {
   void (*pv_tile)(const float* p, int nq, const float* vf, int64_t nb, int64_t Dv, float* y, int64_t ldy);
   // Fused over quantized rows (bits 8 | 4, n % 8 == 0; no float tile): the codes of each row are
   // read once for all nq heads.
-  // out[h * nb + i] = sum_d q[h * ldq + d] * code d of rows[i], h < nq, i < nb
-  void (*qk_rows)(const float* q, int nq, int64_t ldq, const uint8_t* const* rows, int64_t nb, int64_t D, int bits,
-                  float* out);
   // y[h * ldy + d] += sum_i p[h * nb + i] * code d of rows[i], h < nq, d < Dv
   void (*pv_rows)(const float* p, int nq, const uint8_t* const* rows, int64_t nb, int64_t Dv, int bits, float* y,
                   int64_t ldy);
