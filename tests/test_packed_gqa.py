@@ -356,6 +356,11 @@ GQA_LAYOUT_CASES = [  # B, Hq, Hkv, S, P, D, Dv, q, packed, rot_half, interleave
     (2, 6, 2, 5, 12, 32, 32, "fp32", True, 8, 1, [16, 13], dict(budget=1.0)),         # r < D, interleaved, padding
     (2, 4, 1, 7, 0, 16, 24, "int8", False, 8, 0, [6, 3], dict(budget=1.0)),           # separate K/V, Dv != D, prefill
     (1, 4, 2, 3, 20, 32, 32, "int4", False, 0, 0, None, dict(budget=1.0, local_window=6)),  # no rotary
+    # fp32 prompt rows (the blocked-GEMM prefill): 45 rows = a full and a partial tile of 32, padding,
+    # D 24; a window, softcap and no past; budget 0 (the --attn-exact node)
+    (2, 6, 2, 45, 30, 24, 24, "fp32", True, 8, 0, [74, 50], dict(budget=0.0)),
+    (1, 4, 1, 70, 0, 40, 40, "fp32", False, 0, 0, None, dict(budget=1.0, local_window=20, softcap=4.0)),
+    (2, 8, 2, 33, 5, 32, 32, "fp32", False, 16, 1, [37, 6], dict(budget=1.0)),
 ]
 
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 
+#include "blas.h"
 #include "isa.h"
 #include "parallel.h"
 #include "scratch.h"
@@ -1143,13 +1144,87 @@ void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const 
   }
 }
 
+// Prompt rows over fp32 cache rows (the exact fp32 mode's prefill): per (sequence, KV head, tile of
+// kPrefillTile query rows) the group's query heads against the tile's key range in two GEMMs
+// (OpenBLAS, one thread per task: S = scale * Q . K^T straight from the rows, K's floats at the row
+// start and V's after K's scale word, leading dimension R), each row's keys outside [lo, hi) masked,
+// softcap, softmax, Y = P . V. The per-row online softmax of attend_kv gives the same numbers up to
+// float summation order; this path reads each key once per tile instead of once per query row.
+bool PackedAttentionKernel::prefill_f32(KvCall& c, Ort::KernelContext& ctx) const {
+  constexpr int64_t kPrefillTile = 32;
+  const int64_t M = c.M, rep = c.rep, D = c.D, Dv = c.Dv, R = c.kf.words, Tc = c.Tc;
+  if (c.kf.bits != 32 || M < 2 || c.mask || !c.idx.empty()) return false;
+  const int64_t tiles = (M + kPrefillTile - 1) / kPrefillTile, ntask = c.B * c.Hkv * tiles;
+  const float sc = p_.scale, cap = p_.softcap;
+  std::atomic<bool> oom{false};
+  auto task = [&](size_t t_) noexcept {
+    const int64_t t = static_cast<int64_t>(t_), tile = t % tiles, bh = t / tiles, b = bh / c.Hkv, hk = bh % c.Hkv;
+    const int64_t m0 = tile * kPrefillTile, mt = std::min(kPrefillTile, M - m0), rows = rep * mt;
+    int64_t k0 = INT64_MAX, k1 = 0;
+    for (int64_t m = m0; m < m0 + mt; ++m) {
+      const size_t r = static_cast<size_t>((b * c.Hkv + hk) * M + m);
+      if (c.n[r] <= 0) continue;
+      k0 = std::min(k0, c.lo[r]);
+      k1 = std::max(k1, c.hi[r]);
+    }
+    for (int64_t h = 0; h < rep; ++h)  // padding rows (and an all-padding tile): Y = 0
+      std::fill(c.Y + ((b * c.Hq + hk * rep + h) * M + m0) * Dv, c.Y + ((b * c.Hq + hk * rep + h) * M + m0 + mt) * Dv, 0.0f);
+    if (k1 <= k0) return;
+    const int64_t T = k1 - k0;
+    float* buf;
+    try {
+      buf = task_scratch().get(static_cast<size_t>(rows * (D + T + Dv) + 16));
+    } catch (...) {
+      oom = true;
+      return;
+    }
+    float* Qt = buf;               // [rep * mt, D]: head h's rows at h * mt
+    float* S = Qt + rows * D;      // [rep * mt, T]
+    float* Yt = S + rows * T;      // [rep * mt, Dv]
+    for (int64_t h = 0; h < rep; ++h)
+      std::memcpy(Qt + h * mt * D, c.Q + ((b * c.Hq + hk * rep + h) * M + m0) * D, sizeof(float) * static_cast<size_t>(mt * D));
+    const float* base = reinterpret_cast<const float*>(c.kv + ((b * c.Hkv + hk) * Tc + k0) * R);
+    blas::sgemm(false, true, rows, T, D, sc, Qt, D, base, R, 0.0f, S, T);
+    const int64_t voff = c.kf.kbytes / 4 + 1;
+    for (int64_t i = 0; i < rows; ++i) {
+      const size_t r = static_cast<size_t>((b * c.Hkv + hk) * M + m0 + i % mt);
+      float* s = S + i * T;
+      const int64_t lo = c.n[r] > 0 ? c.lo[r] - k0 : T, hi = c.n[r] > 0 ? c.hi[r] - k0 : T;
+      if (cap > 0)
+        for (int64_t j = lo; j < hi; ++j) s[j] = cap * std::tanh(s[j] / cap);
+      float mx = -INFINITY;
+      for (int64_t j = lo; j < hi; ++j) mx = s[j] > mx ? s[j] : mx;
+      for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+      for (int64_t j = hi; j < T; ++j) s[j] = 0.0f;
+      if (!(mx > -INFINITY)) {  // no key (padding) or every logit -inf / NaN: Y = 0 as attend_kv
+        for (int64_t j = lo; j < hi; ++j) s[j] = 0.0f;
+        continue;
+      }
+      const float sum = ak_->expsum(s + lo, mx, hi - lo);
+      const float inv = 1.0f / sum;
+      for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
+    }
+    blas::sgemm(false, false, rows, Dv, T, 1.0f, S, T, base + voff, R, 0.0f, Yt, Dv);
+    for (int64_t h = 0; h < rep; ++h)
+      for (int64_t m = 0; m < mt; ++m) {
+        const size_t r = static_cast<size_t>((b * c.Hkv + hk) * M + m0 + m);
+        if (c.n[r] > 0)
+          std::memcpy(c.Y + ((b * c.Hq + hk * rep + h) * M + m0 + m) * Dv, Yt + (h * mt + m) * Dv,
+                      sizeof(float) * static_cast<size_t>(Dv));
+      }
+  };
+  parallel_for(ctx, static_cast<size_t>(ntask), task);
+  if (oom) throw std::bad_alloc();
+  return true;
+}
+
 void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   KvCall c = read_kv_inputs(ctx);
   store_kv(c, ctx);
   metrics::add(m_calls_, 1.0);
   select_kv(c, ctx);
   metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));
-  attend_kv(c, ctx);
+  if (!prefill_f32(c, ctx)) attend_kv(c, ctx);
   if (c.y_bsh) {  // staged [B, Hq, M, Dv] -> [B, M, Hq * Dv]
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t h = 0; h < c.Hq; ++h)
