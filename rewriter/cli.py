@@ -361,7 +361,7 @@ def cmd_demo(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     causal = prepare.MODELS[args.name].kind == "causal-lm"
     configs = _backend_configs(args)
-    asked = [n for n, c in configs.items() if c.enabled and n != "fuse"]
+    asked = [n for n, c in configs.items() if c.enabled and n != "fuse" and getattr(c, "explicit", True)]  # auto asks nothing
     if not asked:
         # the best recipe the tool has: the fused graph (decoders) with MatMulNBits int4 weights
         # (int8 for encoders, where int4 costs too much cosine); other backends are flags

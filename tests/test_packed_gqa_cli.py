@@ -89,7 +89,7 @@ def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
     it; with --weights int4 and fp32 rows at full budget the logits equal the fused int4 twin's
     (--fuse=auto --weights int4) to 1e-5 over a prompt and decode steps."""
     src = tiny["llama"] / "model.onnx"
-    rc, rep = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4")
+    rc, rep = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--attn-exact", "off")
     assert rc == 0 and "GroupQueryAttention" in _ops(tmp_path / "twin.onnx")
     rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-kv", "fp32",
                        "--attn-budget", "1", "--attn-tune", "off")
@@ -102,6 +102,85 @@ def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
     prompt, steps = r.integers(0, 256, (1, 30)), r.integers(0, 256, (1, 8))
     np.testing.assert_allclose(_shared_logits(tmp_path / "pa.onnx", prompt, steps),
                                _shared_logits(tmp_path / "twin.onnx", prompt, steps), atol=1e-5, rtol=1e-5)
+
+
+def test_attn_exact_replaces_gqa_with_the_same_attention(tiny, tmp_path):
+    """--attn-exact (fused graphs, no --state-pack): on → every GroupQueryAttention becomes exact
+    PackedAttention (fp32 rows, budget 0), logits equal to the GQA twin's (--attn-exact off) to 1e-5
+    over a prompt and decode steps in the shared-KV loop and in the plain growing-state loop; auto
+    (the default) decides from the measured one-layer speed and says so in the report either way;
+    with --state-pack the PackedAttention pass takes every layer and this pass finds nothing."""
+    src = tiny["qwen2"] / "model.onnx"
+    rc, _ = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--attn-exact", "off")
+    assert rc == 0 and "GroupQueryAttention" in _ops(tmp_path / "twin.onnx")
+    rc, rep = _rewrite(src, tmp_path / "ex.onnx", "--weights", "int4", "--attn-exact", "on")
+    assert rc == 0, rep
+    pa = _check_packed(tmp_path / "ex.onnx", "fp32")
+    assert all(next(a.f for a in n.attribute if a.name == "budget") == 0.0 for n in pa)
+    recs = [g for g in rep["graph_passes"] if g["backend"] == "exact_attention"]
+    assert len(recs) == len(pa) and "measured" not in recs[0]["decision"]   # on: no timing
+    r = np.random.default_rng(1)
+    prompt, steps = r.integers(0, 256, (1, 21)), r.integers(0, 256, (1, 7))
+    np.testing.assert_allclose(_shared_logits(tmp_path / "ex.onnx", prompt, steps),
+                               _shared_logits(tmp_path / "twin.onnx", prompt, steps), atol=1e-5, rtol=1e-5)
+    outs = []
+    for p in ("ex.onnx", "twin.onnx"):
+        s = custom_ops.session(str(tmp_path / p), threads=1)
+        io = runtime.ModelIO.from_session(s, str(tmp_path / p))
+        res = runtime.run(s, io, runtime.feeds(io, prompt))
+        logits = [res["logits"][:, -1]]
+        past, plen = io.next_state(res), prompt.shape[1]
+        for t in steps.T:
+            res = runtime.run(s, io, runtime.feeds(io, t[:, None], past, plen))
+            logits.append(res["logits"][:, -1])
+            past, plen = io.next_state(res), plen + 1
+        outs.append(np.stack(logits, 1))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    # auto: the decision names the measured speed, whichever way it went
+    rc, rep = _rewrite(src, tmp_path / "auto.onnx", "--weights", "int4")
+    assert rc == 0
+    recs = [g for g in rep["graph_passes"] if g["backend"] in ("exact_attention", "dense") and "measured" in g["decision"]]
+    assert recs and ("PackedAttention" in _ops(tmp_path / "auto.onnx")) == (recs[0]["backend"] == "exact_attention")
+    # --state-pack: PackedAttention's own pass takes the layers; nothing left for --attn-exact
+    rc, rep = _rewrite(src, tmp_path / "sp.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-budget", "0",
+                       "--attn-tune", "off", "--attn-exact", "on")
+    assert rc == 0 and not [g for g in rep["graph_passes"] if g["backend"] == "exact_attention"]
+    _check_packed(tmp_path / "sp.onnx", "int8")
+
+
+def test_exact_attention_timing_models_compute_the_same():
+    """rewriter.kit.timing.exact_attention_speed times a one-node GroupQueryAttention against the node
+    apply_gqa makes of it: the two compute the same decode step (1e-5), packed QKV and separate Q/K/V,
+    rotary inside; and the measurement returns both times per past."""
+    from custom_ops.reference.attn import pack_keys, pack_kv
+    from rewriter.backends.packed_attention import AttnConfig, apply_gqa
+    from rewriter.kit import timing
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    for packed in (True, False):
+        attrs = dict(num_heads=4, kv_num_heads=2, do_rotary=1, rotary_interleaved=0, scale=0.2, local_window_size=-1)
+        gm = timing.gqa_model(attrs, 4, 2, 16, 16, packed, 64)
+        pm = timing.gqa_model(attrs, 4, 2, 16, 16, packed, 64)
+        apply_gqa(pm, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+        sg = ort.InferenceSession(ir.serde.serialize_model(gm).SerializeToString(), providers=["CPUExecutionProvider"])
+        sp = custom_ops.session(ir.serde.serialize_model(pm).SerializeToString())
+        r = np.random.default_rng(2)
+        P = 13
+        K, V = r.standard_normal((1, 2, P, 16), dtype=np.float32), r.standard_normal((1, 2, P, 16), dtype=np.float32)
+        base = {"query": r.standard_normal((1, 1, (4 + 4) * 16 if packed else 4 * 16), dtype=np.float32),
+                "seqlens_k": np.array([P], np.int32), "total_sequence_length": np.array(P + 1, np.int32)}
+        if not packed:
+            base |= {"key": r.standard_normal((1, 1, 32), dtype=np.float32),
+                     "value": r.standard_normal((1, 1, 32), dtype=np.float32)}
+        yg = sg.run(["y"], {**base, "past_key_values.0.key": K, "past_key_values.0.value": V})[0]
+        names = {i.name for i in sp.get_inputs()}
+        fp = {**base, "past_key_values.0.kv": pack_kv(K, V, "fp32"), "past_key_values.0.key_bits": pack_keys(K, "sign", 0.0)}
+        yp = sp.run([sp.get_outputs()[0].name], {k: v for k, v in fp.items() if k in names})[0]
+        np.testing.assert_allclose(yp, yg, atol=1e-5, rtol=1e-5)
+    res = timing.exact_attention_speed(attrs, 4, 2, 16, 16, False, 64, pasts=(32,), use_cache=False)
+    v = res["pasts"]["32"]
+    assert v["gqa"] > 0 and v["exact"] > 0 and res["min_speedup"] == v["speedup"]
 
 
 def test_genai_builder_model_packed(forms, tmp_path):

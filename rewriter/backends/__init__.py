@@ -26,14 +26,14 @@ from __future__ import annotations
 from .fuse import FusePass
 from .gating import GatingBackend
 from .head import CheapHeadPass
-from .packed_attention import PackedAttentionPass
+from .packed_attention import ExactAttentionPass, PackedAttentionPass
 from .procsparse import ProcBackend
 from .tt import TTBackend
 from .weights import WeightsBackend, WeightsPackPass
 
 # WeightsBackend (--weights int8|int4) stays last: it takes exactly the layers the others left dense
 WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend, WeightsBackend]
-GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass, WeightsPackPass]
+GRAPH_PASSES: list = [FusePass, PackedAttentionPass, ExactAttentionPass, CheapHeadPass, WeightsPackPass]
 
 
 def all_backends() -> list:

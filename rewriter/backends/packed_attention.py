@@ -599,3 +599,74 @@ class PackedAttentionPass(GraphPassBase):
                 if r.get("cache"):
                     r["decision"] += "; no --calib-text: per-channel key scale off (measured: worse candidates)"
         return recs
+
+
+# --------------------------------------------------------------------------- --attn-exact (fused graphs)
+EXACT_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class ExactAttnConfig(Options):
+    mode: str = flag("--attn-exact", "auto", "fused graphs without --state-pack: replace every GroupQueryAttention "
+                     "by PackedAttention's exact fp32 cache mode — the same attention (to 1e-5), ortlean's kernel "
+                     "instead of ONNX Runtime's; the cache state becomes past_key_values.N.kv / .key_bits. auto "
+                     "(default): when one decode step of the layer's shape measures faster than GroupQueryAttention "
+                     "on this CPU at pasts 128 and 4096, 1 and 2 threads (rewriter.kit.timing.exact_attention_speed, "
+                     "cached) | on | off (keep GroupQueryAttention)", choices=EXACT_MODES)
+    enabled: bool = True
+    targets: tuple = ()
+
+    @property
+    def explicit(self) -> bool:
+        """The user asked for it (--attn-exact=on); auto alone is no request."""
+        return self.mode == "on"
+
+
+class ExactAttentionPass(GraphPassBase):
+    """--attn-exact: the GroupQueryAttention nodes that PackedAttentionPass (--state-pack) left — all of
+    them without --state-pack — become exact PackedAttention (kv_quant fp32, budget 0) when it pays."""
+    name = "exact_attention"
+    stage = "post"
+    Config = ExactAttnConfig
+    title = "exact attention on ortlean's kernel (fused graphs: GroupQueryAttention → PackedAttention fp32, exact)"
+
+    @classmethod
+    def config(cls, args, state_pack) -> ExactAttnConfig:
+        cfg = options.from_args(ExactAttnConfig, args)
+        cfg.enabled = cfg.mode != "off"
+        return cfg
+
+    def run(self, model, ctx) -> list[dict]:
+        gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+        if not gqa:
+            return []
+        ok = [n for n in gqa if _gqa_problem(n, model.graph) is None]
+        note = ""
+        if self.cfg.mode == "auto" and ok:
+            import os
+
+            g = ok[0]
+            a = {k: (v.as_float() if v.type == ir.AttributeType.FLOAT else v.as_int()) for k, v in g.attributes.items()}
+            Hq, Hkv = a["num_heads"], a["kv_num_heads"]
+            D, Dv = _head_dims(g)
+            max_pos = _max_positions(model, ctx) or 4096
+            threads = sorted({1, min(2, os.cpu_count() or 1)})
+            try:
+                runs = {t: timing.exact_attention_speed(a, Hq, Hkv, D, Dv, g.inputs[1] is None, max_pos, threads=t)
+                        for t in threads}
+            except Exception as e:  # no library / a runtime that cannot run the one-node models
+                return [{"layer": "attention", "backend": "dense",
+                         "decision": f"kept GroupQueryAttention: --attn-exact auto could not time the op ({e})"}]
+            speeds = ", ".join(f"past {p} t{t} {v['speedup']:.2f}x" for t, r in runs.items() for p, v in r["pasts"].items())
+            worst = min(r["min_speedup"] for r in runs.values())
+            if worst < 1.0:
+                return [{"layer": "attention", "backend": "dense",
+                         "decision": f"kept GroupQueryAttention: exact PackedAttention measured slower on this CPU "
+                                     f"(GQA time / op time: {speeds})"}]
+            note = f"; measured GQA time / op time: {speeds}"
+        recs = apply_gqa(model, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+        for r in recs:
+            if r["backend"] == "packed_attention":
+                r["backend"] = "exact_attention"
+                r["decision"] = "exact PackedAttention (fp32 K/V rows) replaces GroupQueryAttention" + note
+        return recs

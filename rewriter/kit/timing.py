@@ -9,6 +9,7 @@ import math
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +232,103 @@ def speedup_at(res: dict, P: int) -> float:
             f = (math.log(P) - math.log(lo)) / (math.log(hi) - math.log(lo))
             return float(s_lo + f * (s_hi - s_lo))
     return float(pts[-1][1])
+
+
+def gqa_model(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packed_qkv: bool, max_pos: int) -> ir.Model:
+    """One com.microsoft GroupQueryAttention node with ``attrs`` (a fused layer's own) in the cache
+    layout of a fused decoder: [1, S, H·D] query (packed QKV when ``packed_qkv``), graph inputs
+    past_key_values.0.key / .value [1, Hkv, P, D], seqlens_k, total_sequence_length, and (do_rotary)
+    cos/sin caches of ``max_pos`` rows as initializers."""
+    F, I32 = ir.DataType.FLOAT, ir.DataType.INT32
+
+    def val(name, dt, shape):
+        return ir.Value(name=name, type=ir.TensorType(dt), shape=ir.Shape(shape))
+
+    if packed_qkv:
+        q, k, v = val("query", F, [1, "S", (Hq + 2 * Hkv) * D]), None, None
+    else:
+        q, k, v = val("query", F, [1, "S", Hq * D]), val("key", F, [1, "S", Hkv * D]), val("value", F, [1, "S", Hkv * Dv])
+    pk, pv = val("past_key_values.0.key", F, [1, Hkv, "P", D]), val("past_key_values.0.value", F, [1, Hkv, "P", Dv])
+    sl, tot = val("seqlens_k", I32, [1]), val("total_sequence_length", I32, [])
+    inits, ins = [], [q, k, v, pk, pv, sl, tot]
+    if attrs.get("do_rotary", 0):
+        rng = np.random.default_rng(0)
+        for n in ("cos_cache", "sin_cache"):
+            t = ir.Value(name=n, type=ir.TensorType(F), shape=ir.Shape([max_pos, D // 2]),
+                         const_value=ir.tensor(rng.uniform(-1, 1, (max_pos, D // 2)).astype(np.float32), name=n))
+            inits.append(t)
+            ins.append(t)
+    node = ir.Node("com.microsoft", "GroupQueryAttention", ins, [ir.Attr(k_, *_attr_type(v_)) for k_, v_ in attrs.items()],
+                   name="/layers.0/attn/GroupQueryAttention", num_outputs=3)
+    for o, n, d in zip(node.outputs, ("y", "present.0.key", "present.0.value"), (None, D, Dv)):
+        o.name = n
+        o.type = ir.TensorType(F)
+        o.shape = ir.Shape([1, "S", Hq * Dv] if d is None else [1, Hkv, "T", d])
+    graph_ins = [x for x in (q, k, v, pk, pv, sl, tot) if x is not None]
+    g = ir.Graph(graph_ins, list(node.outputs), nodes=[node], initializers=inits,
+                 opset_imports={"": OPSET, "com.microsoft": 1}, name="gqa")
+    return ir.Model(g, ir_version=IR_VERSION)
+
+
+def _attr_type(v):
+    if isinstance(v, float):
+        return ir.AttributeType.FLOAT, v
+    return ir.AttributeType.INT, int(v)
+
+
+def exact_attention_speed(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packed_qkv: bool, max_pos: int,
+                          pasts=(128, 4096), threads: int = 1, use_cache: bool = True) -> dict:
+    """One decode step of a fused layer's GroupQueryAttention (``attrs``) against the PackedAttention
+    node that replaces it in its exact fp32 cache mode (``packed_attention.apply_gqa``: the same
+    attention, ortlean's kernel), at each past length (< ``max_pos``), interleaved medians, both on
+    a plain feed loop (past in, present out); cached per CPU, library build and threads. Returns
+    {"pasts": {P: {"gqa": s, "exact": s, "speedup": gqa / exact}}, "min_speedup": the least of them}."""
+    import custom_ops
+    import onnxruntime as ort
+    from custom_ops.reference.attn import pack_keys, pack_kv
+
+    from ..backends.packed_attention import AttnConfig, apply_gqa
+
+    pasts = [int(p) for p in pasts if p + 1 < max_pos] or [max(1, max_pos // 2)]
+
+    def measure():
+        gm = gqa_model(attrs, Hq, Hkv, D, Dv, packed_qkv, max_pos)
+        pm = gqa_model(attrs, Hq, Hkv, D, Dv, packed_qkv, max_pos)
+        apply_gqa(pm, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+        s_g = ort.InferenceSession(ir.serde.serialize_model(gm).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+        s_p = custom_ops.session(ir.serde.serialize_model(pm).SerializeToString(), threads=threads)
+        rng = np.random.default_rng(0)
+        width = (Hq + 2 * Hkv) * D if packed_qkv else Hq * D
+        out = {}
+        for P in pasts:
+            Kp = rng.standard_normal((1, Hkv, P, D), dtype=np.float32)
+            Vp = rng.standard_normal((1, Hkv, P, Dv), dtype=np.float32)
+            base = {"query": rng.standard_normal((1, 1, width), dtype=np.float32),
+                    "seqlens_k": np.array([P], np.int32), "total_sequence_length": np.array(P + 1, np.int32)}
+            if not packed_qkv:
+                base["key"] = rng.standard_normal((1, 1, Hkv * D), dtype=np.float32)
+                base["value"] = rng.standard_normal((1, 1, Hkv * Dv), dtype=np.float32)
+            fg = {**base, "past_key_values.0.key": Kp, "past_key_values.0.value": Vp}
+            fp = {**base, "past_key_values.0.kv": pack_kv(Kp, Vp, "fp32"), "past_key_values.0.key_bits": pack_keys(Kp, "sign", 0.0)}
+            fp = {k_: v_ for k_, v_ in fp.items() if k_ in {i.name for i in s_p.get_inputs()}}
+            t = {"gqa": [], "exact": []}
+            for s, f in ((s_g, fg), (s_p, fp)):
+                for _ in range(3):
+                    s.run(None, f)
+            t0 = time.perf_counter()
+            while len(t["gqa"]) < 5 or (time.perf_counter() - t0 < 0.2 and len(t["gqa"]) < 400):
+                for k_, s, f in (("gqa", s_g, fg), ("exact", s_p, fp)):
+                    a = time.perf_counter()
+                    s.run(None, f)
+                    t[k_].append(time.perf_counter() - a)
+            g_, e_ = float(np.median(t["gqa"])), float(np.median(t["exact"]))
+            out[str(P)] = {"gqa": g_, "exact": e_, "speedup": g_ / max(e_, 1e-12)}
+        return out
+
+    key = ["GQA-vs-exact-PackedAttention", Hq, Hkv, D, Dv, bool(packed_qkv), max_pos,
+           sorted((k_, v_) for k_, v_ in attrs.items()), list(pasts)]
+    res = cached(key, threads, measure) if use_cache else measure()
+    return {"pasts": res, "min_speedup": min(v["speedup"] for v in res.values())}
