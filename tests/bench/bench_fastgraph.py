@@ -9,7 +9,13 @@ Models (ONNX Runtime CPU EP):
   fused fp32       rewriter.fuse.fuse_decoder(optimum export)
   fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS: the tied
                    embedding shared)
+  fused int4 pa-exact  fused int4 with every GroupQueryAttention replaced by ortlean's PackedAttention in
+                   its exact fp32 cache mode (fastgraph_models.exact_attention_model: `ortlean rewrite
+                   --attn-exact on`, which `--weights int4` does by default where it measures faster): the
+                   same attention, ortlean's kernel
   genai fp32/int4  onnxruntime-genai 0.15.2's model builder on the same fp32 checkpoint (models.peers)
+  "<model> (twin)" (--twin) a second session of the same file, timed as its own row: an A/A check of
+                   the bench's resolution (session order and memory placement, not the graph)
 Drivers (the row name says which; custom_ops.runtime.bench.LoopRow / SharedRow / OgRow, the table
 loop is custom_ops.runtime.bench.decode_table, the same code `ortlean bench` runs):
   "<model>"              custom_ops.runtime's loop on a plain InferenceSession: feeds with
@@ -106,6 +112,11 @@ def main():
     ap.add_argument("--malloc-as-is", action="store_true",
                     help="leave glibc's dynamic mmap threshold (the sessions' weights then sit where the build "
                          "order puts them; see fix_malloc_threshold)")
+    ap.add_argument("--no-exact-attn", action="store_true",
+                    help="skip the 'fused int4 pa-exact' row (fused int4 with ortlean's exact PackedAttention)")
+    ap.add_argument("--twin", default="",
+                    help="comma list of models to run twice, as '<model>' and '<model> (twin)': two sessions "
+                         "of one file in the same run, an A/A check of what the bench can resolve")
     ap.add_argument("--json")
     a = ap.parse_args()
     malloc_note = "" if a.malloc_as_is else fix_malloc_threshold()
@@ -113,7 +124,7 @@ def main():
     pasts = [int(x) for x in a.pasts.split(",")]
     t_start = time.monotonic()
 
-    from fastgraph_models import fused_model, ort_session, quantized_model
+    from fastgraph_models import exact_attention_model, fused_model, ort_session, quantized_model
     from models import corpus, peers, prepare
     from custom_ops import runtime
     from rewriter.quantize import DEFAULTS
@@ -126,6 +137,9 @@ def main():
     for w in ("int8", "int4"):
         c = DEFAULTS[w]
         models[f"fused {w}"] = quantized_model(fp32, c.bits, c.block_size, c.symmetric, c.accuracy_level)
+    if not a.no_exact_attn:
+        # ortlean's own kernel in place of ORT's GroupQueryAttention, same attention (exact fp32 cache)
+        models["fused int4 pa-exact"] = exact_attention_model(models["fused int4"])
     genai_dirs = {}
     why = peers.genai_available()
     if why:
@@ -137,6 +151,12 @@ def main():
     if a.models:
         keep = {m.strip() for m in a.models.split(",")} | {"fused fp32"}  # fused fp32 builds the long past
         models = {k: v for k, v in models.items() if k in keep}
+    for m in filter(None, (x.strip() for x in a.twin.split(","))):
+        if m not in models:
+            raise SystemExit(f"--twin {m}: not one of the models ({', '.join(models)})")
+        models[f"{m} (twin)"] = models[m]
+        if m in genai_dirs:
+            genai_dirs[f"{m} (twin)"] = genai_dirs[m]
     gqa = [m for m in models if not m.startswith("optimum")]
 
     def io_for(name, sess):
@@ -159,6 +179,9 @@ def main():
         tok = runtime.load_tokenizer(dense)
         ids = runtime.tokenize(tok, corpus.text(corpus.EVAL_NOVEL))[: 512 * a.windows]
         for n, p in models.items():
+            if n.endswith(" (twin)"):  # the same file: the same perplexity
+                res["models"][n]["ppl"] = res["models"][n[: -len(" (twin)")]]["ppl"]
+                continue
             s = ort_session(p, max(threads))
             res["models"][n]["ppl"] = runtime.perplexity(s, io_for(n, s), ids, window=512)["ppl"]
             del s
@@ -245,8 +268,13 @@ def print_table(res, threads, pasts, a):
     # issue 9's targets: fused int4 vs genai int4 (and fp32 vs fp32), per driver
     R, M = res["rows"], res["models"]
     pairs = [("fused int4", "genai int4", ""), ("fused int4 | shared KV", "genai int4 | shared KV", ""),
-             ("fused int4 | shared KV", "genai int4 | og", ""), ("fused fp32", "genai fp32", ""),
-             ("fused fp32 | shared KV", "genai fp32 | og", "")]
+             ("fused int4 | shared KV", "genai int4 | og", ""),
+             ("fused int4 pa-exact", "genai int4", ""), ("fused int4 pa-exact | shared KV", "genai int4 | shared KV", ""),
+             ("fused int4 pa-exact | shared KV", "genai int4 | og", ""),
+             ("fused int4 pa-exact | shared KV", "fused int4 | shared KV", ""),
+             ("fused fp32", "genai fp32", ""), ("fused fp32 | shared KV", "genai fp32 | og", "")]
+    pairs += [(f"{r} (twin){d}", f"{r}{d}", "") for r in (x.strip() for x in a.twin.split(",") if x.strip())
+              for d in ("", " | shared KV")]
     for ours, peer, _ in pairs:
         if ours not in R or peer not in R:
             continue

@@ -83,11 +83,47 @@ def quantized_model(fp32: Path, bits: int, block_size: int, symmetric: bool, acc
     return _build(cache_root() / "fastgraph" / key, make)
 
 
+def exact_attention_model(gqa: Path) -> Path:
+    """``gqa`` with every GroupQueryAttention replaced by ortlean's PackedAttention in its exact fp32
+    cache mode, by the CLI (`ortlean rewrite GQA --attn-exact on`; what `ortlean rewrite --weights int4`
+    writes when --attn-exact auto measures the op faster): the same attention (exact to 1e-5), ortlean's
+    kernel instead of ORT's. Keyed by the rewriter's and the op's code besides the input model."""
+    key = artifact_key(f"{gqa.parent.name}-pa-exact", {"code": _code_hash("rewriter", "custom_ops/schema.py"),
+                                                       "lib": _code_hash_any("cpp/src"),
+                                                       "tools": versions(TOOLS)})
+
+    def make(out: Path):
+        from rewriter import cli
+
+        rc = cli.main(["rewrite", str(gqa), "-o", str(out), "-q", *EXACT_ATTENTION_FLAGS])
+        if rc != 0:
+            raise SystemExit(f"{gqa}: rewrite {EXACT_ATTENTION_FLAGS} failed ({rc})")
+
+    return _build(cache_root() / "fastgraph" / key, make)
+
+
+EXACT_ATTENTION_FLAGS = ["--attn-exact", "on"]
+
+
+def _code_hash_any(rel: str) -> str:
+    h = hashlib.sha256()
+    for p in sorted(q for q in (ROOT / rel).rglob("*") if q.is_file()):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def ort_session(path, threads: int):
-    """A plain CPU InferenceSession with ``threads`` intra-op threads (no ortlean ops involved)."""
+    """A CPU InferenceSession with ``threads`` intra-op threads; the ortlean ops registered only when
+    the model uses them (the ORT rows run on plain onnxruntime)."""
+    import onnx
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    m = onnx.load(str(path), load_external_data=False)
+    if any(o.domain == "ai.ortlean" for o in m.opset_import):
+        import custom_ops
+
+        so = custom_ops.session_options(threads, so=so)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
