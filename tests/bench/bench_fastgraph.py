@@ -9,7 +9,7 @@ Models (ONNX Runtime CPU EP):
   fused fp32       rewriter.fuse.fuse_decoder(optimum export)
   fused int8/int4  + rewriter.quantize.quantize_weights(..., "int8" / "int4")  (its DEFAULTS: the tied
                    embedding shared)
-  fused int4 pa-exact  fused int4 with every GroupQueryAttention replaced by ortlean's PackedAttention in
+  fused fp32/int4 pa-exact  fused fp32/int4 with every GroupQueryAttention replaced by ortlean's PackedAttention in
                    its exact fp32 cache mode (fastgraph_models.exact_attention_model: `ortlean rewrite
                    --attn-exact on`, which `--weights int4` does by default where it measures faster): the
                    same attention, ortlean's kernel
@@ -113,7 +113,7 @@ def main():
                     help="leave glibc's dynamic mmap threshold (the sessions' weights then sit where the build "
                          "order puts them; see fix_malloc_threshold)")
     ap.add_argument("--no-exact-attn", action="store_true",
-                    help="skip the 'fused int4 pa-exact' row (fused int4 with ortlean's exact PackedAttention)")
+                    help="skip the 'fused fp32/int4 pa-exact' rows (fused graphs with ortlean's exact PackedAttention)")
     ap.add_argument("--twin", default="",
                     help="comma list of models to run twice, as '<model>' and '<model> (twin)': two sessions "
                          "of one file in the same run, an A/A check of what the bench can resolve")
@@ -139,7 +139,8 @@ def main():
         models[f"fused {w}"] = quantized_model(fp32, c.bits, c.block_size, c.symmetric, c.accuracy_level)
     if not a.no_exact_attn:
         # ortlean's own kernel in place of ORT's GroupQueryAttention, same attention (exact fp32 cache)
-        models["fused int4 pa-exact"] = exact_attention_model(models["fused int4"])
+        for w in ("fp32", "int4"):
+            models[f"fused {w} pa-exact"] = exact_attention_model(models[f"fused {w}"])
     genai_dirs = {}
     why = peers.genai_available()
     if why:
@@ -272,7 +273,8 @@ def print_table(res, threads, pasts, a):
              ("fused int4 pa-exact", "genai int4", ""), ("fused int4 pa-exact | shared KV", "genai int4 | shared KV", ""),
              ("fused int4 pa-exact | shared KV", "genai int4 | og", ""),
              ("fused int4 pa-exact | shared KV", "fused int4 | shared KV", ""),
-             ("fused fp32", "genai fp32", ""), ("fused fp32 | shared KV", "genai fp32 | og", "")]
+             ("fused fp32", "genai fp32", ""), ("fused fp32 | shared KV", "genai fp32 | og", ""),
+             ("fused fp32 pa-exact | shared KV", "genai fp32 | og", "")]
     pairs += [(f"{r} (twin){d}", f"{r}{d}", "") for r in (x.strip() for x in a.twin.split(",") if x.strip())
               for d in ("", " | shared KV")]
     for ours, peer, _ in pairs:

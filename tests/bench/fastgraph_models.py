@@ -87,9 +87,8 @@ def exact_attention_model(gqa: Path) -> Path:
     """``gqa`` with every GroupQueryAttention replaced by ortlean's PackedAttention in its exact fp32
     cache mode, by the CLI (`ortlean rewrite GQA --attn-exact on`; what `ortlean rewrite --weights int4`
     writes when --attn-exact auto measures the op faster): the same attention (exact to 1e-5), ortlean's
-    kernel instead of ORT's. Keyed by the rewriter's and the op's code besides the input model."""
+    kernel instead of ORT's. Keyed by the rewriter's code and the op schema besides the input model."""
     key = artifact_key(f"{gqa.parent.name}-pa-exact", {"code": _code_hash("rewriter", "custom_ops/schema.py"),
-                                                       "lib": _code_hash_any("cpp/src"),
                                                        "tools": versions(TOOLS)})
 
     def make(out: Path):
@@ -103,13 +102,6 @@ def exact_attention_model(gqa: Path) -> Path:
 
 
 EXACT_ATTENTION_FLAGS = ["--attn-exact", "on"]
-
-
-def _code_hash_any(rel: str) -> str:
-    h = hashlib.sha256()
-    for p in sorted(q for q in (ROOT / rel).rglob("*") if q.is_file()):
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def ort_session(path, threads: int):
