@@ -361,6 +361,10 @@ GQA_LAYOUT_CASES = [  # B, Hq, Hkv, S, P, D, Dv, q, packed, rot_half, interleave
     (2, 6, 2, 45, 30, 24, 24, "fp32", True, 8, 0, [74, 50], dict(budget=0.0)),
     (1, 4, 1, 70, 0, 40, 40, "fp32", False, 0, 0, None, dict(budget=1.0, local_window=20, softcap=4.0)),
     (2, 8, 2, 33, 5, 32, 32, "fp32", False, 16, 1, [37, 6], dict(budget=1.0)),
+    # the same prompt path over int8 / int4 rows (query_int16 logits, V scales folded into P)
+    (2, 6, 2, 45, 30, 24, 24, "int8", True, 8, 0, [74, 50], dict(budget=0.0)),
+    (1, 9, 3, 70, 100, 64, 64, "int4", True, 32, 0, None, dict(budget=1.0, local_window=50, softcap=4.0)),
+    (1, 4, 2, 40, 0, 16, 24, "int8", False, 8, 1, None, dict(budget=0.25)),          # prompt rows stay exact
 ]
 
 

@@ -1144,16 +1144,20 @@ void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const 
   }
 }
 
-// Prompt rows over fp32 cache rows (the exact fp32 mode's prefill): per (sequence, KV head, tile of
-// kPrefillTile query rows) the group's query heads against the tile's key range in two GEMMs
-// (OpenBLAS, one thread per task: S = scale * Q . K^T straight from the rows, K's floats at the row
-// start and V's after K's scale word, leading dimension R), each row's keys outside [lo, hi) masked,
-// softcap, softmax, Y = P . V. The per-row online softmax of attend_kv gives the same numbers up to
-// float summation order; this path reads each key once per tile instead of once per query row.
-bool PackedAttentionKernel::prefill_f32(KvCall& c, Ort::KernelContext& ctx) const {
+// Prompt rows (M > 1, every row exact, no mask): per (sequence, KV head, tile of kPrefillTile query
+// rows) the group's query heads against the tile's key range [k0, k1) in two GEMMs (OpenBLAS, one
+// thread per task), each row's keys outside its [lo, hi) masked, softcap, softmax. fp32 rows: S =
+// scale Q.K^T straight from the rows (K's floats at the row start, V's after K's scale word,
+// leading dimension R), Y = P.V. int8 / int4 rows, as the reference's query_int16 path: the query
+// heads quantized per row to kQLevels levels (qi, qs), the key codes as floats (deq_rows), S = qi.codes
+// (integers, exact in float up to 2^24 per product sum), logit = S * (qs * (kscale * scale)), Y =
+// (P * vscale).vcodes. The same numbers as attend_kv's per-row online softmax up to float summation
+// order, reading each key once per tile instead of once per query row.
+bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) const {
   constexpr int64_t kPrefillTile = 32;
   const int64_t M = c.M, rep = c.rep, D = c.D, Dv = c.Dv, R = c.kf.words, Tc = c.Tc;
-  if (c.kf.bits != 32 || M < 2 || c.mask || !c.idx.empty()) return false;
+  if (M < 2 || c.mask || !c.idx.empty()) return false;
+  const bool f32 = c.kf.bits == 32;
   const int64_t tiles = (M + kPrefillTile - 1) / kPrefillTile, ntask = c.B * c.Hkv * tiles;
   const float sc = p_.scale, cap = p_.softcap;
   std::atomic<bool> oom{false};
@@ -1172,8 +1176,9 @@ bool PackedAttentionKernel::prefill_f32(KvCall& c, Ort::KernelContext& ctx) cons
     if (k1 <= k0) return;
     const int64_t T = k1 - k0;
     float* buf;
-    try {
-      buf = task_scratch().get(static_cast<size_t>(rows * (D + T + Dv) + 16));
+    try {  // Qt, S, Yt; quantized rows also: qs, key scales, V scales, K codes, V codes, 2T row pointers
+      const size_t extra = f32 ? 0 : static_cast<size_t>(rows + 2 * T + T * (D + Dv) + 4 * T + 8);
+      buf = task_scratch().get(static_cast<size_t>(rows * (D + T + Dv) + 16) + extra);
     } catch (...) {
       oom = true;
       return;
@@ -1181,15 +1186,63 @@ bool PackedAttentionKernel::prefill_f32(KvCall& c, Ort::KernelContext& ctx) cons
     float* Qt = buf;               // [rep * mt, D]: head h's rows at h * mt
     float* S = Qt + rows * D;      // [rep * mt, T]
     float* Yt = S + rows * T;      // [rep * mt, Dv]
-    for (int64_t h = 0; h < rep; ++h)
-      std::memcpy(Qt + h * mt * D, c.Q + ((b * c.Hq + hk * rep + h) * M + m0) * D, sizeof(float) * static_cast<size_t>(mt * D));
-    const float* base = reinterpret_cast<const float*>(c.kv + ((b * c.Hkv + hk) * Tc + k0) * R);
-    blas::sgemm(false, true, rows, T, D, sc, Qt, D, base, R, 0.0f, S, T);
-    const int64_t voff = c.kf.kbytes / 4 + 1;
+    const uint32_t* rb = c.kv + ((b * c.Hkv + hk) * Tc + k0) * R;
+    const float *Kp, *Vp;
+    int64_t ldk, ldv;
+    float *qs = nullptr, *ks = nullptr, *vs = nullptr;
+    if (f32) {
+      for (int64_t h = 0; h < rep; ++h)
+        std::memcpy(Qt + h * mt * D, c.Q + ((b * c.Hq + hk * rep + h) * M + m0) * D, sizeof(float) * static_cast<size_t>(mt * D));
+      Kp = reinterpret_cast<const float*>(rb);
+      Vp = Kp + c.kf.kbytes / 4 + 1;
+      ldk = ldv = R;
+    } else {
+      qs = Yt + rows * Dv;
+      ks = qs + rows;
+      vs = ks + T;
+      float* Kc = vs + T;
+      float* Vc = Kc + T * D;
+      const uint8_t** rp = reinterpret_cast<const uint8_t**>((reinterpret_cast<uintptr_t>(Vc + T * Dv) + 7) & ~uintptr_t{7});
+      for (int64_t h = 0; h < rep; ++h)
+        for (int64_t m = 0; m < mt; ++m) {  // query_int16: qi = clip(rint(q * kQLevels / max|q|)), qs = max|q| / kQLevels
+          const float* q = c.Q + ((b * c.Hq + hk * rep + h) * M + m0 + m) * D;
+          float* o = Qt + (h * mt + m) * D;
+          float a = 0.0f;
+          bool fin = true;
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = std::fabs(q[d]);
+            fin = fin && v < INFINITY;
+            a = v > a ? v : a;
+          }
+          const float inv = fin && a > 0 ? static_cast<float>(kQLevels) / a : 0.0f;
+          for (int64_t d = 0; d < D; ++d) {
+            float v = std::nearbyint(q[d] * inv);
+            v = v > kQLevels ? kQLevels : v < -kQLevels ? -kQLevels : v;
+            o[d] = fin ? v : 0.0f;
+          }
+          qs[h * mt + m] = fin ? a / static_cast<float>(kQLevels) : NAN;
+        }
+      for (int64_t j = 0; j < T; ++j) {
+        const uint32_t* row = rb + j * R;
+        rp[j] = c.kf.k(row);
+        rp[T + j] = c.kf.v(row);
+        ks[j] = c.kf.kscale(row) * sc;
+        vs[j] = c.kf.vscale(row);
+      }
+      ak_->deq_rows(rp, T, D, c.kf.bits, Kc);
+      ak_->deq_rows(rp + T, T, Dv, c.kf.bits, Vc);
+      Kp = Kc;
+      Vp = Vc;
+      ldk = D;
+      ldv = Dv;
+    }
+    blas::sgemm(false, true, rows, T, D, f32 ? sc : 1.0f, Qt, D, Kp, ldk, 0.0f, S, T);
     for (int64_t i = 0; i < rows; ++i) {
       const size_t r = static_cast<size_t>((b * c.Hkv + hk) * M + m0 + i % mt);
       float* s = S + i * T;
       const int64_t lo = c.n[r] > 0 ? c.lo[r] - k0 : T, hi = c.n[r] > 0 ? c.hi[r] - k0 : T;
+      if (!f32)
+        for (int64_t j = lo; j < hi; ++j) s[j] *= qs[i] * ks[j];
       if (cap > 0)
         for (int64_t j = lo; j < hi; ++j) s[j] = cap * std::tanh(s[j] / cap);
       float mx = -INFINITY;
@@ -1202,9 +1255,12 @@ bool PackedAttentionKernel::prefill_f32(KvCall& c, Ort::KernelContext& ctx) cons
       }
       const float sum = ak_->expsum(s + lo, mx, hi - lo);
       const float inv = 1.0f / sum;
-      for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
+      if (f32)
+        for (int64_t j = lo; j < hi; ++j) s[j] *= inv;
+      else
+        for (int64_t j = lo; j < hi; ++j) s[j] *= inv * vs[j];
     }
-    blas::sgemm(false, false, rows, Dv, T, 1.0f, S, T, base + voff, R, 0.0f, Yt, Dv);
+    blas::sgemm(false, false, rows, Dv, T, 1.0f, S, T, Vp, ldv, 0.0f, Yt, Dv);
     for (int64_t h = 0; h < rep; ++h)
       for (int64_t m = 0; m < mt; ++m) {
         const size_t r = static_cast<size_t>((b * c.Hkv + hk) * M + m0 + m);
@@ -1224,7 +1280,7 @@ void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   metrics::add(m_calls_, 1.0);
   select_kv(c, ctx);
   metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));
-  if (!prefill_f32(c, ctx)) attend_kv(c, ctx);
+  if (!prefill_gemm(c, ctx)) attend_kv(c, ctx);
   if (c.y_bsh) {  // staged [B, Hq, M, Dv] -> [B, M, Hq * Dv]
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t h = 0; h < c.Hq; ++h)

@@ -92,8 +92,8 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   void store_kv(KvCall& c, Ort::KernelContext& ctx) const;
   void select_kv(KvCall& c, Ort::KernelContext& ctx) const;
   void attend_kv(KvCall& c, Ort::KernelContext& ctx) const;
-  // prompt rows (M > 1) over fp32 rows, every row exact, no mask: blocked GEMMs (true when it ran)
-  bool prefill_f32(KvCall& c, Ort::KernelContext& ctx) const;
+  // prompt rows (M > 1), every row exact, no mask: blocked GEMMs (true when it ran)
+  bool prefill_gemm(KvCall& c, Ort::KernelContext& ctx) const;
 
   AttnParams p_{};
   const AttnKernels* ak_ = nullptr;
