@@ -189,6 +189,24 @@ def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs):
 
 
 @requires_native
+@pytest.mark.parametrize("P,D,q", [(1500, 64, "int8"), (1500, 64, "int4"), (300, 1032, "int8")])
+def test_long_candidate_lists_with_mask(P, D, q):
+    """Candidate lists longer than the attend kernel's copy stage (16 KB of rows: 120 int8 rows of
+    D 64, 224 int4; D 1032: stages and blocks of 7 rows), over several stages ending mid-block, with
+    an additive mask read at the listed positions (-inf and finite values)."""
+    attrs = dict(kv_quant=q, scale=float(D) ** -0.5, budget=0.3, window=8, sinks=2, min_context=16)
+    f = case(B=1, Hq=6, Hkv=2, P=P, D=D, q=q, seed=21)
+    r = np.random.default_rng(22)
+    mask = r.standard_normal((1, 6, 1, P + 1)).astype(np.float32)
+    mask[r.random(mask.shape) < 0.1] = -np.inf
+    feed = {"Q": f["Q"], "K": f["K"], "V": f["V"], "mask": mask, "past_bits": f["past_bits"], "past_kv": f["past_kv"]}
+    Yr, br, kr = run_ref(attrs, feed)
+    Y, bits, kv = run_native(attrs, feed)
+    np.testing.assert_array_equal(kv, kr)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+@requires_native
 def test_carried_state_across_steps_equals_one_call():
     """Decode steps feeding present_* back as past_* equal one call over the same tokens."""
     attrs = dict(kv_quant="int8", scale=0.125, budget=0.3, window=16, min_context=32)
