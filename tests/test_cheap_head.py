@@ -224,7 +224,9 @@ def test_tiny_export_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
     _, dense = _decode(d, io, prompt, 5)
     # candidates cover the vocabulary: the same tokens and logits as the exact head, step by step
     full = tmp_path / "full.onnx"
-    code, rep = _rewrite(src, full, toy_text, "--head-rank", "8", "--head-candidates", str(V), tokenizer=tok)
+    # --attn-exact off: the rewritten model is fed with the export's own cache inputs below
+    code, rep = _rewrite(src, full, toy_text, "--head-rank", "8", "--head-candidates", str(V), "--attn-exact", "off",
+                         tokenizer=tok)
     assert code == 0 and rep["graph_passes"][-1]["backend"] == "cheap_head"
     if family == "qwen2":       # untied: Wᵀ stored instead of W
         assert "stored transposed" in rep["graph_passes"][-1]["decision"]
@@ -237,9 +239,20 @@ def test_tiny_export_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
     f = runtime.feeds(io, prompt)
     np.testing.assert_allclose(c.run(["logits"], f)[0], d.run(["logits"], f)[0], rtol=1e-6, atol=1e-6)  # prefill
+    # with exact PackedAttention too (the last pass: the head calibrates on the export's cache I/O)
+    code, rep = _rewrite(src, tmp_path / "ex.onnx", toy_text, "--head-rank", "8", "--head-candidates", str(V),
+                         "--attn-exact", "on", tokenizer=tok)
+    assert code == 0 and [g["backend"] for g in rep["graph_passes"]][-1] == "exact_attention"
+    import custom_ops
+
+    e = custom_ops.session(str(tmp_path / "ex.onnx"))
+    _, ex = _decode(e, runtime.ModelIO.from_session(e), prompt, 5)
+    for a, b in zip(cheap, ex):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
     # few candidates: the candidates' logits are the exact ones, the rest −inf
     few = tmp_path / "few.onnx"
-    code, _ = _rewrite(src, few, toy_text, "--head-rank", "4", "--head-candidates", "16", tokenizer=tok)
+    code, _ = _rewrite(src, few, toy_text, "--head-rank", "4", "--head-candidates", "16", "--attn-exact", "off",
+                       tokenizer=tok)
     c = _sess(few)
     cio = runtime.ModelIO.from_session(c)
     out = runtime.run(c, cio, runtime.feeds(cio, prompt))

@@ -33,7 +33,9 @@ from .weights import WeightsBackend, WeightsPackPass
 
 # WeightsBackend (--weights int8|int4) stays last: it takes exactly the layers the others left dense
 WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend, WeightsBackend]
-GRAPH_PASSES: list = [FusePass, PackedAttentionPass, ExactAttentionPass, CheapHeadPass, WeightsPackPass]
+# ExactAttentionPass last: it changes the KV-cache state (past_key_values.N.kv / .key_bits), and the passes
+# before it calibrate on the model's original cache I/O (CheapHeadPass)
+GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass, WeightsPackPass, ExactAttentionPass]
 
 
 def all_backends() -> list:
