@@ -153,7 +153,7 @@ def test_exact_attention_timing_models_compute_the_same():
     apply_gqa makes of it: the two compute the same decode step (1e-5), packed QKV and separate Q/K/V,
     rotary inside; and the measurement returns both times per past."""
     from custom_ops.reference.attn import pack_keys, pack_kv
-    from rewriter.backends.packed_attention import AttnConfig, apply_gqa
+    from rewriter.backends.packed_attention import exact_gqa
     from rewriter.kit import timing
     import onnx_ir as ir
     import onnxruntime as ort
@@ -162,7 +162,7 @@ def test_exact_attention_timing_models_compute_the_same():
         attrs = dict(num_heads=4, kv_num_heads=2, do_rotary=1, rotary_interleaved=0, scale=0.2, local_window_size=-1)
         gm = timing.gqa_model(attrs, 4, 2, 16, 16, packed, 64)
         pm = timing.gqa_model(attrs, 4, 2, 16, 16, packed, 64)
-        apply_gqa(pm, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+        exact_gqa(pm)
         sg = ort.InferenceSession(ir.serde.serialize_model(gm).SerializeToString(), providers=["CPUExecutionProvider"])
         sp = custom_ops.session(ir.serde.serialize_model(pm).SerializeToString())
         r = np.random.default_rng(2)
@@ -178,7 +178,7 @@ def test_exact_attention_timing_models_compute_the_same():
         fp = {**base, "past_key_values.0.kv": pack_kv(K, V, "fp32"), "past_key_values.0.key_bits": pack_keys(K, "sign", 0.0)}
         yp = sp.run([sp.get_outputs()[0].name], {k: v for k, v in fp.items() if k in names})[0]
         np.testing.assert_allclose(yp, yg, atol=1e-5, rtol=1e-5)
-    res = timing.exact_attention_speed(attrs, 4, 2, 16, 16, False, 64, pasts=(32,), use_cache=False)
+    res = timing.exact_attention_speed(attrs, 4, 2, 16, 16, False, 64, exact_gqa, pasts=(32,), use_cache=False)
     v = res["pasts"]["32"]
     assert v["gqa"] > 0 and v["exact"] > 0 and res["min_speedup"] == v["speedup"]
 

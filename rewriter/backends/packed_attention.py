@@ -605,6 +605,12 @@ class PackedAttentionPass(GraphPassBase):
 EXACT_MODES = ("auto", "on", "off")
 
 
+def exact_gqa(model: ir.Model) -> list[dict]:
+    """Every GroupQueryAttention apply_gqa takes → PackedAttention with fp32 K/V rows at budget 0:
+    GQA's attention to 1e-5 on ortlean's kernel."""
+    return apply_gqa(model, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+
+
 @dataclass
 class ExactAttnConfig(Options):
     mode: str = flag("--attn-exact", "auto", "fused graphs without --state-pack: replace every GroupQueryAttention "
@@ -652,8 +658,8 @@ class ExactAttentionPass(GraphPassBase):
             max_pos = _max_positions(model, ctx) or 4096
             threads = sorted({1, min(2, os.cpu_count() or 1)})
             try:
-                runs = {t: timing.exact_attention_speed(a, Hq, Hkv, D, Dv, g.inputs[1] is None, max_pos, threads=t)
-                        for t in threads}
+                runs = {t: timing.exact_attention_speed(a, Hq, Hkv, D, Dv, g.inputs[1] is None, max_pos, exact_gqa,
+                                                        threads=t) for t in threads}
             except Exception as e:  # no library / a runtime that cannot run the one-node models
                 return [{"layer": "attention", "backend": "dense",
                          "decision": f"kept GroupQueryAttention: --attn-exact auto could not time the op ({e})"}]
@@ -664,7 +670,7 @@ class ExactAttentionPass(GraphPassBase):
                          "decision": f"kept GroupQueryAttention: exact PackedAttention measured slower on this CPU "
                                      f"(GQA time / op time: {speeds})"}]
             note = f"; measured GQA time / op time: {speeds}"
-        recs = apply_gqa(model, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+        recs = exact_gqa(model)
         for r in recs:
             if r["backend"] == "packed_attention":
                 r["backend"] = "exact_attention"

@@ -277,24 +277,23 @@ def _attr_type(v):
 
 
 def exact_attention_speed(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packed_qkv: bool, max_pos: int,
-                          pasts=(128, 4096), threads: int = 1, use_cache: bool = True) -> dict:
+                          replace, pasts=(128, 4096), threads: int = 1, use_cache: bool = True) -> dict:
     """One decode step of a fused layer's GroupQueryAttention (``attrs``) against the PackedAttention
-    node that replaces it in its exact fp32 cache mode (``packed_attention.apply_gqa``: the same
-    attention, ortlean's kernel), at each past length (< ``max_pos``), interleaved medians, both on
+    node that replaces it in its exact fp32 cache mode (``replace(model)`` rewrites the one-node model
+    in place: ``packed_attention.apply_gqa`` with kv_quant fp32, budget 0 — the same attention,
+    ortlean's kernel), at each past length (< ``max_pos``), interleaved medians, both on
     a plain feed loop (past in, present out); cached per CPU, library build and threads. Returns
     {"pasts": {P: {"gqa": s, "exact": s, "speedup": gqa / exact}}, "min_speedup": the least of them}."""
     import custom_ops
     import onnxruntime as ort
     from custom_ops.reference.attn import pack_keys, pack_kv
 
-    from ..backends.packed_attention import AttnConfig, apply_gqa
-
     pasts = [int(p) for p in pasts if p + 1 < max_pos] or [max(1, max_pos // 2)]
 
     def measure():
         gm = gqa_model(attrs, Hq, Hkv, D, Dv, packed_qkv, max_pos)
         pm = gqa_model(attrs, Hq, Hkv, D, Dv, packed_qkv, max_pos)
-        apply_gqa(pm, AttnConfig(enabled=True, kv_quant="fp32", budget=0.0))
+        replace(pm)
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
         s_g = ort.InferenceSession(ir.serde.serialize_model(gm).SerializeToString(), so,
