@@ -693,8 +693,8 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
     }
   }
   // past_kv without past_bits: the carried keys' bits from their dequantized values
-  std::vector<float> kx(static_cast<size_t>(c.D));
   if (P && !c.past_bits) {
+    std::vector<float> kx(static_cast<size_t>(c.D));
     for (int64_t bh = 0; bh < BH; ++bh) {
       const float eps = p.eps_heads.empty() ? p.eps : p.eps_heads[static_cast<size_t>(bh % Hkv)];
       for (int64_t t = 0; t < P; ++t) {
@@ -957,9 +957,10 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
 
 // softmax . V over each row's keys (range or candidate list) for the rep query heads of its group:
 // tasks of up to kKvChunk keys (a row's keys in equal chunks) write partial (max, sum, y) per head,
-// merged per row at the end. A pool of more than one thread: chunks of at least kKvMinChunk keys, at
-// least kKvTasks tasks when the keys allow (past 128: 3 rows of 129 keys would be 3 tasks on 2
-// threads); one thread: one task per row (no chunk restarts, no merge).
+// merged per row at the end; each task prefetches into the next chunk of its row (a.ahead), which
+// the same thread usually runs next. Chunks of at least kKvMinChunk keys, at least kKvTasks tasks
+// when the keys allow (past 128: 3 rows of 129 keys would be 3 tasks on 2 threads); a pool seen to
+// run on one thread (PoolProbe): chunks of kKvChunk (a misjudged probe costs balance only, as before).
 namespace {
 constexpr int64_t kKvMinChunk = 64, kKvTasks = 8;
 struct AttendSched {  // per-call scheduling arrays (thread-local storage reused across calls)
@@ -983,9 +984,7 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
   metrics::add(m_cands_, static_cast<double>(cands));
   const int width = pool_.width();
   int64_t chunk = kKvChunk;
-  if (width == 1) {
-    chunk = std::max<int64_t>(1, Tc);
-  } else {
+  if (width != 1) {
     const int64_t even = (keys + kKvTasks - 1) / kKvTasks;
     chunk = std::min(kKvChunk, std::max(kKvMinChunk, (even + 31) / 32 * 32));
   }
@@ -1035,6 +1034,7 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     a.list = c.off[static_cast<size_t>(r)] >= 0 ? c.idx.data() + c.off[static_cast<size_t>(r)] + c0 : nullptr;
     a.start = c.lo[static_cast<size_t>(r)] + c0;
     a.n = std::min(chunk_len[r], c.n[static_cast<size_t>(r)] - c0);
+    a.ahead = std::min(chunk_len[r], c.n[static_cast<size_t>(r)] - c0 - a.n);
     a.bits = c.kf.bits;
     a.D = D;
     a.Dv = Dv;

@@ -97,7 +97,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   AttnParams p_{};
   const AttnKernels* ak_ = nullptr;
   const GemmKernels* gemm_ = nullptr;
-  mutable PoolProbe pool_;  // one-thread sessions: one attend task per query row (no chunk restarts / merge)
+  mutable PoolProbe pool_;  // one-thread sessions: attend tasks of kKvChunk keys (no split for balance)
   metrics::Value *m_density_ = nullptr, *m_active_ = nullptr, *m_calls_ = nullptr, *m_cands_ = nullptr,
                  *m_keys_ = nullptr, *m_packed_ = nullptr;
 };
