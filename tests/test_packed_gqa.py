@@ -281,6 +281,74 @@ def test_exact_at_full_budget_matches_dense_and_gqa_shapes():
         np.testing.assert_allclose(Y, dense_over_cache(f32, kv, 64, 64, "fp32", 0.125), atol=1e-5)
 
 
+# fp32 cache rows (kv_attend_f32: K / V read in place, heads in groups of 3 x 4 keys, masked tails
+# for head dims not multiples of 8; attend tasks: one per row on one thread, equal chunks otherwise)
+FP32_CASES = [
+    # (B, Hq, Hkv, S, P, D, Dv, seqlens, attrs)
+    (1, 9, 3, 1, 128, 64, 64, None, dict()),                          # SmolLM2 decode
+    (1, 9, 3, 1, 1337, 64, 64, None, dict()),                         # odd past, several chunks on 2 threads
+    (1, 8, 2, 1, 77, 12, 20, None, dict()),                           # rep 4 (3 + 1), D / Dv not multiples of 8
+    (1, 10, 2, 1, 301, 36, 9, None, dict()),                          # rep 5 (3 + 2), Dv < 16 with a tail
+    (1, 3, 3, 1, 65, 5, 3, None, dict()),                             # rep 1, dims below 8
+    (1, 6, 2, 7, 93, 64, 64, None, dict()),                           # M > 1 prefill continuation
+    (1, 4, 2, 6, 0, 24, 24, None, dict()),                            # first prompt, M > 1
+    (2, 6, 2, 1, 700, 40, 40, [650, 123], dict()),                    # B = 2, shared buffer, padding
+    (2, 6, 2, 3, 400, 20, 28, [399, 1], dict()),                      # B = 2, M > 1, a padded row
+    (1, 6, 2, 1, 999, 64, 64, None, dict(softcap=4.0, local_window=257)),
+]
+
+
+@requires_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,Hq,Hkv,S,P,D,Dv,seqlens,attrs", FP32_CASES)
+def test_fp32_rows_vs_reference(B, Hq, Hkv, S, P, D, Dv, seqlens, attrs, threads):
+    """fp32 cache at full budget: the reference's Y (and dense attention over the cache) to 1e-5, the
+    cache rows bit-exact, on 1 and 2 threads; repeated calls (the kernel learns the pool's width after
+    its first calls and then splits the keys differently) give the same Y."""
+    attrs = dict(kv_quant="fp32", scale=float(D) ** -0.5, budget=1.0, **attrs)
+    f = case(B=B, Hq=Hq, Hkv=Hkv, S=S, P=P, D=D, Dv=Dv, q="fp32", seed=P + D)
+    if not P:
+        f.pop("past_kv"), f.pop("past_bits")
+    if seqlens is not None:
+        f["seqlens_k"] = np.array(seqlens, np.int32)
+    Yr, br, kr = run_ref(attrs, f)
+    s = custom_ops.session(kv_model(attrs, use=tuple(f)), threads=threads)
+    for _ in range(10):
+        Y, bits, kv = s.run(None, f)
+        np.testing.assert_array_equal(kv, kr)
+        np.testing.assert_allclose(Y, Yr, atol=1e-5, rtol=1e-5)
+    if not attrs.get("softcap") and not attrs.get("local_window"):
+        total = None if seqlens is None else [x + 1 for x in seqlens]
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, D, Dv or D, "fp32", attrs["scale"], total=total),
+                                   atol=1e-5)
+
+
+@requires_native
+def test_fp32_rows_mask_nonunit_scales_and_extremes():
+    """Per-head additive mask with -inf stretches (a head fully masked: Y = 0), cache rows whose K / V
+    scale words are not 1 (the reference multiplies them in), and large logits (online-softmax
+    rescaling across blocks and chunks)."""
+    f = case(B=1, Hq=6, Hkv=2, P=600, D=40, q="fp32", seed=21)
+    kv = f["past_kv"].copy().view(np.float32)
+    r = np.random.default_rng(22)
+    kv[..., 40] = r.uniform(0.5, 2.0, kv.shape[:-1])                    # K scale word
+    kv[..., -1] = r.uniform(0.5, 2.0, kv.shape[:-1])                    # V scale word
+    kv[0, 1, 300:340, :40] *= 30.0                                       # a block of dominant keys
+    f["past_kv"] = kv.view(np.int32)
+    mask = np.zeros((1, 6, 1, 601), np.float32)
+    mask[0, 0, :, 100:400] = -np.inf
+    mask[0, 4] = -np.inf
+    f["mask"] = mask
+    attrs = dict(kv_quant="fp32", scale=40 ** -0.5, budget=1.0)
+    Yr, _, kr = run_ref(attrs, f)
+    for threads in (1, 2):
+        s = custom_ops.session(kv_model(attrs, use=tuple(f)), threads=threads)
+        for _ in range(10):
+            Y, _, kv_out = s.run(None, f)
+            np.testing.assert_allclose(Y, Yr, atol=1e-5, rtol=1e-5)
+        assert (Y[0, 4] == 0).all() and (kv_out == kr).all()
+
+
 def test_reference_query_int16():
     """The integer query of the int8 / int4 q·k: levels ±32767 at max|q|, zero and non-finite heads."""
     from custom_ops.reference.attn import QK_LEVELS, query_int16
@@ -294,19 +362,23 @@ def test_reference_query_int16():
 
 def _isa_worker() -> None:
     # SmolLM2 shapes, then 5 query heads per KV head with head dims 40 / 24 (8 mod 16)
-    for shape in (dict(P=500), dict(Hq=10, Hkv=2, P=601, D=40, Dv=24)):
+    shapes = [dict(P=500), dict(Hq=10, Hkv=2, P=601, D=40, Dv=24)]
+    if sys.argv[2] == "fp32":  # head dims not multiples of 8 (masked tails), rep 4
+        shapes += [dict(Hq=8, Hkv=2, P=333, D=20, Dv=13), dict(Hq=3, Hkv=3, P=70, D=5, Dv=7)]
+    for shape in shapes:
         f = case(seed=8, q=sys.argv[2], **shape)
-        attrs = dict(kv_quant=sys.argv[2], scale=0.125, budget=0.25, window=32, min_context=64)
-        Y, bits, kv = run_native(attrs, f)
-        Yr, _, kr = run_ref(attrs, f)
-        np.testing.assert_allclose(Y, Yr, atol=2e-5)
-        assert (kv == kr).all()
+        for budget in ((0.25, 1.0) if sys.argv[2] == "fp32" else (0.25,)):
+            attrs = dict(kv_quant=sys.argv[2], scale=0.125, budget=budget, window=32, min_context=64)
+            Y, bits, kv = run_native(attrs, f)
+            Yr, _, kr = run_ref(attrs, f)
+            np.testing.assert_allclose(Y, Yr, atol=2e-5)
+            assert (kv == kr).all()
     print("ok", custom_ops.isa())
 
 
 @requires_native
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
-@pytest.mark.parametrize("q", ["int8", "int4"])
+@pytest.mark.parametrize("q", ["int8", "int4", "fp32"])
 def test_isa_paths(isa, q):
     env = dict(os.environ, ORTLEAN_ISA=isa)
     code = f"import sys; sys.argv=['x', 'w', '{q}']; sys.path.insert(0, {str(ROOT / 'tests')!r}); " \

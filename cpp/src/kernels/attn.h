@@ -23,6 +23,8 @@ struct KvAttend {
   int64_t mst;
   float* part;           // [nq][Dv + 2]: running max, sum of exp, y (written from scratch)
   float* scratch;        // kv_attend_scratch(nq, D, Dv) floats
+  int64_t ahead = 0;     // entries n .. n + ahead - 1 (list or start + i) are the next task's rows:
+                         // prefetched near the end of this one, not attended (fp32 rows)
 };
 
 // Query levels of the integer q.k of quantized rows: qi = rint(q * (kQLevels / max|q|)) per head.

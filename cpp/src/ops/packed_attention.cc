@@ -694,8 +694,8 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
     }
   }
   // past_kv without past_bits: the carried keys' bits from their dequantized values
-  std::vector<float> kx(static_cast<size_t>(c.D));
   if (P && !c.past_bits) {
+    std::vector<float> kx(static_cast<size_t>(c.D));
     for (int64_t bh = 0; bh < BH; ++bh) {
       const float eps = p.eps_heads.empty() ? p.eps : p.eps_heads[static_cast<size_t>(bh % Hkv)];
       for (int64_t t = 0; t < P; ++t) {
@@ -957,32 +957,66 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
 }
 
 // softmax . V over each row's keys (range or candidate list) for the rep query heads of its group:
-// tasks of kKvChunk keys write partial (max, sum, y) per head, merged per row at the end.
+// tasks of up to kKvChunk keys (a row's keys in equal chunks) write partial (max, sum, y) per head,
+// merged per row at the end; each task prefetches into the next chunk of its row (a.ahead), which
+// the same thread usually runs next. Chunks of at least kKvMinChunk keys, about kKvTasks tasks
+// when the keys allow (past 128: 3 rows of 129 keys would be 3 tasks on 2 threads); a pool seen to
+// run on one thread (PoolProbe): chunks of kKvChunk (a misjudged probe costs balance only, as before).
+namespace {
+constexpr int64_t kKvMinChunk = 64, kKvTasks = 16;
+struct AttendSched {  // per-call scheduling arrays (thread-local storage reused across calls)
+  std::vector<int64_t> first_chunk, chunk_row, chunk_len;
+  std::vector<float> part;
+};
+AttendSched& attend_sched() {
+  thread_local AttendSched s;
+  return s;
+}
+}  // namespace
+
 void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   const AttnKernels& ak = *ak_;
   const int64_t rows = c.B * c.Hkv * c.M, M = c.M, D = c.D, Dv = c.Dv, rep = c.rep, Tc = c.Tc, R = c.kf.words;
-  std::vector<int64_t> first_chunk(static_cast<size_t>(rows) + 1, 0);
-  int64_t nchunks = 0, cands = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    first_chunk[static_cast<size_t>(r)] = nchunks;
-    nchunks += (c.n[static_cast<size_t>(r)] + kKvChunk - 1) / kKvChunk;
-    cands += c.n[static_cast<size_t>(r)] * rep;
-  }
-  first_chunk[static_cast<size_t>(rows)] = nchunks;
+  AttendSched& sc = attend_sched();
+  int64_t keys = 0, cands = 0;
+  for (int64_t r = 0; r < rows; ++r) keys += c.n[static_cast<size_t>(r)];
+  cands = keys * rep;
   metrics::add(m_cands_, static_cast<double>(cands));
-  std::vector<int64_t> chunk_row(static_cast<size_t>(nchunks));
+  const int width = pool_.width();
+  int64_t chunk = kKvChunk;
+  if (width != 1) {
+    const int64_t even = (keys + kKvTasks - 1) / kKvTasks;
+    chunk = std::min(kKvChunk, std::max(kKvMinChunk, (even + 31) / 32 * 32));
+  }
+  sc.first_chunk.resize(static_cast<size_t>(rows) + 1);
+  sc.chunk_len.resize(static_cast<size_t>(rows) + 1);
+  int64_t nchunks = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = c.n[static_cast<size_t>(r)];
+    int64_t pieces = (n + chunk - 1) / chunk;
+    // a split row in an even number of pieces (2-thread pools: 9 tasks of 342 keys ran 5:4, 25 %
+    // slower than main's 6 x 512 + 3 x 1 at past 1024)
+    if (width != 1 && pieces > 1 && pieces % 2 && pieces < n) ++pieces;
+    sc.first_chunk[static_cast<size_t>(r)] = nchunks;
+    sc.chunk_len[static_cast<size_t>(r)] = pieces ? (n + pieces - 1) / pieces : 0;  // equal pieces
+    nchunks += pieces;
+  }
+  sc.first_chunk[static_cast<size_t>(rows)] = nchunks;
+  const int64_t* first_chunk = sc.first_chunk.data();
+  const int64_t* chunk_len = sc.chunk_len.data();
+  sc.chunk_row.resize(static_cast<size_t>(nchunks));
+  int64_t* chunk_row = sc.chunk_row.data();
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = first_chunk[static_cast<size_t>(r)]; k < first_chunk[static_cast<size_t>(r) + 1]; ++k)
-      chunk_row[static_cast<size_t>(k)] = r;
+    for (int64_t k = first_chunk[r]; k < first_chunk[r + 1]; ++k) chunk_row[k] = r;
   const int64_t ps = rep * (Dv + 2);
-  std::vector<float> part_buf(static_cast<size_t>(nchunks * ps));
-  float* part = part_buf.data();
+  if (sc.part.size() < static_cast<size_t>(nchunks * ps)) sc.part.resize(static_cast<size_t>(nchunks * ps));
+  float* part = sc.part.data();
   std::atomic<bool> oom{false};
   auto task = [&](size_t k_) noexcept {
-    const int64_t k = static_cast<int64_t>(k_), r = chunk_row[static_cast<size_t>(k)];
+    const int64_t k = static_cast<int64_t>(k_), r = chunk_row[k];
     const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M, h0 = hk * rep;
-    const int64_t c0 = (k - first_chunk[static_cast<size_t>(r)]) * kKvChunk;
+    const int64_t c0 = (k - first_chunk[r]) * chunk_len[r];
     const int irep = static_cast<int>(rep);
     float* buf;
     try {
@@ -1004,7 +1038,8 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     a.vbytes = c.kf.vbytes;
     a.list = c.off[static_cast<size_t>(r)] >= 0 ? c.idx.data() + c.off[static_cast<size_t>(r)] + c0 : nullptr;
     a.start = c.lo[static_cast<size_t>(r)] + c0;
-    a.n = std::min(kKvChunk, c.n[static_cast<size_t>(r)] - c0);
+    a.n = std::min(chunk_len[r], c.n[static_cast<size_t>(r)] - c0);
+    a.ahead = std::min(chunk_len[r], c.n[static_cast<size_t>(r)] - c0 - a.n);
     a.bits = c.kf.bits;
     a.D = D;
     a.Dv = Dv;
@@ -1016,14 +1051,24 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     a.scratch = buf + 2 * rep + 2;
     ak.kv_attend(a);
   };
-  parallel_for(ctx, static_cast<size_t>(nchunks), task);
+  pool_.run(ctx, static_cast<size_t>(nchunks), task);
   if (oom) throw std::bad_alloc();
   // merge the chunks of each row into Y (padding rows: 0)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M;
-    const int64_t k0 = first_chunk[static_cast<size_t>(r)], k1 = first_chunk[static_cast<size_t>(r) + 1];
+    const int64_t k0 = first_chunk[r], k1 = first_chunk[r + 1];
     for (int64_t h = 0; h < rep; ++h) {
       float* y = c.Y + ((b * c.Hq + hk * rep + h) * M + m) * Dv;
+      if (k1 == k0 + 1) {  // one chunk: y / sum
+        const float* ph = part + k0 * ps + h * (Dv + 2);
+        if (!(ph[0] > -INFINITY)) {
+          std::fill(y, y + Dv, 0.0f);
+          continue;
+        }
+        const float inv = 1.0f / ph[1];
+        for (int64_t d = 0; d < Dv; ++d) y[d] = ph[2 + d] * inv;
+        continue;
+      }
       float mx = -INFINITY;
       for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, part[k * ps + h * (Dv + 2)]);
       std::fill(y, y + Dv, 0.0f);

@@ -10,6 +10,7 @@
 #include "metrics.h"
 #include "op.h"
 #include "ops/packed_keys.h"
+#include "parallel.h"
 
 namespace ortlean {
 
@@ -98,6 +99,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   AttnParams p_{};
   const AttnKernels* ak_ = nullptr;
   const GemmKernels* gemm_ = nullptr;
+  mutable PoolProbe pool_;  // one-thread sessions: attend tasks of kKvChunk keys (no split for balance)
   metrics::Value *m_density_ = nullptr, *m_active_ = nullptr, *m_calls_ = nullptr, *m_cands_ = nullptr,
                  *m_keys_ = nullptr, *m_packed_ = nullptr;
 };
