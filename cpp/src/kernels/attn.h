@@ -76,6 +76,10 @@ struct AttnKernels {
   // (q.k) * scale; int8 / int4 rows: logits = float(sum_d qi_d * code_d) * (qs * (kscale * scale)),
   // qi / qs the query quantized per head to kQLevels levels (exact integer dot).
   void (*kv_attend)(const KvAttend& a);
+  // The query heads quantized to kQLevels levels, as kv_attend does: q16[h * D16 + d] (zero padded to
+  // D16), qs[h] = max|q_h| / kQLevels (a head with max|q| = 0: codes 0, qs 0; not finite: codes 0,
+  // qs NaN); heads h < nq at q + h * ldq (the reference's query_int16)
+  void (*quantize_query)(const float* q, int64_t ldq, int nq, int64_t D, int64_t D16, int16_t* q16, float* qs);
 };
 
 // kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ)

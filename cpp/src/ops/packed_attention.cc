@@ -1194,7 +1194,7 @@ void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const 
 // thread per task), each row's keys outside its [lo, hi) masked, softcap, softmax. fp32 rows: S =
 // scale Q.K^T straight from the rows (K's floats at the row start, V's after K's scale word,
 // leading dimension R), Y = P.V. int8 / int4 rows, as the reference's query_int16 path: the query
-// heads quantized per row to kQLevels levels (qi, qs), the key codes as floats (deq_rows), S = qi.codes
+// heads quantized per row to kQLevels levels by the decode kernel's quantize_query (qi, qs), the key codes as floats (deq_rows), S = qi.codes
 // (integers, exact in float up to 2^24 per product sum), logit = S * (qs * (kscale * scale)), Y =
 // (P * vscale).vcodes. The same numbers as attend_kv's per-row online softmax up to float summation
 // order, reading each key once per tile instead of once per query row.
@@ -1221,8 +1221,10 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
     if (k1 <= k0) return;
     const int64_t T = k1 - k0;
     float* buf;
-    try {  // Qt, S, Yt; quantized rows also: qs, key scales, V scales, K codes, V codes, 2T row pointers
-      const size_t extra = f32 ? 0 : static_cast<size_t>(rows + 2 * T + T * (D + Dv) + 4 * T + 8);
+    const int64_t D16 = (D + 15) / 16 * 16;
+    try {  // Qt, S, Yt; quantized rows also: qs, key scales, V scales, K codes, V codes, 2T row pointers,
+           // one row's rep int16 query heads and their scales
+      const size_t extra = f32 ? 0 : static_cast<size_t>(rows + 2 * T + T * (D + Dv) + 4 * T + 8 + rep * D16 / 2 + rep + 8);
       buf = task_scratch().get(static_cast<size_t>(rows * (D + T + Dv) + 16) + extra);
     } catch (...) {
       oom = true;
@@ -1248,25 +1250,16 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
       float* Kc = vs + T;
       float* Vc = Kc + T * D;
       const uint8_t** rp = reinterpret_cast<const uint8_t**>((reinterpret_cast<uintptr_t>(Vc + T * Dv) + 7) & ~uintptr_t{7});
-      for (int64_t h = 0; h < rep; ++h)
-        for (int64_t m = 0; m < mt; ++m) {  // query_int16: qi = clip(rint(q * kQLevels / max|q|)), qs = max|q| / kQLevels
-          const float* q = c.Q + ((b * c.Hq + hk * rep + h) * M + m0 + m) * D;
+      float* qsm = reinterpret_cast<float*>(rp + 2 * T);       // [rep] one row's head scales
+      int16_t* q16 = reinterpret_cast<int16_t*>(qsm + rep);    // [rep][D16] its int16 heads
+      for (int64_t m = 0; m < mt; ++m) {  // the decode kernel's query levels (kv_attend), as floats
+        ak_->quantize_query(c.Q + ((b * c.Hq + hk * rep) * M + m0 + m) * D, M * D, static_cast<int>(rep), D, D16, q16, qsm);
+        for (int64_t h = 0; h < rep; ++h) {
           float* o = Qt + (h * mt + m) * D;
-          float a = 0.0f;
-          bool fin = true;
-          for (int64_t d = 0; d < D; ++d) {
-            const float v = std::fabs(q[d]);
-            fin = fin && v < INFINITY;
-            a = v > a ? v : a;
-          }
-          const float inv = fin && a > 0 ? static_cast<float>(kQLevels) / a : 0.0f;
-          for (int64_t d = 0; d < D; ++d) {
-            float v = std::nearbyint(q[d] * inv);
-            v = v > kQLevels ? kQLevels : v < -kQLevels ? -kQLevels : v;
-            o[d] = fin ? v : 0.0f;
-          }
-          qs[h * mt + m] = fin ? a / static_cast<float>(kQLevels) : NAN;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(q16[h * D16 + d]);
+          qs[h * mt + m] = qsm[h];
         }
+      }
       for (int64_t j = 0; j < T; ++j) {
         const uint32_t* row = rb + j * R;
         rp[j] = c.kf.k(row);
