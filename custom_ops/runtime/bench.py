@@ -139,18 +139,21 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
 
 
 
-def time_sessions(sessions: dict, feeds: dict, min_time: float = 0.15, max_reps: int = 400, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per run for each session, runs interleaved so drift hits all alike."""
-    for s in sessions.values():
+def time_sessions(sessions: dict, feeds: dict | None, min_time: float = 0.15, max_reps: int = 400, warmup: int = 3,
+                  feeds_of: Mapping[str, dict] | None = None) -> dict[str, float]:
+    """Median seconds per run for each session, runs interleaved so drift hits all alike. Every
+    session runs ``feeds``, or ``feeds_of[name]`` when given (sessions with different inputs)."""
+    fd = {k: (feeds_of[k] if feeds_of is not None else feeds) for k in sessions}
+    for k, s in sessions.items():
         for _ in range(warmup):
-            s.run(None, feeds)
+            s.run(None, fd[k])
     times = {k: [] for k in sessions}
     t_start = time.perf_counter()
     reps = 0
     while reps < max_reps and (reps < 5 or time.perf_counter() - t_start < min_time * len(sessions)):
         for k, s in sessions.items():
             t0 = time.perf_counter()
-            s.run(None, feeds)
+            s.run(None, fd[k])
             times[k].append(time.perf_counter() - t0)
         reps += 1
     return {k: float(np.median(v)) for k, v in times.items()}

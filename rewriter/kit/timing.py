@@ -9,7 +9,6 @@ import math
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +285,7 @@ def exact_attention_speed(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packe
     {"pasts": {P: {"gqa": s, "exact": s, "speedup": gqa / exact}}, "min_speedup": the least of them}."""
     import custom_ops
     import onnxruntime as ort
+    from custom_ops import runtime
     from custom_ops.reference.attn import pack_keys, pack_kv
 
     pasts = [int(p) for p in pasts if p + 1 < max_pos] or [max(1, max_pos // 2)]
@@ -313,17 +313,8 @@ def exact_attention_speed(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packe
             fg = {**base, "past_key_values.0.key": Kp, "past_key_values.0.value": Vp}
             fp = {**base, "past_key_values.0.kv": pack_kv(Kp, Vp, "fp32"), "past_key_values.0.key_bits": pack_keys(Kp, "sign", 0.0)}
             fp = {k_: v_ for k_, v_ in fp.items() if k_ in {i.name for i in s_p.get_inputs()}}
-            t = {"gqa": [], "exact": []}
-            for s, f in ((s_g, fg), (s_p, fp)):
-                for _ in range(3):
-                    s.run(None, f)
-            t0 = time.perf_counter()
-            while len(t["gqa"]) < 5 or (time.perf_counter() - t0 < 0.2 and len(t["gqa"]) < 400):
-                for k_, s, f in (("gqa", s_g, fg), ("exact", s_p, fp)):
-                    a = time.perf_counter()
-                    s.run(None, f)
-                    t[k_].append(time.perf_counter() - a)
-            g_, e_ = float(np.median(t["gqa"])), float(np.median(t["exact"]))
+            t = runtime.time_sessions({"gqa": s_g, "exact": s_p}, None, min_time=0.1, feeds_of={"gqa": fg, "exact": fp})
+            g_, e_ = t["gqa"], t["exact"]
             out[str(P)] = {"gqa": g_, "exact": e_, "speedup": g_ / max(e_, 1e-12)}
         return out
 
