@@ -119,17 +119,11 @@ def test_inspect_every_form(forms, form, capsys):
 
 
 def _sess(path):
-    """A CPU session; the ortlean ops registered when the model uses them (a rewritten fused graph's
-    attention may be exact PackedAttention: --attn-exact auto)."""
-    import onnx
+    """A CPU session with the ortlean ops registered (a rewritten fused graph's attention may be exact
+    PackedAttention: --attn-exact auto); the input forms themselves use none."""
+    import custom_ops
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    if any(o.domain == "ai.ortlean" for o in onnx.load(str(path), load_external_data=False).opset_import):
-        import custom_ops
-
-        so = custom_ops.session_options(1, so=so)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), custom_ops.session_options(1, backend="auto"), providers=["CPUExecutionProvider"])
 
 
 def _rel(a, b):
