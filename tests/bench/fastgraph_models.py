@@ -4,6 +4,7 @@
 (hash of its files) and the onnxruntime / onnxscript / onnx-ir / onnx versions."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import time
@@ -104,17 +105,24 @@ def exact_attention_model(gqa: Path) -> Path:
 EXACT_ATTENTION_FLAGS = ["--attn-exact", "on"]
 
 
+@functools.lru_cache(maxsize=None)
+def _uses_ortlean(path: str) -> bool:
+    """The model imports the ai.ortlean domain (read once per file: the bench opens each model at
+    every thread count and for the perplexity rows)."""
+    import onnx
+
+    return any(o.domain == "ai.ortlean" for o in onnx.load(path, load_external_data=False).opset_import)
+
+
 def ort_session(path, threads: int):
     """A CPU InferenceSession with ``threads`` intra-op threads; the ortlean ops registered only when
     the model uses them (the ORT rows run on plain onnxruntime)."""
-    import onnx
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    m = onnx.load(str(path), load_external_data=False)
-    if any(o.domain == "ai.ortlean" for o in m.opset_import):
+    if _uses_ortlean(str(path)):
         import custom_ops
 
         so = custom_ops.session_options(threads, so=so)
