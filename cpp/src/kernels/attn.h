@@ -60,11 +60,6 @@ struct AttnKernels {
   void (*dots_tile)(const float* q, int nq, int64_t ldq, const float* kf, int64_t nb, int64_t D, float* out);
   // y[h * ldy + d] += sum_i p[h * nb + i] * vf[i * Dv + d], h < nq
   void (*pv_tile)(const float* p, int nq, const float* vf, int64_t nb, int64_t Dv, float* y, int64_t ldy);
-  // Fused over quantized rows (bits 8 | 4, n % 8 == 0; no float tile): the codes of each row are
-  // read once for all nq heads.
-  // y[h * ldy + d] += sum_i p[h * nb + i] * code d of rows[i], h < nq, d < Dv
-  void (*pv_rows)(const float* p, int nq, const uint8_t* const* rows, int64_t nb, int64_t Dv, int bits, float* y,
-                  int64_t ldy);
   // Top-k selection (no NaN in x): *lo, *hi = min and max of the finite x[i] (+inf, -inf when none);
   void (*minmax_finite)(const float* x, int64_t n, float* lo, float* hi);
   // ids[i] = 0 for x[i] = -inf, nbk + 1 for +inf, else 1 + clamp(int((x[i] - mn) * sc), 0, nbk - 1)
