@@ -148,6 +148,15 @@ KERNEL_CASES = [
     # fused row kernels: heads in groups of 3 (rep 5, 7), int4 dims 8 mod 16, key blocks not of 4 / 32
     (1, 10, 2, 1, 2500, 40, 24, "int4", dict(budget=0.2, window=16, min_context=64)),
     (1, 14, 2, 1, 1501, 24, 56, "int8", dict(budget=1.0)),
+    # candidates in blocks (cand_block): the rest not a multiple of the block (a short last block),
+    # a budget not a multiple of it, blocks of 1 key's worth of budget, int4 / fp32 rows, rep 1
+    (1, 9, 3, 1, 1000, 64, 64, "int8", dict(budget=0.25, window=61, sinks=3, min_context=64, cand_block=16)),
+    (2, 4, 2, 1, 333, 48, 40, "int4", dict(budget=0.3, window=17, sinks=3, min_candidates=5, min_context=10,
+                                           cand_block=7)),
+    (1, 6, 2, 1, 300, 24, 20, "fp32", dict(budget=0.3, window=16, min_context=32, cand_block=5)),
+    (1, 3, 3, 1, 3000, 64, 64, "int8", dict(budget=0.125, qbits=2, min_context=0, cand_block=32)),  # ties
+    (1, 2, 2, 1, 600, 32, 32, "int8", dict(budget=0.02, window=0, sinks=0, min_candidates=0, min_context=0,
+                                           cand_block=100)),
     (1, 3, 3, 1, 3000, 64, 64, "int8", dict(budget=0.125, qbits=2, min_context=0)),     # ties, long context
     # integer q.k: head dim 8 mod 16 (int8, codes past D read x 0), D > 512 (the int64 fallback), rep 1 / 5
     (1, 5, 1, 1, 77, 72, 8, "int8", dict(budget=1.0)),
@@ -191,9 +200,9 @@ def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs):
 @requires_native
 @pytest.mark.parametrize("P,D,q", [(1500, 64, "int8"), (1500, 64, "int4"), (300, 1032, "int8")])
 def test_long_candidate_lists_with_mask(P, D, q):
-    """Candidate lists longer than the attend kernel's copy stage (16 KB of rows: 120 int8 rows of
-    D 64, 224 int4; D 1032: stages and blocks of 7 rows), over several stages ending mid-block, with
-    an additive mask read at the listed positions (-inf and finite values)."""
+    """Candidate lists longer than the attend kernel's blocks (128 rows; D 1032: fewer, the scratch
+    room) and its prefetch distance, ending mid-block, with an additive mask read at the listed
+    positions (-inf and finite values)."""
     attrs = dict(kv_quant=q, scale=float(D) ** -0.5, budget=0.3, window=8, sinks=2, min_context=16)
     f = case(B=1, Hq=6, Hkv=2, P=P, D=D, q=q, seed=21)
     r = np.random.default_rng(22)
@@ -204,6 +213,31 @@ def test_long_candidate_lists_with_mask(P, D, q):
     Y, bits, kv = run_native(attrs, feed)
     np.testing.assert_array_equal(kv, kr)
     np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+@requires_native
+def test_block_candidates_run_in_order_and_differ_from_keywise():
+    """cand_block: the reference's candidate set is whole blocks of the rest (plus sinks and window)
+    and the kernel attends exactly it (a mask that leaves one key per block finite in some blocks);
+    the block choice changes Y against key-by-key choice (the attribute is not ignored)."""
+    from custom_ops.reference.attn import select_candidates
+
+    r = np.random.default_rng(31)
+    g = r.standard_normal(1000).astype(np.float32)
+    idx = select_candidates(1000, g, 0.25, 64, 4, 64, cand_block=16)
+    rest = idx[(idx >= 4) & (idx < 1000 - 64)] - 4
+    assert rest.size == -(-(250 - 68) // 16) * 16 and (rest % 16 == np.arange(rest.size) % 16).all()
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.2, window=8, sinks=2, min_candidates=4, min_context=16)
+    f = case(B=1, Hq=4, Hkv=2, P=800, seed=33)
+    mask = np.zeros((1, 4, 1, 801), np.float32)
+    mask[..., 100:400] = -np.inf
+    mask[..., 100:400:23] = 0.0
+    feed = {"Q": f["Q"], "K": f["K"], "V": f["V"], "mask": mask, "past_bits": f["past_bits"], "past_kv": f["past_kv"]}
+    Yb, _, _ = run_native(dict(attrs, cand_block=12), feed)
+    Yr, _, _ = run_ref(dict(attrs, cand_block=12), feed)
+    np.testing.assert_allclose(Yb, Yr, atol=2e-5, rtol=1e-4)
+    Yk, _, _ = run_native(attrs, feed)
+    assert np.abs(Yb - Yk).max() > 1e-3
 
 
 @requires_native
@@ -395,6 +429,8 @@ def test_isa_paths(isa, q):
     (dict(kv_quant="int8", k_layout="bhdt"), "k_layout"),
     (dict(kv_quant="int8", local_window=-2), "local_window"),
     (dict(kv_quant="int8", softcap=-1.0), "softcap"),
+    (dict(kv_quant="int8", cand_block=0), "cand_block"),
+    (dict(kv_quant="none", cand_block=16), "cand_block"),
 ])
 def test_invalid_node_fails_with_name(attrs, needle):
     with pytest.raises(Exception) as e:

@@ -129,9 +129,15 @@ def test_resolve_puts_the_node_values_on_the_defaults():
 @requires_native
 @pytest.mark.parametrize("op_type,attr", checked_attrs(), ids=lambda x: x if isinstance(x, str) else x.name)
 def test_kernel_accepts_what_the_schema_calls_valid(op_type, attr):
+    """...and where a valid value breaks a cross-attribute rule with the other (required) values, the
+    kernel refuses it too."""
     _, required = _OK[op_type]
     for v in inside(attr):
-        custom_ops.session(op_model(op_type, {**required, attr.name: v}))
+        if schema.get(op_type).problems({**required, attr.name: v}):
+            with pytest.raises(Exception, match=f"node 'rule_{attr.name}'.*{attr.name}"):
+                custom_ops.session(op_model(op_type, {**required, attr.name: v}, name=f"rule_{attr.name}"))
+        else:
+            custom_ops.session(op_model(op_type, {**required, attr.name: v}))
 
 
 @requires_native

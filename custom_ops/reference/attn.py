@@ -56,7 +56,11 @@ NEW tokens only; the cache is graph state (int32 rows, like the key bits):
   score above of the group query q_g = Σ_h q_h (float32, heads in order), plus the mask row of
   the group's first head; the sinks are the first `sinks` keys of the context, the window its
   last `window` keys; decode rows (M == 1, or approx_prefill) use them under the same rules as
-  above with the context length pos − lo + 1 for T. `mix` must be 0 in this mode.
+  above with the context length pos − lo + 1 for T. `mix` must be 0 in this mode. cand_block = B > 1
+  (this mode only) chooses the best of the rest in blocks: the rest (between sinks and window) cut
+  into blocks of B consecutive keys from its start (the last may be shorter), a block scored by
+  its best key's group score, the top ceil(n_top / B) blocks taken whole (ties: lower index
+  first; n_top = C − sinks − window keys): the rows read run in order, at most B − 1 keys over C.
 
 GroupQueryAttention's layout (cache mode with num_heads = Hq > 0, kv_num_heads = Hkv): the node
 takes GQA's own inputs, so no Split / RotaryEmbedding / Reshape / Transpose nodes surround it:
@@ -160,7 +164,7 @@ def _mask_row(mask, b, h, m, T):
     return np.broadcast_to(mb, (T,)).astype(np.float32)
 
 
-def select_candidates(T, approx_plus_mask, budget, min_candidates, sinks, window):
+def select_candidates(T, approx_plus_mask, budget, min_candidates, sinks, window, cand_block=1):
     C = max(int(min_candidates), int(math.ceil(budget * T)))
     if C >= T:
         return np.arange(T)
@@ -170,7 +174,15 @@ def select_candidates(T, approx_plus_mask, budget, min_candidates, sinks, window
         fixed[max(0, T - window):] = True
     n_top = max(0, C - int(fixed.sum()))
     rest = np.flatnonzero(~fixed)
-    order = rest[np.argsort(-approx_plus_mask[rest], kind="stable")][:n_top]
+    if cand_block > 1 and n_top > 0:
+        # blocks of cand_block keys from the start of the rest (the last may be shorter), scored by
+        # their best key; the top ceil(n_top / cand_block) blocks whole (ties: lower index first)
+        blocks = [rest[j:j + cand_block] for j in range(0, rest.size, cand_block)]
+        bs = np.array([approx_plus_mask[x].max() for x in blocks], np.float32)
+        kb = min(len(blocks), -(-n_top // cand_block))
+        order = np.concatenate([blocks[j] for j in np.argsort(-bs, kind="stable")[:kb]])
+    else:
+        order = rest[np.argsort(-approx_plus_mask[rest], kind="stable")][:n_top]
     return np.sort(np.concatenate([np.flatnonzero(fixed), order]))
 
 
@@ -182,6 +194,8 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, **attrs):
     min_candidates, sinks, window, min_context = a["min_candidates"], a["sinks"], a["window"], a["min_context"]
     qbits, k_layout, approx_prefill, select = a["qbits"], a["k_layout"], a["approx_prefill"], a["select"]
     eps_heads, kscale = a.get("eps_heads"), a.get("kscale")
+    if a["cand_block"] != 1:
+        raise ValueError(f"cand_block {a['cand_block']} needs kv_quant fp32 | int8 | int4 (1 without)")
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
     V = np.asarray(V, np.float32)
@@ -345,6 +359,8 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
     eps_heads, kscale = a.get("eps_heads"), a.get("kscale")
     if a["mix"] > 0 or a["k_layout"] != "bhtd":
         raise ValueError("kv_quant: mix must be 0 and k_layout bhtd")
+    if a["cand_block"] < 1:
+        raise ValueError(f"cand_block must be >= 1, got {a['cand_block']}")
     Q, K, V = (np.asarray(x, np.float32) for x in (Q, K, V))
     B, Hq, M, D = Q.shape
     _, Hkv, S, _ = K.shape
@@ -408,7 +424,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                         ap = s_.astype(np.float32) * unpack_gamma(bits[b, hk, ctx]) * np.float32(coef * scale)
                     g = (ap + mrows[hk * rep][ctx]).astype(np.float32)
                     g = np.where(np.isnan(g), np.float32(-np.inf), g)
-                    idx = lo + select_candidates(n_ctx, g, budget, min_candidates, sinks, window)
+                    idx = lo + select_candidates(n_ctx, g, budget, min_candidates, sinks, window, a["cand_block"])
                 for h in heads:
                     if Kc is None:
                         logits = (Kh[idx] @ Q[b, h, m]) * scale

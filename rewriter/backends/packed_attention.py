@@ -76,6 +76,9 @@ class AttnConfig(Options):
                              "prefill and the scored steps (default 2)", type=int)
     tune_score: int = flag("--attn-tune-score", 128, "--attn-tune: teacher-forced decode steps scored per span "
                            "(default 128)", type=int)
+    cand_block: int = flag("--attn-cand-block", 1, "fused graphs: choose candidates in blocks of this many consecutive "
+                           "keys (a block scored by its best key), so that the rows read run in order — DRAM streams "
+                           "them instead of one miss per row (default 1: key by key)", type=int)
     mix: float = flag("--attn-mix", 0.0, "seed behaviour: mix this fraction of the approximate score into the exact "
                       "logits (default 0)", type=float)
     # from the shared --state-pack* group (kit.options.StatePack) and --attn-pack-bits
@@ -107,6 +110,8 @@ class AttnConfig(Options):
                                "need ≥ 16 and ≥ 1")
         if min(self.min_candidates, self.sinks, self.window, self.min_context) < 0:
             raise OrtleanError("--attn-min-candidates/--attn-sinks/--attn-window/--attn-min-context must be ≥ 0")
+        if not 1 <= self.cand_block <= 4096:
+            raise OrtleanError(f"--attn-cand-block {self.cand_block}: must be in 1..4096")
 
 
 def _sym(dim):
@@ -316,6 +321,8 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
                      rotary_interleaved=int(a.get_int("rotary_interleaved", 0)) if rot else 0)
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
+        if cfg.cand_block != 1:
+            attrs["cand_block"] = int(cfg.cand_block)
         if kscale and N in kscale:
             attrs["kscale"] = kscale[N]
         ins = [q, k, v, None, bits_in, kv_in, seqlens, cos, sin]
@@ -411,7 +418,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
     pa = next(n for n in model.graph if n.op_type == OP_TYPE and n.domain == DOMAIN)
     node_attrs = {k: a.value for k, a in pa.attributes.items()
                   if k in ("scale", "mode", "eps", "min_candidates", "sinks", "qbits", "popcnt", "kv_quant",
-                           "select", "local_window", "softcap")}
+                           "select", "local_window", "softcap", "cand_block")}
 
     def crossover(b, w):
         return timing.attention_crossover(*_layer_shape(pa), {**node_attrs, "budget": float(b), "window": int(w)},

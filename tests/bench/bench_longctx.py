@@ -5,7 +5,7 @@ PackedAttention at several K/V formats and budgets, each made by the CLI path (`
 own choice, --attn-tune with the calibration novel).
 
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
-                                             [--variants int8:1,int8:0.25,int8:0.125,int4:0.125,int8:auto]
+                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int4:0.125,int8:auto]
                                              [--steps 8] [--rounds 3] [--ppl-context 4096] [--ppl-score 64]
                                              [--ppl-windows 1] [--extra NAME=MODEL,...] [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
@@ -41,17 +41,19 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _variant_models(base: Path, variants: list[tuple[str, str]], out: Path, calib: str | None) -> dict[str, Path]:
+def _variant_models(base: Path, variants: list[tuple[str, ...]], out: Path, calib: str | None) -> dict[str, Path]:
     """One model per variant through the CLI path (`ortlean rewrite BASE --state-pack binary
-    --attn-kv Q --attn-budget B --attn-tune off`; budget "auto": --attn-tune with --calib-text)."""
+    --attn-kv Q --attn-budget B --attn-tune off [--attn-cand-block N]`; budget "auto": --attn-tune
+    with --calib-text)."""
     from rewriter import cli
 
     paths = {}
-    for kvq, budget in variants:
-        name = f"packed {kvq} b{budget}"
+    for kvq, budget, *more in variants:
+        blk = int(more[0].lstrip("k")) if more else 1
+        name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "")
         p = out / name.replace(" ", "_") / "model.onnx"
         p.parent.mkdir(parents=True, exist_ok=True)
-        flags = ["--state-pack", "binary", "--attn-kv", kvq]
+        flags = ["--state-pack", "binary", "--attn-kv", kvq] + (["--attn-cand-block", str(blk)] if blk != 1 else [])
         if budget == "auto":
             if not calib:
                 raise SystemExit("variant budget 'auto' needs the calibration novel (models.corpus)")
@@ -95,11 +97,11 @@ def run(a) -> dict:
 
     c = DEFAULTS["int4"]
     base = quantized_model(fused_model("smollm2"), c.bits, c.block_size, c.symmetric, c.accuracy_level)
-    variants = [(v.split(":")[0], v.split(":")[1]) for v in a.variants.split(",")]
+    variants = [tuple(v.split(":")) for v in a.variants.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-longctx-"))
     from models import corpus
 
-    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(b == "auto" for _, b in variants) else None
+    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(v[1] == "auto" for v in variants) else None
     paths = {"gqa int4": base, **_variant_models(base, variants, tmp, calib)}
     for e in filter(None, a.extra.split(",")):
         name, _, path = e.partition("=")
@@ -228,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pasts", default="128,1024,4096,8192")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125",
-                    help="K/V format:budget list; budget 'auto' = chosen by --attn-tune")
+                    help="K/V format:budget[:kN] list; budget 'auto' = chosen by --attn-tune; kN: candidates in "
+                         "blocks of N keys (--attn-cand-block)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ppl-context", type=int, default=4096)

@@ -218,10 +218,12 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   std::string kvq;
   at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
   at.read({{"local_window", &p.local_window}, {"num_heads", &p.num_heads}, {"kv_num_heads", &p.kv_num_heads},
-           {"rotary_interleaved", &p.rotary_interleaved}});
+           {"rotary_interleaved", &p.rotary_interleaved}, {"cand_block", &p.cand_block}});
   p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
   if (p.kv_bits && p.mix > 0) fail("attribute mix must be 0 with kv_quant " + kvq);
   if (p.kv_bits && layout != "bhtd") fail("attribute k_layout must be bhtd with kv_quant " + kvq);
+  if (!p.kv_bits && p.cand_block != 1)
+    fail("attribute cand_block " + std::to_string(p.cand_block) + " needs kv_quant fp32 | int8 | int4 (1 without)");
   if ((p.num_heads > 0) != (p.kv_num_heads > 0))
     fail("attributes num_heads and kv_num_heads go together (GroupQueryAttention's layout)");
   if (p.num_heads > 0 && !p.kv_bits) fail("attribute num_heads needs kv_quant fp32 | int8 | int4");
@@ -945,6 +947,31 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const int64_t nr = w0 - ns, k = std::min(std::max<int64_t>(0, C - ns - (nctx - w0)), nr);
     if (k >= nr) {
       for (int64_t t = ns; t < w0; ++t) out[n++] = static_cast<int32_t>(lo + t);
+    } else if (k > 0 && p.cand_block > 1) {
+      // blocks of B keys from the region's start (the last may be shorter), scored by their best key;
+      // the top ceil(k / B) blocks are taken whole (ties: lower index), expanded in place from the end
+      const int64_t B = p.cand_block, nbk = (nr + B - 1) / B, kb = std::min(nbk, (k + B - 1) / B);
+      float* bs = reinterpret_cast<float*>(core1);  // free here
+      for (int64_t j = 0; j < nbk; ++j) {
+        const int64_t t0 = ns + j * B, t1 = std::min(w0, t0 + B);
+        float mx = -INFINITY;
+        for (int64_t t = t0; t < t1; ++t) mx = g[t] > mx ? g[t] : mx;
+        bs[j] = mx;
+      }
+      int32_t* blk = out + n;
+      if (kb < nbk) {
+        top_k(ak, bs, nbk, kb, tmp, core, 0, blk);
+      } else {
+        for (int64_t j = 0; j < nbk; ++j) blk[j] = static_cast<int32_t>(j);
+      }
+      int64_t total = 0;
+      for (int64_t j = 0; j < kb; ++j) total += std::min(B, nr - blk[j] * B);
+      int64_t pos = n + total;  // >= n + j + 1 while block j is written: the ids still to read stay below
+      for (int64_t j = kb - 1; j >= 0; --j) {
+        const int64_t t0 = blk[j] * B, t1 = std::min(nr, t0 + B);
+        for (int64_t t = t1 - 1; t >= t0; --t) out[--pos] = static_cast<int32_t>(lo + ns + t);
+      }
+      n += total;
     } else if (k > 0) {
       n += top_k(ak, g + ns, nr, k, tmp, core, static_cast<int32_t>(lo + ns), out + n);  // core: free here
     }

@@ -31,6 +31,9 @@ struct AttnParams {
   // kv cache mode, GroupQueryAttention's layout when > 0: Q/K/V [B, S, H * D] (K and V absent: Q
   // holds the packed [B, S, (Hq + 2 Hkv) * D]), Y [B, S, Hq * Dv]; rotary from cos/sin caches
   int64_t num_heads = 0, kv_num_heads = 0, rotary_interleaved = 0;
+  // kv cache mode: candidates chosen in blocks of this many consecutive keys (block score: the max of
+  // its keys' scores), so that the rows read run in order; 1: key by key
+  int64_t cand_block = 1;
 };
 
 struct KvCall;
@@ -53,6 +56,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_int("sinks", 4).range(0, kMaxDim),
       attr_int("window", 64).range(0, kMaxDim),
       attr_int("min_context", 256).range(0, kMaxDim),
+      attr_int("cand_block", 1).range(1, 4096),
       attr_float("rho", 0.15f).range(0, 1),
       attr_int("qbits", 8).range(2, 16),
       attr_float("mix", 0.0f).range(0, 1),
