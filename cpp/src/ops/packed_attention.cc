@@ -952,12 +952,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
       // the top ceil(k / B) blocks are taken whole (ties: lower index), expanded in place from the end
       const int64_t B = p.cand_block, nbk = (nr + B - 1) / B, kb = std::min(nbk, (k + B - 1) / B);
       float* bs = reinterpret_cast<float*>(core1);  // free here
-      for (int64_t j = 0; j < nbk; ++j) {
-        const int64_t t0 = ns + j * B, t1 = std::min(w0, t0 + B);
-        float mx = -INFINITY;
-        for (int64_t t = t0; t < t1; ++t) mx = g[t] > mx ? g[t] : mx;
-        bs[j] = mx;
-      }
+      for (int64_t j = 0; j < nbk; ++j) bs[j] = ak.maxv(g + ns + j * B, std::min(B, nr - j * B));
       int32_t* blk = out + n;
       if (kb < nbk) {
         top_k(ak, bs, nbk, kb, tmp, core, 0, blk);
@@ -966,7 +961,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
       }
       int64_t total = 0;
       for (int64_t j = 0; j < kb; ++j) total += std::min(B, nr - blk[j] * B);
-      int64_t pos = n + total;  // >= n + j + 1 while block j is written: the ids still to read stay below
+      int64_t pos = n + total;  // block j fills [n + (lengths of blocks < j), ...) >= n + j: ids j' < j unread
       for (int64_t j = kb - 1; j >= 0; --j) {
         const int64_t t0 = blk[j] * B, t1 = std::min(nr, t0 + B);
         for (int64_t t = t1 - 1; t >= t0; --t) out[--pos] = static_cast<int32_t>(lo + ns + t);
