@@ -137,6 +137,9 @@ KERNEL_CASES = [
     (1, 9, 3, 1, 700, 64, 64, "int4", dict(budget=0.25, window=64, min_context=128)),
     (2, 4, 2, 1, 333, 48, 40, "int8", dict(budget=0.3, window=17, sinks=3, min_candidates=5, min_context=10)),
     (1, 4, 1, 1, 1100, 64, 64, "int8", dict(budget=0.1, window=32, mode="ternary", eps=0.5)),
+    # contexts of >= 2048 keys: scored in two key ranges per row on 2 threads (ternary planes, the oracle)
+    (1, 6, 3, 1, 2300, 64, 64, "int8", dict(budget=0.2, window=32, mode="ternary", eps=0.5)),
+    (1, 4, 2, 1, 2100, 32, 32, "int8", dict(budget=0.2, select="exact")),
     (1, 2, 2, 1, 600, 32, 32, "int8", dict(budget=0.5, window=0, sinks=0, min_candidates=0, min_context=0, qbits=3)),
     (1, 6, 3, 1, 640, 64, 64, "int8", dict(budget=0.2, select="exact")),
     (1, 4, 2, 5, 90, 16, 16, "int8", dict(budget=0.0)),                              # prefill continuation
@@ -198,11 +201,12 @@ def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs):
 
 
 @requires_native
-@pytest.mark.parametrize("P,D,q", [(1500, 64, "int8"), (1500, 64, "int4"), (300, 1032, "int8")])
+@pytest.mark.parametrize("P,D,q", [(1500, 64, "int8"), (1500, 64, "int4"), (300, 1032, "int8"), (2700, 64, "int8")])
 def test_long_candidate_lists_with_mask(P, D, q):
     """Candidate lists longer than the attend kernel's blocks (128 rows; D 1032: fewer, the scratch
     room) and its prefetch distance, ending mid-block, with an additive mask read at the listed
-    positions (-inf and finite values)."""
+    positions (-inf and finite values); past 2700: the scores in two key ranges (2 threads), the mask
+    read at each range's positions."""
     attrs = dict(kv_quant=q, scale=float(D) ** -0.5, budget=0.3, window=8, sinks=2, min_context=16)
     f = case(B=1, Hq=6, Hkv=2, P=P, D=D, q=q, seed=21)
     r = np.random.default_rng(22)

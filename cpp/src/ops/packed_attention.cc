@@ -817,8 +817,26 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
 }
 }  // namespace
 
-// Per query row (b, hk, m): its context, and for decode rows that approximate, the candidate list
-// (group query's popcount score by byte tables, top by nth_element threshold, index order).
+namespace {
+// a key range [t0, t1) of approximating row r (offsets in its context)
+struct ScoreTask {
+  int64_t r, t0, t1;
+};
+struct SelectSched {  // per-call arrays (thread-local storage reused across calls)
+  std::vector<float> g;  // the rows' group scores, at their candidate lists' offsets
+  std::vector<ScoreTask> tasks;
+};
+SelectSched& select_sched() {
+  thread_local SelectSched s;
+  return s;
+}
+// keys per scoring task at least (a split costs a second byte-table build, ~2 us)
+constexpr int64_t kScoreMinChunk = 1024;
+}  // namespace
+
+// Per query row (b, hk, m): its context, and for decode rows that approximate, the candidate list:
+// the group query's popcount score by byte tables (tasks of a row's key range), then per row the top
+// by a histogram threshold, in index order.
 void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   const AttnKernels& ak = *ak_;
@@ -848,27 +866,39 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
   }
   if (approx_rows.empty()) return;
   c.idx.resize(static_cast<size_t>(n_idx));
+  SelectSched& sc = select_sched();
+  // scores g of every approximating row's context (at off[r]), in tasks of a row's key range: one per
+  // row on a one-thread pool; on a wider pool a row's keys in pieces of >= kScoreMinChunk so the
+  // scoring is not 3 tasks (SmolLM2's KV heads) on 2 threads
+  if (sc.g.size() < static_cast<size_t>(n_idx)) sc.g.resize(static_cast<size_t>(n_idx));
+  float* gall = sc.g.data();
+  sc.tasks.clear();
+  for (const int64_t r : approx_rows) {
+    const int64_t nctx = c.n[static_cast<size_t>(r)];
+    const int64_t pieces = pool_.width() == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(2, nctx / kScoreMinChunk));
+    for (int64_t k = 0; k < pieces; ++k) sc.tasks.push_back({r, nctx * k / pieces, nctx * (k + 1) / pieces});
+  }
   std::atomic<bool> oom{false};
-  auto task = [&](size_t i) noexcept {
-    const int64_t r = approx_rows[i];
+  auto score_task = [&](size_t i) noexcept {
+    const int64_t r = sc.tasks[i].r, t0 = sc.tasks[i].t0, t1 = sc.tasks[i].t1;
     const int64_t b = r / (c.Hkv * M), hk = (r / M) % c.Hkv, m = r % M;
-    const int64_t lo = c.lo[static_cast<size_t>(r)], nctx = c.n[static_cast<size_t>(r)];
+    const int64_t lo = c.lo[static_cast<size_t>(r)] + t0, nt = t1 - t0;
     const int64_t h0 = hk * c.rep;
     float* buf;
     const int64_t nbytes = (D + 7) / 8, lut_n = nbytes * 256;
     try {
-      buf = task_scratch().get(static_cast<size_t>(4 * nctx + lut_n + 2 * D + 64));
+      buf = task_scratch().get(static_cast<size_t>(2 * nt + lut_n + 2 * D + 64));
     } catch (...) {
       oom = true;
       return;
     }
-    float* g = buf;                                        // [nctx] group score
-    int32_t* core = reinterpret_cast<int32_t*>(g + nctx);  // [nctx]
-    int32_t* core1 = core + nctx;                          // [nctx] ternary plane 1
-    float* tmp = reinterpret_cast<float*>(core1 + nctx);   // [nctx]
-    int32_t* lut = reinterpret_cast<int32_t*>(tmp + nctx); // [nbytes][256]
+    float* g = gall + c.off[static_cast<size_t>(r)] + t0;  // [nt] group score
+    int32_t* core = reinterpret_cast<int32_t*>(buf);       // [nt]
+    int32_t* core1 = core + nt;                            // [nt] ternary plane 1
+    int32_t* lut = core1 + nt;                             // [nbytes][256]
     float* qg = reinterpret_cast<float*>(lut + lut_n);     // [D]
     float* kd = qg + D;                                    // [D]
+    const int64_t nctx = nt;
     // the group query: sum of its heads' rows, in head order
     const float* q0 = c.Q + ((b * c.Hq + h0) * M + m) * D;
     for (int64_t d = 0; d < D; ++d) qg[d] = q0[d];
@@ -938,6 +968,23 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         }
       }
     }
+  };
+  parallel_for(ctx, sc.tasks.size(), score_task);
+  if (oom) throw std::bad_alloc();
+  auto select_task = [&](size_t i) noexcept {
+    const int64_t r = approx_rows[i];
+    const int64_t lo = c.lo[static_cast<size_t>(r)], nctx = c.n[static_cast<size_t>(r)];
+    float* buf;
+    try {
+      buf = task_scratch().get(static_cast<size_t>(3 * nctx + 64));
+    } catch (...) {
+      oom = true;
+      return;
+    }
+    const float* g = gall + c.off[static_cast<size_t>(r)];  // [nctx] group score
+    int32_t* core = reinterpret_cast<int32_t*>(buf);       // [nctx]
+    int32_t* core1 = core + nctx;                          // [nctx]
+    float* tmp = reinterpret_cast<float*>(core1 + nctx);   // [nctx]
     // candidates: first `sinks` of the context, last `window`, top of the rest (ties: lower index)
     const int64_t C = n_candidates(p, nctx);
     const int64_t ns = std::min(p.sinks, nctx), w0 = std::max(ns, nctx - p.window);
@@ -973,7 +1020,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     for (int64_t t = w0; t < nctx; ++t) out[n++] = static_cast<int32_t>(lo + t);
     c.n[static_cast<size_t>(r)] = n;
   };
-  parallel_for(ctx, approx_rows.size(), task);
+  parallel_for(ctx, approx_rows.size(), select_task);
   if (oom) throw std::bad_alloc();
   metrics::add(m_active_, 1.0);
 }
