@@ -407,3 +407,25 @@ def test_quantize_matmul_nbits(tmp_path, bits):
     rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     assert rel < (0.2 if bits == 4 else 0.03)
     assert runtime.weight_bytes(out) < runtime.weight_bytes(src) * (0.3 if bits == 4 else 0.45)
+
+
+def test_huge_zeros_buffers():
+    """runtime.memory.huge_zeros: zeroed, C-contiguous, the shape and dtype asked for, 2 MiB-aligned
+    when large (the mapping outlives the function that made it), ordinary np.zeros when small; an
+    OrtValue over it reads and writes the same memory (SharedKV binds past and present to it)."""
+    import gc
+
+    from custom_ops.runtime.memory import huge_zeros, thp_mode
+
+    small = huge_zeros((3, 5), np.float16)
+    assert small.shape == (3, 5) and small.dtype == np.float16 and not small.any()
+    big = huge_zeros((1, 3, 8193, 34), np.int32)
+    gc.collect()
+    assert big.shape == (1, 3, 8193, 34) and big.dtype == np.int32 and big.flags.c_contiguous
+    assert not big.any()
+    if thp_mode() in ("always", "madvise"):
+        assert big.ctypes.data % (2 << 20) == 0
+    big[0, 2, -1, -1] = 7
+    ov = ort.OrtValue.ortvalue_from_numpy(big)
+    assert ov.numpy()[0, 2, -1, -1] == 7 and int(ov.numpy().sum()) == 7
+    assert thp_mode() in ("always", "madvise", "never", "?")

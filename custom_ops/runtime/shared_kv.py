@@ -12,6 +12,10 @@ decode step). onnxruntime-genai's generator runs these graphs the same way
     logits = kv.prefill(prompt_ids)            # [B, T, V]
     logits = kv.step(next_ids)                 # [B, 1, V]; kv.length grows by one
 
+The buffers are on 2 MiB pages where the kernel allows (``runtime.memory.huge_zeros``): a step reads
+every layer's cache, and PackedAttention gathers its candidate rows at random, so with 4 KiB pages
+most rows cost a TLB miss (``tests/bench/attn_speed.py decode --hugepages`` measures both).
+
 The graph contract is ``runtime.io``'s (``input_ids``, ``attention_mask``, optional ``position_ids``,
 ``past_key_values.N.*`` → ``present.N.*`` in ``[batch, kv_heads, seq, head_dim]``); the buffers are
 ``[batch, kv_heads, max_len, head_dim]``. A graph that concatenates its cache (an unfused export)
@@ -22,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .io import GQA_LENGTH_INPUTS, gqa_lengths
+from .memory import huge_zeros
 
 
 __all__ = ["SharedKV", "SharedKVError"]
@@ -54,7 +59,7 @@ class SharedKV:
                     dims.append(d)
                 else:
                     raise SharedKVError(f"shared KV: state input {past} dimension {i} is symbolic ({d!r})")
-            arr = np.zeros(dims, dtype=io.state_types[past])
+            arr = huge_zeros(dims, io.state_types[past])
             buf = ort.OrtValue.ortvalue_from_numpy(arr)
             self.arrays[past], self.buffers[past] = arr, buf
             self.binding.bind_ortvalue_input(past, buf)

@@ -205,6 +205,7 @@ def bench_decode(a) -> dict:
 
     import custom_ops
     from custom_ops.reference.attn import kv_row_words, n_words
+    from custom_ops.runtime.memory import huge_zeros, thp_mode
 
     Hq, Hkv, D, L = 9, 3, 64, a.layers
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnd-"))
@@ -246,7 +247,7 @@ def bench_decode(a) -> dict:
         return model(nodes, ins, outs)
 
     res = {"threads": a.threads, "isa": custom_ops.isa(), "layers": L, "shape": dict(Hq=Hq, Hkv=Hkv, D=D),
-           "window": a.window, "min_context": a.min_context, "pasts": {}}
+           "window": a.window, "min_context": a.min_context, "thp": thp_mode(), "pasts": {}}
     so = ort.SessionOptions()
     so.intra_op_num_threads = a.threads
     so.inter_op_num_threads = 1
@@ -259,57 +260,72 @@ def bench_decode(a) -> dict:
         so_a.register_custom_ops_library(str(Path(a.lib_a).resolve()))
         for c in configs:
             packed[("A:", *c)] = ort.InferenceSession(packed_model(*c), so_a, providers=["CPUExecutionProvider"])
+    # --hugepages: every row again with the caches on 2 MiB pages (rows "hp:…", same run, interleaved)
+    page_modes = [False, True] if a.hugepages else [False]
+
+    def place(arr, pages):
+        if not pages:
+            return arr
+        out = huge_zeros(arr.shape, arr.dtype)
+        out[...] = arr
+        return out
+
     for past in [int(x) for x in a.pasts.split(",")]:
         cap = past + 1
         runs, bytes_read, arrays = {}, {}, {}
-        # GroupQueryAttention, fp32 cache, one buffer per layer for past and present
-        bnd = gqa.io_binding()
-        q = rng.standard_normal((1, 1, Hq * D), dtype=np.float32)
-        k = rng.standard_normal((1, 1, Hkv * D), dtype=np.float32)
-        bnd.bind_cpu_input("query", q)
-        bnd.bind_cpu_input("key", k)
-        bnd.bind_cpu_input("value", k.copy())
-        bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
-        bnd.bind_cpu_input("total_sequence_length", np.array([past + 1], np.int32))
-        bufs = []
-        for i in range(L):
-            for nm, out in ((f"pk{i}", f"k{i}"), (f"pv{i}", f"v{i}")):
-                arr = rng.standard_normal((1, Hkv, cap, D), dtype=np.float32)
-                ov = ort.OrtValue.ortvalue_from_numpy(arr)
-                bufs.append((arr, ov))
-                bnd.bind_ortvalue_input(nm, ov)
-                bnd.bind_ortvalue_output(out, ov)
-            bnd.bind_output(f"y{i}")
-        runs["gqa_fp32"] = (gqa, bnd)
-        bytes_read["gqa_fp32"] = 2 * Hkv * cap * D * 4
-        arrays["gqa_fp32"] = [b[0] for b in bufs]
-        for (tag, kvq, budget), s in packed.items():
-            name = f"{tag}packed_{kvq}_b{budget:g}"
-            R, W = kv_row_words(D, D, kvq), n_words(D, "sign")
-            bnd = s.io_binding()
-            bnd.bind_cpu_input("Q", rng.standard_normal((1, Hq, 1, D), dtype=np.float32))
-            bnd.bind_cpu_input("K", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
-            bnd.bind_cpu_input("V", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
+        bufs = []  # the arrays behind the bound OrtValues (kept alive)
+        for pages in page_modes:
+            pre = "hp:" if pages else ""
+            # GroupQueryAttention, fp32 cache, one buffer per layer for past and present
+            bnd = gqa.io_binding()
+            q = rng.standard_normal((1, 1, Hq * D), dtype=np.float32)
+            k = rng.standard_normal((1, 1, Hkv * D), dtype=np.float32)
+            bnd.bind_cpu_input("query", q)
+            bnd.bind_cpu_input("key", k)
+            bnd.bind_cpu_input("value", k.copy())
             bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
-            kvs = []
+            bnd.bind_cpu_input("total_sequence_length", np.array([past + 1], np.int32))
+            gq = []
             for i in range(L):
-                kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
-                kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
-                bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
-                bits[..., -1] = np.float32(0.8).view(np.int32)
-                ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)
-                kvs.append((kv, bits, ov_kv, ov_b))
-                bnd.bind_ortvalue_input(f"pkv{i}", ov_kv)
-                bnd.bind_ortvalue_output(f"kv{i}", ov_kv)
-                bnd.bind_ortvalue_input(f"pb{i}", ov_b)
-                bnd.bind_ortvalue_output(f"b{i}", ov_b)
+                for nm, out in ((f"pk{i}", f"k{i}"), (f"pv{i}", f"v{i}")):
+                    arr = place(rng.standard_normal((1, Hkv, cap, D), dtype=np.float32), pages)
+                    ov = ort.OrtValue.ortvalue_from_numpy(arr)
+                    gq.append((arr, ov))
+                    bnd.bind_ortvalue_input(nm, ov)
+                    bnd.bind_ortvalue_output(out, ov)
                 bnd.bind_output(f"y{i}")
-            runs[name] = (s, bnd)
-            approx = 0 < budget < 1 and cap > a.min_context and max(64, int(np.ceil(budget * cap))) < cap
-            ncand = max(64, int(np.ceil(budget * cap))) if approx else cap
-            bytes_read[name] = Hkv * ((cap * W * 4 if approx else 0) + ncand * R * 4)
-            arrays[name] = [x[0] for x in kvs]
-            bufs.append(kvs)
+            runs[pre + "gqa_fp32"] = (gqa, bnd)
+            bytes_read[pre + "gqa_fp32"] = 2 * Hkv * cap * D * 4
+            arrays[pre + "gqa_fp32"] = [b[0] for b in gq]
+            bufs.append(gq)
+            for (tag, kvq, budget), s in packed.items():
+                name = f"{pre}{tag}packed_{kvq}_b{budget:g}"
+                R, W = kv_row_words(D, D, kvq), n_words(D, "sign")
+                bnd = s.io_binding()
+                bnd.bind_cpu_input("Q", rng.standard_normal((1, Hq, 1, D), dtype=np.float32))
+                bnd.bind_cpu_input("K", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
+                bnd.bind_cpu_input("V", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
+                bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
+                kvs = []
+                for i in range(L):
+                    kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
+                    kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
+                    bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
+                    bits[..., -1] = np.float32(0.8).view(np.int32)
+                    kv, bits = place(kv, pages), place(bits, pages)
+                    ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)
+                    kvs.append((kv, bits, ov_kv, ov_b))
+                    bnd.bind_ortvalue_input(f"pkv{i}", ov_kv)
+                    bnd.bind_ortvalue_output(f"kv{i}", ov_kv)
+                    bnd.bind_ortvalue_input(f"pb{i}", ov_b)
+                    bnd.bind_ortvalue_output(f"b{i}", ov_b)
+                    bnd.bind_output(f"y{i}")
+                runs[name] = (s, bnd)
+                approx = 0 < budget < 1 and cap > a.min_context and max(64, int(np.ceil(budget * cap))) < cap
+                ncand = max(64, int(np.ceil(budget * cap))) if approx else cap
+                bytes_read[name] = Hkv * ((cap * W * 4 if approx else 0) + ncand * R * 4)
+                arrays[name] = [x[0] for x in kvs]
+                bufs.append(kvs)
         names = list(runs)
         times = {n: [] for n in names}
         stream = {n: [] for n in names}
@@ -357,6 +373,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="op: timed runs; model: rounds of --steps decode steps")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--hugepages", action="store_true",
+                    help="decode: also time every row with its caches on 2 MiB pages (rows hp:...)")
     ap.add_argument("--lib-a", help="decode: also time PackedAttention on this build of libortlean_ops.so")
     a = ap.parse_args(argv)
     res = bench_op(a) if a.what == "op" else bench_model(a) if a.what == "model" else bench_decode(a)
