@@ -10,9 +10,9 @@ own choice, --attn-tune with the calibration novel).
                                              [--ppl-windows 1] [--extra NAME=MODEL,...] [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
 
-run: per past length, every model decodes --steps tokens after a cache of that many tokens, in
-interleaved rounds (rotating order), each with one K/V buffer per state bound to past and present
-(runtime.shared_kv, as onnxruntime-genai runs these graphs); the median step → tokens/s and the
+run: per past length, every model decodes 1 + --steps tokens after a cache of that many tokens (the
+first untimed), in interleaved rounds (rotating order; round 0 untimed), each with one K/V buffer per
+state bound to past and present (runtime.shared_kv, as onnxruntime-genai runs these graphs); the median step → tokens/s and the
 ratio to the GQA model in the same run. The caches: GQA's from its own chunked prefill of the same
 random tokens; PackedAttention's from that cache's K/V quantized and packed exactly as the op stores
 new rows (custom_ops.runtime.bench.state_from_kv), so no model pays a slow prefill. Also per
@@ -110,7 +110,7 @@ def run(a) -> dict:
         paths[name] = Path(path)
     from rewriter.evaluate import fit_pasts
 
-    pasts, note = fit_pasts([int(x) for x in a.pasts.split(",") if x], a.steps, paths.values())  # "": quality only
+    pasts, note = fit_pasts([int(x) for x in a.pasts.split(",") if x], a.steps + 1, paths.values())  # "": quality only
     if note:
         print(f"[{custom_ops.isa()}] note: {note}", flush=True)
     threads = [int(x) for x in a.threads.split(",")]
@@ -120,7 +120,7 @@ def run(a) -> dict:
            "pasts": pasts, "notes": [note] if note else []}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
-    steps = rng.integers(100, 49000, size=a.steps, dtype=np.int64)
+    steps = rng.integers(100, 49000, size=a.steps + 1, dtype=np.int64)
     for th in threads if pasts else []:
         sess = {n: custom_ops.session(str(p), threads=th) for n, p in paths.items()}
         ios = {n: runtime.ModelIO.from_session(s) for n, s in sess.items()}
@@ -143,16 +143,19 @@ def run(a) -> dict:
             del built
             times = {n: [] for n in paths}
             names = list(paths)
+            # interleaved rounds (rotating order); in each, a model's first step is untimed: the pools of
+            # the other sessions stop spinning on the cores meanwhile (measured: timing every step of
+            # models alternating step by step halved 2-thread tokens/s, GQA's too)
             for r in range(a.rounds + 1):
                 order = names[r % len(names):] + names[: r % len(names)]
                 for n in order:
                     kv = kvs[n]
                     kv.length = past
-                    for k in range(a.steps):
+                    for k in range(a.steps + 1):
                         t0 = time.perf_counter()
                         kv.step(steps[None, k:k + 1])
                         dt = time.perf_counter() - t0
-                        if r > 0:
+                        if r > 0 and k > 0:
                             times[n].append(dt)
             row = {}
             tg = statistics.median(times["gqa int4"])
