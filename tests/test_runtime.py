@@ -429,3 +429,24 @@ def test_huge_zeros_buffers():
     ov = ort.OrtValue.ortvalue_from_numpy(big)
     assert ov.numpy()[0, 2, -1, -1] == 7 and int(ov.numpy().sum()) == 7
     assert thp_mode() in ("always", "madvise", "never", "?")
+
+
+def test_huge_zeros_many_carves_one_mapping():
+    """huge_zeros_many: arrays of the shapes and dtypes asked for, zeroed, 4 KiB-aligned and not
+    overlapping (writing one leaves the others zero), from one 2 MiB-aligned mapping when THP is on;
+    SharedKV-style OrtValues over them see the writes."""
+    from custom_ops.runtime.memory import huge_zeros_many, thp_mode
+
+    specs = [((1, 3, 4200, 34), np.int32), ((1, 3, 4200, 3), np.int32), ((2, 5), np.float32), ((0, 4), np.int8)] * 2
+    arrs = huge_zeros_many(specs)
+    assert [(a.shape, a.dtype) for a in arrs] == [(tuple(s), np.dtype(d)) for s, d in specs]
+    for i, a in enumerate(arrs):
+        assert a.flags.c_contiguous and not a.any()
+        if a.size:
+            a.reshape(-1)[-1] = i + 1
+    assert [int(a.sum()) for a in arrs] == [i + 1 if a.size else 0 for i, a in enumerate(arrs)]
+    if thp_mode() in ("always", "madvise"):
+        assert arrs[0].ctypes.data % (2 << 20) == 0 and all(a.ctypes.data % 4096 == 0 for a in arrs if a.size)
+    ov = ort.OrtValue.ortvalue_from_numpy(arrs[4])
+    arrs[4][0, 0, 0, 0] = 9
+    assert ov.numpy()[0, 0, 0, 0] == 9

@@ -12,7 +12,8 @@ decode step). onnxruntime-genai's generator runs these graphs the same way
     logits = kv.prefill(prompt_ids)            # [B, T, V]
     logits = kv.step(next_ids)                 # [B, 1, V]; kv.length grows by one
 
-The buffers are on 2 MiB pages where the kernel allows (``runtime.memory.huge_zeros``): a step reads
+The buffers are on 2 MiB pages where the kernel allows (``runtime.memory.huge_zeros_many``: one
+mapping for all layers): a step reads
 every layer's cache, and PackedAttention gathers its candidate rows at random, so with 4 KiB pages
 most rows cost a TLB miss (``tests/bench/attn_speed.py decode --hugepages`` measures both).
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .io import GQA_LENGTH_INPUTS, gqa_lengths
-from .memory import huge_zeros
+from .memory import huge_zeros_many
 
 
 __all__ = ["SharedKV", "SharedKVError"]
@@ -46,7 +47,8 @@ class SharedKV:
         self.binding = sess.io_binding()
         self.buffers: dict[str, ort.OrtValue] = {}
         self.arrays: dict[str, np.ndarray] = {}  # the buffers' memory (an OrtValue from numpy does not own it)
-        for past, present in io.past_to_present.items():
+        specs = []
+        for past in io.past_to_present:
             shape = list(io.state_shapes[past])
             ax = io.state_seq_axis[past]
             dims = []
@@ -59,7 +61,10 @@ class SharedKV:
                     dims.append(d)
                 else:
                     raise SharedKVError(f"shared KV: state input {past} dimension {i} is symbolic ({d!r})")
-            arr = huge_zeros(dims, io.state_types[past])
+            specs.append((dims, io.state_types[past]))
+        # every layer's buffers from one mapping on 2 MiB pages (each is often under 2 MiB)
+        arrays = huge_zeros_many(specs)
+        for (past, present), arr in zip(io.past_to_present.items(), arrays):
             buf = ort.OrtValue.ortvalue_from_numpy(arr)
             self.arrays[past], self.buffers[past] = arr, buf
             self.binding.bind_ortvalue_input(past, buf)

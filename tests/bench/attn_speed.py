@@ -205,7 +205,7 @@ def bench_decode(a) -> dict:
 
     import custom_ops
     from custom_ops.reference.attn import kv_row_words, n_words
-    from custom_ops.runtime.memory import huge_zeros, thp_mode
+    from custom_ops.runtime.memory import huge_zeros_many, thp_mode
 
     Hq, Hkv, D, L = 9, 3, 64, a.layers
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnd-"))
@@ -260,13 +260,14 @@ def bench_decode(a) -> dict:
         so_a.register_custom_ops_library(str(Path(a.lib_a).resolve()))
         for c in configs:
             packed[("A:", *c)] = ort.InferenceSession(packed_model(*c), so_a, providers=["CPUExecutionProvider"])
-    # --hugepages: every row again with the caches on 2 MiB pages (rows "hp:…", same run, interleaved)
+    # --hugepages: every row again with its layers' caches in one mapping on 2 MiB pages (rows "hp:…",
+    # same run, interleaved; as runtime.shared_kv allocates them)
     page_modes = [False, True] if a.hugepages else [False]
 
-    def place(arr, pages):
-        if not pages:
+    def place(arr, pool):  # pool: None (the array as made) or an iterator of huge-page arrays
+        if pool is None:
             return arr
-        out = huge_zeros(arr.shape, arr.dtype)
+        out = next(pool)
         out[...] = arr
         return out
 
@@ -286,9 +287,10 @@ def bench_decode(a) -> dict:
             bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
             bnd.bind_cpu_input("total_sequence_length", np.array([past + 1], np.int32))
             gq = []
+            pool = iter(huge_zeros_many([((1, Hkv, cap, D), np.float32)] * (2 * L))) if pages else None
             for i in range(L):
                 for nm, out in ((f"pk{i}", f"k{i}"), (f"pv{i}", f"v{i}")):
-                    arr = place(rng.standard_normal((1, Hkv, cap, D), dtype=np.float32), pages)
+                    arr = place(rng.standard_normal((1, Hkv, cap, D), dtype=np.float32), pool)
                     ov = ort.OrtValue.ortvalue_from_numpy(arr)
                     gq.append((arr, ov))
                     bnd.bind_ortvalue_input(nm, ov)
@@ -307,12 +309,14 @@ def bench_decode(a) -> dict:
                 bnd.bind_cpu_input("V", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
                 bnd.bind_cpu_input("seqlens_k", np.array([past], np.int32))
                 kvs = []
+                pool = iter(huge_zeros_many([((1, Hkv, cap, R), np.int32), ((1, Hkv, cap, W), np.int32)] * L)) \
+                    if pages else None
                 for i in range(L):
                     kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
                     kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
                     bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
                     bits[..., -1] = np.float32(0.8).view(np.int32)
-                    kv, bits = place(kv, pages), place(bits, pages)
+                    kv, bits = place(kv, pool), place(bits, pool)
                     ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)
                     kvs.append((kv, bits, ov_kv, ov_b))
                     bnd.bind_ortvalue_input(f"pkv{i}", ov_kv)
