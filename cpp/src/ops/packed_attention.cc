@@ -898,7 +898,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     int32_t* lut = core1 + nt;                             // [nbytes][256]
     float* qg = reinterpret_cast<float*>(lut + lut_n);     // [D]
     float* kd = qg + D;                                    // [D]
-    const int64_t nctx = nt;
+    const int64_t nctx = nt;  // the scoring below runs over this task's keys [lo, lo + nt)
     // the group query: sum of its heads' rows, in head order
     const float* q0 = c.Q + ((b * c.Hq + h0) * M + m) * D;
     for (int64_t d = 0; d < D; ++d) qg[d] = q0[d];
