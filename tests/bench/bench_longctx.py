@@ -5,7 +5,7 @@ PackedAttention at several K/V formats and budgets, each made by the CLI path (`
 own choice, --attn-tune with the calibration novel).
 
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
-                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int4:0.125,int8:auto]
+                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:auto]
                                              [--steps 8] [--rounds 3] [--ppl-context 4096] [--ppl-score 64]
                                              [--ppl-windows 1] [--extra NAME=MODEL,...] [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
@@ -49,11 +49,15 @@ def _variant_models(base: Path, variants: list[tuple[str, ...]], out: Path, cali
 
     paths = {}
     for kvq, budget, *more in variants:
-        blk = int(more[0].lstrip("k")) if more else 1
-        name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "")
+        opts = {m[0]: int(m[1:]) for m in more}  # kN: --attn-cand-block N, wN: --attn-window N
+        if set(opts) - {"k", "w"}:
+            raise SystemExit(f"variant {kvq}:{budget}:{':'.join(more)}: options are kN (candidate blocks), wN (window)")
+        blk = opts.get("k", 1)
+        name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "") + (f" w{opts['w']}" if "w" in opts else "")
         p = out / name.replace(" ", "_") / "model.onnx"
         p.parent.mkdir(parents=True, exist_ok=True)
         flags = ["--state-pack", "binary", "--attn-kv", kvq] + (["--attn-cand-block", str(blk)] if blk != 1 else [])
+        flags += ["--attn-window", str(opts["w"])] if "w" in opts else []
         if budget == "auto":
             if not calib:
                 raise SystemExit("variant budget 'auto' needs the calibration novel (models.corpus)")
@@ -233,8 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pasts", default="128,1024,4096,8192")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125",
-                    help="K/V format:budget[:kN] list; budget 'auto' = chosen by --attn-tune; kN: candidates in "
-                         "blocks of N keys (--attn-cand-block)")
+                    help="K/V format:budget[:kN][:wN] list; budget 'auto' = chosen by --attn-tune; kN: candidates "
+                         "in blocks of N keys (--attn-cand-block); wN: a recent window of N keys (--attn-window)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ppl-context", type=int, default=4096)
