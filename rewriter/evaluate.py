@@ -253,6 +253,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     from custom_ops.runtime import bench as rb
 
     notes: list[str] = []
+    malloc_note = rb.fix_malloc_threshold()  # the rows' sessions place their weights alike, not by build order
+    if malloc_note:
+        notes.append(malloc_note)
     variants = {"dense": ref, "lean": model}
     for b in nbits:
         try:

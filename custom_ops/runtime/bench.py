@@ -373,3 +373,21 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
         if say:
             say(f"threads {threads}: round {rnd}/{repeats}")
     return {r: {key: float(np.median(v)) * 1e3 for key, v in tt.items()} for r, tt in times.items()}
+
+
+def fix_malloc_threshold(nbytes: int = 32 << 20) -> str:
+    """Every session's weights placed alike: glibc's *dynamic* mmap threshold puts the big buffers
+    (the prepacked MatMulNBits weights) of the first large session of a process in fresh mmap'd chunks
+    and those of later ones on the heap once a freed chunk raised the threshold — measured: the first
+    of three identical sessions 5-8 % slower in CPU time (SmolLM2 int4 and a 30-layer MatMulNBits MLP
+    chain, taskset, 1 thread; none with MALLOC_MMAP_THRESHOLD_=32 MiB or a large session built first),
+    so in one process the build order, not the graph, decided a few per cent between rows.
+    mallopt(M_MMAP_THRESHOLD) fixes the threshold (buffers below it from the heap, for every session).
+    Returns a note for the output ("" when glibc is not there)."""
+    import ctypes
+
+    try:
+        ok = ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes))   # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return ""
+    return f"glibc mmap threshold fixed at {nbytes >> 20} MiB (mallopt)" if ok else ""

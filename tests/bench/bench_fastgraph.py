@@ -74,24 +74,6 @@ def isa_line() -> str:
             f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def fix_malloc_threshold(nbytes: int = 32 << 20) -> str:
-    """Every session's weights placed alike: glibc's *dynamic* mmap threshold puts the big buffers
-    (the prepacked MatMulNBits weights) of the first large session of a process in fresh mmap'd chunks
-    and those of later ones on the heap once a freed chunk raised the threshold — measured: the first
-    of three identical sessions 5-8 % slower in CPU time (SmolLM2 int4 and a 30-layer MatMulNBits MLP
-    chain, taskset, 1 thread; none with MALLOC_MMAP_THRESHOLD_=32 MiB or a large session built first),
-    so in one process the build order, not the graph, decided a few per cent between rows.
-    mallopt(M_MMAP_THRESHOLD) fixes the threshold (buffers below it from the heap, for every session).
-    Returns a note for the output ("" when glibc is not there)."""
-    import ctypes
-
-    try:
-        ok = ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes))   # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return ""
-    return f"glibc mmap threshold fixed at {nbytes >> 20} MiB (mallopt; --malloc-as-is to skip)" if ok else ""
-
-
 # ---------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -111,7 +93,7 @@ def main():
                                      "genai fp32, genai int4); default all")
     ap.add_argument("--malloc-as-is", action="store_true",
                     help="leave glibc's dynamic mmap threshold (the sessions' weights then sit where the build "
-                         "order puts them; see fix_malloc_threshold)")
+                         "order puts them; see custom_ops.runtime.bench.fix_malloc_threshold)")
     ap.add_argument("--no-exact-attn", action="store_true",
                     help="skip the 'fused fp32/int4 pa-exact' rows (fused graphs with ortlean's exact PackedAttention)")
     ap.add_argument("--twin", default="",
@@ -119,7 +101,10 @@ def main():
                          "of one file in the same run, an A/A check of what the bench can resolve")
     ap.add_argument("--json")
     a = ap.parse_args()
+    from custom_ops.runtime.bench import fix_malloc_threshold
+
     malloc_note = "" if a.malloc_as_is else fix_malloc_threshold()
+    malloc_note += " (--malloc-as-is to skip)" if malloc_note else ""
     threads = [int(x) for x in a.threads.split(",")]
     pasts = [int(x) for x in a.pasts.split(",")]
     t_start = time.monotonic()

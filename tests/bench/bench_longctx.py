@@ -99,6 +99,9 @@ def run(a) -> dict:
     from fastgraph_models import fused_model, quantized_model
     from rewriter.quantize import DEFAULTS
 
+    malloc_note = rb.fix_malloc_threshold()  # every session's weights placed alike, not by build order
+    if malloc_note:
+        print(f"[{custom_ops.isa()}] note: {malloc_note}", flush=True)
     c = DEFAULTS["int4"]
     base = quantized_model(fused_model("smollm2"), c.bits, c.block_size, c.symmetric, c.accuracy_level)
     variants = [tuple(v.split(":")) for v in a.variants.split(",")]
@@ -121,7 +124,7 @@ def run(a) -> dict:
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
            "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {},
-           "pasts": pasts, "notes": [note] if note else []}
+           "pasts": pasts, "notes": [n for n in (malloc_note, note) if n]}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps + 1, dtype=np.int64)
