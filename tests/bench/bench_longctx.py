@@ -6,8 +6,9 @@ own choice, --attn-tune with the calibration novel).
 
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
                                              [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:auto]
-                                             [--steps 8] [--rounds 3] [--ppl-context 4096] [--ppl-score 64]
-                                             [--ppl-windows 1] [--extra NAME=MODEL,...] [--json FILE]
+                                             [--steps 8] [--rounds 3] [--sessions 1] [--ppl-context 4096]
+                                             [--ppl-score 64] [--ppl-windows 1] [--extra NAME=MODEL,...]
+                                             [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
 
 run: per past length, every model decodes 1 + --steps tokens after a cache of that many tokens (the
@@ -123,53 +124,61 @@ def run(a) -> dict:
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
-           "rounds": a.rounds, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {},
+           "rounds": a.rounds, "sessions": a.sessions, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {},
            "pasts": pasts, "notes": [n for n in (malloc_note, note) if n]}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps + 1, dtype=np.int64)
     for th in threads if pasts else []:
-        sess = {n: custom_ops.session(str(p), threads=th) for n, p in paths.items()}
-        ios = {n: runtime.ModelIO.from_session(s) for n, s in sess.items()}
+        # --sessions N: N sessions of each model, all in the interleaved rounds (a session's memory
+        # placement, not its graph, moved 2-thread tokens/s by up to 30 % on a shared VM: the median
+        # over several sessions is what a model gets)
+        keys = [(n, j) for j in range(a.sessions) for n in paths]
+        sess = {(n, j): custom_ops.session(str(paths[n]), threads=th) for n, j in keys}
+        ios = {key: runtime.ModelIO.from_session(s) for key, s in sess.items()}
         if th == threads[0]:
-            g = _kv_bytes_per_token(ios["gqa int4"])
+            g = _kv_bytes_per_token(ios[("gqa int4", 0)])
             for n in paths:
-                b = _kv_bytes_per_token(ios[n])
+                b = _kv_bytes_per_token(ios[(n, 0)])
                 res["kv_bytes_per_token"][n] = {"bytes": b, "vs_gqa_fp32": round(b / g, 3)}
                 print(f"[{isa}] {n:20s} KV cache {b} bytes/token ({b / g:.3f}x GQA fp32)", flush=True)
         for past in pasts:
-            kvs = {n: SharedKV(s, ios[n], max_len=past + a.steps + 1) for n, s in sess.items()}
-            g = kvs["gqa int4"]
+            kvs = {key: SharedKV(s, ios[key], max_len=past + a.steps + 1) for key, s in sess.items()}
+            g = kvs[("gqa int4", 0)]
             g.prefill(prompt[None, :min(512, past)])
             for c0 in range(min(512, past), past, 512):
                 g.step(prompt[None, c0:min(c0 + 512, past)])
             built = {k: arr[:, :, :past] for k, arr in g.arrays.items()}
-            for n in paths:   # the packed models' caches: GQA's K/V quantized and packed as the op stores them
-                if n != "gqa int4":
-                    kvs[n].fill(past, rb.state_from_kv(ios[n], built))
+            for key in keys:   # the other caches: GQA's K/V (packed models: quantized and packed as the op stores them)
+                if key != ("gqa int4", 0):
+                    kvs[key].fill(past, built if key[0] == "gqa int4" else rb.state_from_kv(ios[key], built))
             del built
-            times = {n: [] for n in paths}
-            names = list(paths)
-            # interleaved rounds (rotating order); in each, a model's first step is untimed: the pools of
+            times = {key: [] for key in keys}
+            # interleaved rounds (rotating order); in each, a session's first step is untimed: the pools of
             # the other sessions stop spinning on the cores meanwhile (measured: timing every step of
             # models alternating step by step halved 2-thread tokens/s, GQA's too)
             for r in range(a.rounds + 1):
-                order = names[r % len(names):] + names[: r % len(names)]
-                for n in order:
-                    kv = kvs[n]
+                order = keys[r % len(keys):] + keys[: r % len(keys)]
+                for key in order:
+                    kv = kvs[key]
                     kv.length = past
                     for k in range(a.steps + 1):
                         t0 = time.perf_counter()
                         kv.step(steps[None, k:k + 1])
                         dt = time.perf_counter() - t0
                         if r > 0 and k > 0:
-                            times[n].append(dt)
+                            times[key].append(dt)
             row = {}
-            tg = statistics.median(times["gqa int4"])
-            for n in names:
-                t = statistics.median(times[n])
-                row[n] = {"ms": round(t * 1e3, 2), "tok_s": round(1 / t, 2), "vs_gqa": round(tg / t, 3)}
-                print(f"[{isa}, {th} thr] past {past:5d} {n:20s} {1 / t:7.2f} tok/s  x{tg / t:5.2f} vs GQA", flush=True)
+            med = {n: statistics.median([t for j in range(a.sessions) for t in times[(n, j)]]) for n in paths}
+            tg = med["gqa int4"]
+            for n in paths:
+                t = med[n]
+                per = [round(1 / statistics.median(times[(n, j)]), 2) for j in range(a.sessions)]
+                row[n] = {"ms": round(t * 1e3, 2), "tok_s": round(1 / t, 2), "vs_gqa": round(tg / t, 3),
+                          "tok_s_per_session": per}
+                sp = f"  sessions {' / '.join(f'{x:.1f}' for x in per)}" if a.sessions > 1 else ""
+                print(f"[{isa}, {th} thr] past {past:5d} {n:20s} {1 / t:7.2f} tok/s  x{tg / t:5.2f} vs GQA{sp}",
+                      flush=True)
             res["decode"].setdefault(str(th), {})[str(past)] = row
             del kvs, g
         del sess
@@ -244,6 +253,8 @@ def main(argv=None) -> int:
                          "in blocks of N keys (--attn-cand-block); wN: a recent window of N keys (--attn-window)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="sessions of each model in the rounds (medians over all of a model's sessions' steps)")
     ap.add_argument("--ppl-context", type=int, default=4096)
     ap.add_argument("--ppl-score", type=int, default=64)
     ap.add_argument("--ppl-windows", type=int, default=1)
