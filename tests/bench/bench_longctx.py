@@ -9,7 +9,7 @@ own choice, --attn-tune with the calibration novel).
                                              [--steps 8] [--rounds 3] [--sessions 1] [--ppl-context 4096]
                                              [--ppl-score 64] [--ppl-windows 1] [--extra NAME=MODEL,...]
                                              [--json FILE]
-    python tests/bench/bench_longctx.py plot --json FILE [--png FILE]
+    python tests/bench/bench_longctx.py plot --json FILE [--quality-json FILE] [--png FILE]
 
 run: per past length, every model decodes 1 + --steps tokens after a cache of that many tokens (the
 first untimed), in interleaved rounds (rotating order; round 0 untimed), each with one K/V buffer per
@@ -22,7 +22,8 @@ held-out Persuasion (runtime.decode_perplexity: --ppl-context tokens of prefill 
 itself, then --ppl-score teacher-forced decode steps scored) against the GQA model.
 --extra: more models with the same interface in the same interleaved rounds (e.g. a build of another
 revision: before/after rows measured together).
-plot: the quality/speed frontier (Δppl vs speedup at each past, one point per variant) to a PNG.
+plot: the quality/speed frontier (Δppl vs speedup at each past, one point per variant) to a PNG;
+--quality-json takes Δppl from another run of the same variants (a speed-only run has none).
 Every line printed carries the ISA and thread count; --json writes everything.
 """
 from __future__ import annotations
@@ -219,6 +220,8 @@ def plot(a) -> None:
 
     res = json.loads(Path(a.json).read_text())
     q = res.get("quality", {})
+    if a.quality_json:  # Δppl from another run of the same variants (a speed-only run has none)
+        q = {**q, **json.loads(Path(a.quality_json).read_text()).get("quality", {})}
     fig, axes = plt.subplots(1, len(res["decode"]), figsize=(6 * len(res["decode"]), 4.5), squeeze=False)
     for ax, (th, by_past) in zip(axes[0], res["decode"].items()):
         for past, row in by_past.items():
@@ -260,6 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-windows", type=int, default=1)
     ap.add_argument("--extra", default="", help="NAME=MODEL,... more models in the same rounds")
     ap.add_argument("--json")
+    ap.add_argument("--quality-json", help="plot: take Δppl from this run's JSON (same variant names)")
     ap.add_argument("--png")
     a = ap.parse_args(argv)
     if a.what == "plot":
