@@ -410,16 +410,17 @@ def test_quantize_matmul_nbits(tmp_path, bits):
 
 
 def test_huge_zeros_buffers():
-    """runtime.memory.huge_zeros: zeroed, C-contiguous, the shape and dtype asked for, 2 MiB-aligned
-    when large (the mapping outlives the function that made it), ordinary np.zeros when small; an
-    OrtValue over it reads and writes the same memory (SharedKV binds past and present to it)."""
+    """runtime.memory.huge_zeros_many with one array: zeroed, C-contiguous, the shape and dtype asked
+    for, 2 MiB-aligned when large (the mapping outlives the function that made it), ordinary np.zeros
+    when small; an OrtValue over it reads and writes the same memory (SharedKV binds past and present
+    to it)."""
     import gc
 
-    from custom_ops.runtime.memory import huge_zeros, thp_mode
+    from custom_ops.runtime.memory import huge_zeros_many, thp_mode
 
-    small = huge_zeros((3, 5), np.float16)
+    [small] = huge_zeros_many([((3, 5), np.float16)])
     assert small.shape == (3, 5) and small.dtype == np.float16 and not small.any()
-    big = huge_zeros((1, 3, 8193, 34), np.int32)
+    [big] = huge_zeros_many([((1, 3, 8193, 34), np.int32)])
     gc.collect()
     assert big.shape == (1, 3, 8193, 34) and big.dtype == np.int32 and big.flags.c_contiguous
     assert not big.any()

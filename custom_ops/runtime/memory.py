@@ -8,7 +8,6 @@ advised ``MADV_HUGEPAGE`` *before* it is touched is faulted in 2 MiB pages. Else
 kernel has no huge page free) the buffer is an ordinary zeroed array: the result never depends on
 it, only the speed.
 
-    arr = huge_zeros((1, 3, 8192, 34), np.int32)   # zeroed, 2 MiB-aligned, advised MADV_HUGEPAGE
     k, v = huge_zeros_many([((1, 3, 4096, 64), np.float32)] * 2)   # one mapping, 4 KiB-aligned arrays
 
 A model's per-layer caches are often under 2 MiB each (SmolLM2 int8 at 4,096 tokens: 1.7 MB), so
@@ -20,7 +19,7 @@ import mmap
 
 import numpy as np
 
-__all__ = ["huge_zeros", "huge_zeros_many", "thp_mode"]
+__all__ = ["huge_zeros_many", "thp_mode"]
 
 _HUGE = 2 << 20
 
@@ -68,14 +67,3 @@ def huge_zeros_many(specs, align: int = 4096) -> list[np.ndarray]:
         return [np.zeros(shape, dtype=dt) for shape, dt in specs]
     return [raw[o:o + n].view(dt).reshape(shape) for (shape, dt), o, n in zip(specs, offs, sizes)]
 
-
-def huge_zeros(shape, dtype, min_bytes: int = _HUGE) -> np.ndarray:
-    """A zeroed C-contiguous array whose memory is a private anonymous mapping aligned to 2 MiB and
-    advised MADV_HUGEPAGE (arrays under ``min_bytes``, or where madvise is unavailable: np.zeros).
-    The mapping lives as long as the array (numpy keeps the buffer's owner alive)."""
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    raw = _mapping(n) if n >= min_bytes else None
-    if raw is None:
-        return np.zeros(shape, dtype=dt)
-    return raw.view(dt).reshape(shape)

@@ -13,9 +13,8 @@ decode step). onnxruntime-genai's generator runs these graphs the same way
     logits = kv.step(next_ids)                 # [B, 1, V]; kv.length grows by one
 
 The buffers are on 2 MiB pages where the kernel allows (``runtime.memory.huge_zeros_many``: one
-mapping for all layers): a step reads
-every layer's cache, and PackedAttention gathers its candidate rows at random, so with 4 KiB pages
-most rows cost a TLB miss (``tests/bench/attn_speed.py decode --hugepages`` measures both).
+mapping for all layers): a step reads every layer's cache, and PackedAttention gathers its
+candidate rows at random, so with 4 KiB pages most rows cost a TLB miss (``tests/bench/attn_speed.py decode --hugepages`` measures both).
 
 The graph contract is ``runtime.io``'s (``input_ids``, ``attention_mask``, optional ``position_ids``,
 ``past_key_values.N.*`` → ``present.N.*`` in ``[batch, kv_heads, seq, head_dim]``); the buffers are

@@ -13,8 +13,8 @@ own choice, --attn-tune with the calibration novel).
 
 run: per past length, every model decodes 1 + --steps tokens after a cache of that many tokens (the
 first untimed), in interleaved rounds (rotating order; round 0 untimed), each with one K/V buffer per
-state bound to past and present (runtime.shared_kv, as onnxruntime-genai runs these graphs); the median step → tokens/s and the
-ratio to the GQA model in the same run. The caches: GQA's from its own chunked prefill of the same
+state bound to past and present (runtime.shared_kv, as onnxruntime-genai runs these graphs); the
+median step → tokens/s and the ratio to the GQA model in the same run. The caches: GQA's from its own chunked prefill of the same
 random tokens; PackedAttention's from that cache's K/V quantized and packed exactly as the op stores
 new rows (custom_ops.runtime.bench.state_from_kv), so no model pays a slow prefill. Also per
 variant: KV-cache bytes per token (all layers) against GQA's fp32 cache, and decode-mode Δppl on
@@ -125,8 +125,8 @@ def run(a) -> dict:
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
-           "rounds": a.rounds, "sessions": a.sessions, "variants": list(paths), "decode": {}, "kv_bytes_per_token": {}, "quality": {},
-           "pasts": pasts, "notes": [n for n in (malloc_note, note) if n]}
+           "rounds": a.rounds, "sessions": a.sessions, "variants": list(paths), "decode": {},
+           "kv_bytes_per_token": {}, "quality": {}, "pasts": pasts, "notes": [n for n in (malloc_note, note) if n]}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
     steps = rng.integers(100, 49000, size=a.steps + 1, dtype=np.int64)
