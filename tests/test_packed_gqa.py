@@ -140,6 +140,11 @@ KERNEL_CASES = [
     # contexts of >= 2048 keys: scored in two key ranges per row on 2 threads (ternary planes, the oracle)
     (1, 6, 3, 1, 2300, 64, 64, "int8", dict(budget=0.2, window=32, mode="ternary", eps=0.5)),
     (1, 4, 2, 1, 2100, 32, 32, "int8", dict(budget=0.2, select="exact")),
+    # the scores by nibble tables (32 keys a block; D 128: two 8-byte halves; a tail of 13 keys):
+    # qbits 10 at D 64 sums up to 16 x 4 x 511 (int16's edge), qbits 16 too wide (the byte tables)
+    (1, 4, 2, 1, 1100, 128, 64, "int8", dict(budget=0.2, window=16)),
+    (1, 6, 3, 1, 1000, 64, 64, "int8", dict(budget=0.2, window=8, qbits=10)),
+    (1, 6, 3, 1, 1000, 64, 64, "int8", dict(budget=0.2, window=8, qbits=16)),
     (1, 2, 2, 1, 600, 32, 32, "int8", dict(budget=0.5, window=0, sinks=0, min_candidates=0, min_context=0, qbits=3)),
     (1, 6, 3, 1, 640, 64, 64, "int8", dict(budget=0.2, select="exact")),
     (1, 4, 2, 5, 90, 16, 16, "int8", dict(budget=0.0)),                              # prefill continuation
