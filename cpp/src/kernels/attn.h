@@ -64,6 +64,11 @@ struct AttnKernels {
   void (*minmax_finite)(const float* x, int64_t n, float* lo, float* hi);
   // ids[i] = 0 for x[i] = -inf, nbk + 1 for +inf, else 1 + clamp(int((x[i] - mn) * sc), 0, nbk - 1)
   void (*bucket_ids)(const float* x, int64_t n, float mn, float sc, int nbk, uint16_t* ids);
+  // Top-k partition: i with ids[i] > bsel to above (as base + i), i with ids[i] == bsel to at (as i), both
+  // in index order; returns how many above, *nat how many at. May write up to 7 entries past either
+  // count, never past n entries.
+  int64_t (*split_ids)(const uint16_t* ids, int64_t n, int bsel, int32_t base, int32_t* above, int32_t* at,
+                       int64_t* nat);
   // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
   // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);

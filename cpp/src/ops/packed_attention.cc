@@ -756,7 +756,7 @@ void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo
 
 // The top k of x[0:n) by (value desc, index asc) (1 <= k < n; no NaN), written in index order as
 // base + i to out; returns k. A 2048-bucket histogram over [min, max] of the finite values (bucket
-// ids kept) finds the bucket of the k-th largest; one branchless pass sends the keys of the buckets
+// ids kept) finds the bucket of the k-th largest; one pass (split_ids) sends the keys of the buckets
 // above it to out and those of its bucket to ti; nth_element on that bucket's values gives the
 // threshold, its keys above it and the first ties join, and the two index-ordered lists are merged.
 // At most one distinct finite value: nth_element on a copy and one pass. tmp: n floats, ti: n int32.
@@ -787,14 +787,8 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
     if (above + cnt[bsel] >= k) break;
     above += cnt[bsel];
   }
-  int64_t na = 0, mt = 0;
-  for (int64_t i = 0; i < n; ++i) {  // branchless: above the bucket -> out, in it -> ti
-    const int b = bk[i];
-    out[na] = base + static_cast<int32_t>(i);
-    na += b > bsel;
-    ti[mt] = static_cast<int32_t>(i);
-    mt += b == bsel;
-  }
+  int64_t mt = 0;
+  const int64_t na = ak.split_ids(bk, n, bsel, base, out, ti, &mt);  // above the bucket -> out, in it -> ti
   const int64_t kk = k - above;  // 1 <= kk <= mt
   for (int64_t j = 0; j < mt; ++j) tmp[j] = x[ti[j]];
   std::nth_element(tmp, tmp + (kk - 1), tmp + mt, std::greater<float>());
