@@ -53,8 +53,8 @@ int main(int argc, char** argv) {
   for (auto& x : q) x = static_cast<float>(rng() % 1000) / 1000.0f - 0.5f;
   std::vector<uint32_t> kbits(static_cast<size_t>(T * 3));
   for (auto& x : kbits) x = rng();
-  std::vector<int32_t> lut(8 * 256), core(static_cast<size_t>(T));
-  for (auto& x : lut) x = static_cast<int32_t>(rng() % 255) - 127;
+  std::vector<int32_t> qi(64), lut(8 * 256), core(static_cast<size_t>(T));
+  for (auto& x : qi) x = static_cast<int32_t>(rng() % 255) - 127;
   const uint8_t* kr[nb];
   const uint8_t* vr[nb];
   volatile float sink = 0;
@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
     sink = sink + pr[5];
   };
   auto lut_ = [&] {
-    ak.lutscore(kbits.data(), 3, T, 8, lut.data(), core.data());
+    ak.lutscore(kbits.data(), 3, T, 8, qi.data(), lut.data(), core.data(), nullptr);
     sink = sink + static_cast<float>(core[T / 2]);
   };
   auto stream = [&] {

@@ -27,6 +27,16 @@ struct KvAttend {
                          // prefetched near the end of this one, not attended (fp32 rows)
 };
 
+// The float scores of the candidate selection from the integer popcount score (lutscore / score_finish).
+struct ScoreFinish {
+  int32_t two, qs;      // score = two * core - qs (sign keys: 2, sum of qi; else 1, 0)
+  int64_t gword;        // the word of a key's row holding its scale gamma (float32 bits)
+  float coef;           // times gamma * coef
+  const float* mr;      // null, or the mask row: key t's value at mr[t * mst] added
+  int64_t mst;
+  float* g;             // [T] out
+};
+
 // Query levels of the integer q.k of quantized rows: qi = rint(q * (kQLevels / max|q|)) per head.
 constexpr int kQLevels = 32767;
 constexpr int64_t kKvAttendBlock = 32;  // rows per online-softmax block
@@ -69,9 +79,15 @@ struct AttnKernels {
   // count, never past n entries.
   int64_t (*split_ids)(const uint16_t* ids, int64_t n, int bsel, int32_t base, int32_t* above, int32_t* at,
                        int64_t* nat);
-  // out[t] = sum_j lut[j * 256 + byte j of key t] over nbytes bytes of the key's plane words
-  // starting at kb + t * ldk (the integer popcount score of a quantized query, by byte tables)
-  void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* lut, int32_t* out);
+  // out[t] = sum over the set bits d of key t of qi[d], d < 8 * nbytes (the integer popcount score of a
+  // quantized query); key t's plane words start at kb + t * ldk, bit d = bit d % 8 of byte d / 8. lut:
+  // scratch of nbytes * 256 int32 (tables built from qi inside, as the path needs them). fin (null:
+  // none): also the float scores, as score_finish (a block's keys while their rows are in L1).
+  void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* qi, int32_t* lut,
+                   int32_t* out, const ScoreFinish* fin);
+  // f.g[t] = float(f.two * core[t] - f.qs) * gamma_t * f.coef (+ f.mr[t * f.mst] when f.mr), NaN -> -inf,
+  // t < T; gamma_t = the float32 bits of word f.gword of key t's row (kb + t * ldk)
+  void (*score_finish)(const int32_t* core, int64_t T, const ScoreFinish& f, const uint32_t* kb, int64_t ldk);
   // Cache-mode attend task (KvAttend above): blocks of kKvAttendBlock rows; float rows: logits =
   // (q.k) * scale; int8 / int4 rows: logits = float(sum_d qi_d * code_d) * (qs * (kscale * scale)),
   // qi / qs the query quantized per head to kQLevels levels (exact integer dot).

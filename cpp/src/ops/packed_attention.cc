@@ -881,7 +881,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     float* buf;
     const int64_t nbytes = (D + 7) / 8, lut_n = nbytes * 256;
     try {
-      buf = task_scratch().get(static_cast<size_t>(2 * nt + lut_n + 2 * D + 64));
+      buf = task_scratch().get(static_cast<size_t>(2 * nt + lut_n + 2 * D + nbytes * 8 + 64));
     } catch (...) {
       oom = true;
       return;
@@ -892,6 +892,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     int32_t* lut = core1 + nt;                             // [nbytes][256]
     float* qg = reinterpret_cast<float*>(lut + lut_n);     // [D]
     float* kd = qg + D;                                    // [D]
+    int32_t* qi = reinterpret_cast<int32_t*>(kd + D);      // [nbytes * 8] the quantized query
     const int64_t nctx = nt;  // the scoring below runs over this task's keys [lo, lo + nt)
     // the group query: sum of its heads' rows, in head order
     const float* q0 = c.Q + ((b * c.Hq + h0) * M + m) * D;
@@ -927,38 +928,34 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
       } else {
         const float L = static_cast<float>((1 << (p.qbits - 1)) - 1);
         const float inv = L / a;
-        // byte tables: lut[j][byte] = sum of qi over the set bits of byte j
+        // the query quantized per dimension (qi; 0 past D and for NaN), the tables built by lutscore
         int64_t qsum = 0;
-        int32_t qi8[8];
-        for (int64_t j = 0; j < nbytes; ++j) {
-          for (int i = 0; i < 8; ++i) {
-            const int64_t d = j * 8 + i;
-            int32_t qi = 0;
-            if (d < D) {
-              const float v = qa[d] * inv;
-              qi = std::isnan(v) ? 0 : static_cast<int32_t>(std::nearbyint(v));
-            }
-            qi8[i] = qi;
-            qsum += qi;
+        for (int64_t d = 0; d < nbytes * 8; ++d) {
+          int32_t v = 0;
+          if (d < D) {
+            const float x = qa[d] * inv;
+            v = std::isnan(x) ? 0 : static_cast<int32_t>(std::nearbyint(x));
           }
-          int32_t* lj = lut + j * 256;
-          lj[0] = 0;
-          for (int x = 1; x < 256; ++x) lj[x] = lj[x & (x - 1)] + qi8[__builtin_ctz(static_cast<unsigned>(x))];
-        }
-        ak.lutscore(kb, W, nctx, nbytes, lut, core);
-        if (p.mode == KeyMode::Ternary) {
-          ak.lutscore(kb + nw, W, nctx, nbytes, lut, core1);
-          for (int64_t t = 0; t < nctx; ++t) core[t] -= core1[t];
+          qi[d] = v;
+          qsum += v;
         }
         // sign mode: the score of the +-1 key is 2 * (sum over its set bits) - sum of all qi
-        const int32_t two = p.mode == KeyMode::Sign ? 2 : 1;
-        const int32_t qs = p.mode == KeyMode::Sign ? static_cast<int32_t>(qsum) : 0;
-        const float coef = (a / L) * p.scale;
         const float* mr = c.mask_row(b, h0, m);
-        for (int64_t t = 0; t < nctx; ++t) {
-          float v = static_cast<float>(two * core[t] - qs) * c.fmt.gamma_of(kb + t * W) * coef;
-          if (mr) v += mr[(lo + t) * c.mst];
-          g[t] = v == v ? v : -INFINITY;
+        ScoreFinish fin{};
+        fin.two = p.mode == KeyMode::Sign ? 2 : 1;
+        fin.qs = p.mode == KeyMode::Sign ? static_cast<int32_t>(qsum) : 0;
+        fin.gword = c.fmt.gamma;
+        fin.coef = (a / L) * p.scale;
+        fin.mr = mr ? mr + lo * c.mst : nullptr;
+        fin.mst = c.mst;
+        fin.g = g;
+        if (p.mode == KeyMode::Ternary) {  // two planes: core - core1, then the scores
+          ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, nullptr);
+          ak.lutscore(kb + nw, W, nctx, nbytes, qi, lut, core1, nullptr);
+          for (int64_t t = 0; t < nctx; ++t) core[t] -= core1[t];
+          ak.score_finish(core, nctx, fin, kb, W);
+        } else {
+          ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, &fin);
         }
       }
     }
