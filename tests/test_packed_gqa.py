@@ -145,6 +145,12 @@ KERNEL_CASES = [
     (1, 4, 2, 1, 1100, 128, 64, "int8", dict(budget=0.2, window=16)),
     (1, 6, 3, 1, 1000, 64, 64, "int8", dict(budget=0.2, window=8, qbits=10)),
     (1, 6, 3, 1, 1000, 64, 64, "int8", dict(budget=0.2, window=8, qbits=16)),
+    # 61 keys: one 32-key block + a 29-key tail by nibble sums; qbits 16: all 61 by nibble sums (under
+    # the byte tables' 64 keys); D 576 (72 key bytes, past the nibble-table path): byte tables
+    (1, 4, 2, 1, 60, 64, 64, "int8", dict(budget=0.5, window=4, sinks=0, min_candidates=0, min_context=0)),
+    (1, 4, 2, 1, 60, 64, 64, "int8", dict(budget=0.5, window=4, sinks=0, min_candidates=0, min_context=0,
+                                          qbits=16)),
+    (1, 2, 2, 1, 300, 576, 16, "int8", dict(budget=0.3, window=8, min_context=0, qbits=16)),
     (1, 2, 2, 1, 600, 32, 32, "int8", dict(budget=0.5, window=0, sinks=0, min_candidates=0, min_context=0, qbits=3)),
     (1, 6, 3, 1, 640, 64, 64, "int8", dict(budget=0.2, select="exact")),
     (1, 4, 2, 5, 90, 16, 16, "int8", dict(budget=0.0)),                              # prefill continuation
