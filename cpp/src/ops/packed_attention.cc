@@ -499,7 +499,7 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
 // ================================================================== cache mode (kv_quant)
 // K/V are the new tokens; the cache is past_kv rows (KvRowFormat) + past_bits rows; new rows go to
 // positions pos0_b .. total_b - 1. Decode: candidates chosen once per KV-head group (popcount score
-// of the group query through byte tables), then the group's query heads read each selected row once
+// of the group query, lutscore), then the group's query heads read each selected row once
 // (online softmax in blocks, split over ORT's pool by (row, block of keys), merged at the end).
 
 // Round half to even (np.rint) of |v| < 2^22 (NaN stays NaN) without a libm call: the generic x86-64
@@ -824,13 +824,13 @@ SelectSched& select_sched() {
   thread_local SelectSched s;
   return s;
 }
-// keys per scoring task at least (a split costs a second byte-table build, ~2 us)
+// keys per scoring task at least (a split costs a second table build and kernel call)
 constexpr int64_t kScoreMinChunk = 1024;
 }  // namespace
 
 // Per query row (b, hk, m): its context, and for decode rows that approximate, the candidate list:
-// the group query's popcount score by byte tables (tasks of a row's key range), then per row the top
-// by a histogram threshold, in index order.
+// the group query's popcount score (lutscore: nibble / byte tables; tasks of a row's key range), then
+// per row the top by a histogram threshold, in index order.
 void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   const AttnKernels& ak = *ak_;
