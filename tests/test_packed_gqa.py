@@ -19,8 +19,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import custom_ops  # noqa: E402
-from custom_ops.reference.attn import (kv_row_words, n_words, pack_keys, pack_kv, packed_attention_kv,  # noqa: E402
-                                       unpack_kv)
+from custom_ops.reference.attn import (cache_bits_words, kv_row_words, pack_cache, pack_kv,  # noqa: E402
+                                       packed_attention_kv, unpack_kv)
 
 from conftest import requires_native  # noqa: E402
 
@@ -55,7 +55,8 @@ def case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, mode="si
     Vp = r.standard_normal((B, Hkv, P, Dv), dtype=np.float32)
     K = r.standard_normal((B, Hkv, S, D), dtype=np.float32)
     V = r.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
-    feed = {"Q": Q, "K": K, "V": V, "past_kv": pack_kv(Kp, Vp, q), "past_bits": pack_keys(Kp, mode, eps)}
+    bits, rows = pack_cache(Kp, Vp, q, mode, eps)
+    feed = {"Q": Q, "K": K, "V": V, "past_kv": rows, "past_bits": bits}
     return feed
 
 
@@ -71,9 +72,10 @@ def run_ref(attrs, feed):
                                f.pop("past_kv", None), f.pop("seqlens_k", None), **attrs)
 
 
-def dense_over_cache(feed, kv, D, Dv, q, scale, total=None, local_window=-1, softcap=0.0):
-    """Plain attention (float64) of the new query rows over the dequantized present cache."""
-    Kd, Vd = unpack_kv(kv, D, Dv, q)
+def dense_over_cache(feed, kv, bits, D, Dv, q, scale, total=None, local_window=-1, softcap=0.0):
+    """Plain attention (float64) of the new query rows over the dequantized present cache (rows kv,
+    their scales in the key-bits rows bits)."""
+    Kd, Vd = unpack_kv(kv, bits, D, Dv, q)
     Q = feed["Q"]
     B, Hq, S, _ = Q.shape
     rep = Hq // Kd.shape[1]
@@ -101,15 +103,19 @@ def test_reference_row_format_roundtrip(q):
     K = r.standard_normal((2, 3, 7, 16), dtype=np.float32)
     V = r.standard_normal((2, 3, 7, 24), dtype=np.float32)
     K[0, 0, 0] = 0.0                                   # an all-zero row: scale 0, codes 0
-    rows = pack_kv(K, V, q)
+    rows, sc = pack_kv(K, V, q)
     assert rows.shape == (2, 3, 7, kv_row_words(16, 24, q)) and rows.dtype == np.int32
-    Kd, Vd = unpack_kv(rows, 16, 24, q)
+    assert sc.shape == (2, 3, 7, 2) and sc.dtype == np.int32
+    Kd, Vd = unpack_kv(rows, sc, 16, 24, q)
     L = 127 if q == "int8" else 7
     tolk = np.abs(K).max(-1, keepdims=True) / L / 2 + 1e-7
     assert (np.abs(Kd - K) <= tolk).all() and (np.abs(Vd - V) <= np.abs(V).max(-1, keepdims=True) / L / 2 + 1e-7).all()
     assert (Kd[0, 0, 0] == 0).all()
-    # bytes: int8 row = D + Dv + 8 bytes, int4 = (D + Dv) / 2 + 8 (vs 4 (D + Dv) in fp32)
-    assert rows.shape[-1] * 4 == ((16 + 24) if q == "int8" else 20) + 8
+    # bytes: int8 row = D + Dv bytes, int4 = (D + Dv) / 2 (vs 4 (D + Dv) in fp32); the two scales are
+    # words of the key-bits row (cache_bits_words = n_words + 2)
+    assert rows.shape[-1] * 4 == ((16 + 24) if q == "int8" else 20)
+    bits, rows2 = pack_cache(K, V, q)
+    assert (rows2 == rows).all() and bits.shape[-1] == cache_bits_words(16) == 2 + 2 and (bits[..., -2:] == sc).all()
 
 
 # int8 / int4 score with the query quantized to 32767 levels per head (query_int16): a logit moves by at
@@ -121,10 +127,10 @@ def test_reference_full_budget_is_dense_over_cache():
     f = case(P=300, S=1)
     for budget in (0.0, 1.0):
         Y, bits, kv = run_ref(dict(kv_quant="int8", scale=0.125, budget=budget, min_context=0), f)
-        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=INT16_Q_ATOL)
-        Y32, _, kv32 = run_ref(dict(kv_quant="fp32", scale=0.125, budget=budget, min_context=0),
-                               case(P=300, S=1, q="fp32"))
-        np.testing.assert_allclose(Y32, dense_over_cache(case(P=300, S=1, q="fp32"), kv32, 64, 64, "fp32", 0.125),
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, bits, 64, 64, "int8", 0.125), atol=INT16_Q_ATOL)
+        Y32, bits32, kv32 = run_ref(dict(kv_quant="fp32", scale=0.125, budget=budget, min_context=0),
+                                    case(P=300, S=1, q="fp32"))
+        np.testing.assert_allclose(Y32, dense_over_cache(case(P=300, S=1, q="fp32"), kv32, bits32, 64, 64, "fp32", 0.125),
                                    atol=1e-5)
     assert (bits[:, :, :300] == f["past_bits"]).all() and (kv[:, :, :300] == f["past_kv"]).all()
 
@@ -324,10 +330,10 @@ def test_exact_at_full_budget_matches_dense_and_gqa_shapes():
     for Hq, Hkv in ((3, 3), (9, 3), (8, 1)):
         f = case(Hq=Hq, Hkv=Hkv, P=257, D=64)
         Y, bits, kv = run_native(dict(kv_quant="int8", scale=0.125, budget=1.0), f)
-        np.testing.assert_allclose(Y, dense_over_cache(f, kv, 64, 64, "int8", 0.125), atol=INT16_Q_ATOL)
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, bits, 64, 64, "int8", 0.125), atol=INT16_Q_ATOL)
         f32 = case(Hq=Hq, Hkv=Hkv, P=257, D=64, q="fp32")
-        Y, _, kv = run_native(dict(kv_quant="fp32", scale=0.125, budget=1.0), f32)
-        np.testing.assert_allclose(Y, dense_over_cache(f32, kv, 64, 64, "fp32", 0.125), atol=1e-5)
+        Y, bits, kv = run_native(dict(kv_quant="fp32", scale=0.125, budget=1.0), f32)
+        np.testing.assert_allclose(Y, dense_over_cache(f32, kv, bits, 64, 64, "fp32", 0.125), atol=1e-5)
 
 
 # fp32 cache rows (kv_attend_f32: K / V read in place, heads in groups of 3 x 4 keys, masked tails
@@ -365,10 +371,11 @@ def test_fp32_rows_vs_reference(B, Hq, Hkv, S, P, D, Dv, seqlens, attrs, threads
     for _ in range(10):
         Y, bits, kv = s.run(None, f)
         np.testing.assert_array_equal(kv, kr)
+        np.testing.assert_array_equal(bits, br)
         np.testing.assert_allclose(Y, Yr, atol=1e-5, rtol=1e-5)
     if not attrs.get("softcap") and not attrs.get("local_window"):
         total = None if seqlens is None else [x + 1 for x in seqlens]
-        np.testing.assert_allclose(Y, dense_over_cache(f, kv, D, Dv or D, "fp32", attrs["scale"], total=total),
+        np.testing.assert_allclose(Y, dense_over_cache(f, kv, bits, D, Dv or D, "fp32", attrs["scale"], total=total),
                                    atol=1e-5)
 
 
@@ -379,11 +386,13 @@ def test_fp32_rows_mask_nonunit_scales_and_extremes():
     rescaling across blocks and chunks)."""
     f = case(B=1, Hq=6, Hkv=2, P=600, D=40, q="fp32", seed=21)
     kv = f["past_kv"].copy().view(np.float32)
+    sc = f["past_bits"].copy().view(np.float32)
     r = np.random.default_rng(22)
-    kv[..., 40] = r.uniform(0.5, 2.0, kv.shape[:-1])                    # K scale word
-    kv[..., -1] = r.uniform(0.5, 2.0, kv.shape[:-1])                    # V scale word
+    sc[..., -2] = r.uniform(0.5, 2.0, sc.shape[:-1])                    # K scale word
+    sc[..., -1] = r.uniform(0.5, 2.0, sc.shape[:-1])                    # V scale word
     kv[0, 1, 300:340, :40] *= 30.0                                       # a block of dominant keys
     f["past_kv"] = kv.view(np.int32)
+    f["past_bits"] = sc.view(np.int32)
     mask = np.zeros((1, 6, 1, 601), np.float32)
     mask[0, 0, :, 100:400] = -np.inf
     mask[0, 4] = -np.inf
@@ -462,6 +471,28 @@ def test_bad_shapes_are_refused():
     f["past_bits"] = f["past_bits"][:, :, :5]
     with pytest.raises(Exception, match="past_bits"):
         run_native(dict(kv_quant="int8"), f)
+    f = case(P=10)
+    f["past_bits"] = f["past_bits"][..., :-2]  # the key bits without the rows' scales (the old width)
+    with pytest.raises(Exception, match=r"past_bits .* must be \[B, Hkv, P, W\] = \[1, 3, 10, 5\]"):
+        run_native(dict(kv_quant="int8"), f)
+
+
+@requires_native
+def test_past_kv_without_past_bits_is_refused():
+    """The cached rows' scales live in their key-bits rows: past_kv with rows needs past_bits (kernel and
+    reference both refuse, naming the missing input), an empty past_kv does not."""
+    f = case(P=10)
+    f.pop("past_bits")
+    with pytest.raises(Exception, match="past_bits is missing"):
+        run_native(dict(kv_quant="int8"), f)
+    with pytest.raises(ValueError, match="past_bits is missing"):
+        run_ref(dict(kv_quant="int8"), f)
+    f = case(P=0)
+    f.pop("past_bits")
+    Y, bits, kv = run_native(dict(kv_quant="int8", scale=0.125), f)
+    Yr, br, kr = run_ref(dict(kv_quant="int8", scale=0.125), f)
+    np.testing.assert_allclose(Y, Yr, atol=INT16_Q_ATOL)
+    assert (bits == br).all() and (kv == kr).all()
 
 
 # --------------------------------------------------------------------------- GroupQueryAttention's layout
@@ -714,7 +745,7 @@ def test_gqa_layer_semantics(tmp_path, Hq, Hkv, D, window, softcap):
     g_out = gq.run(None, {**f, "past_key_values.0.key": np.zeros((B, Hkv, 0, D), np.float32),
                           "past_key_values.0.value": np.zeros((B, Hkv, 0, D), np.float32)})
     p_out = pa.run(None, {"qkv": qkv, "seqlens_k": f["seqlens_k"], "total_sequence_length": f["total_sequence_length"],
-                          "past_key_values.0.key_bits": np.zeros((B, Hkv, 0, n_words(D)), np.int32),
+                          "past_key_values.0.key_bits": np.zeros((B, Hkv, 0, cache_bits_words(D)), np.int32),
                           "past_key_values.0.kv": np.zeros((B, Hkv, 0, kv_row_words(D, D, "fp32")), np.int32)})
     for b in range(B):  # padding rows are unspecified in GQA (0 here)
         np.testing.assert_allclose(p_out[0][b, :lens[b]], g_out[0][b, :lens[b]], atol=1e-5)

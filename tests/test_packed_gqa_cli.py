@@ -152,7 +152,7 @@ def test_exact_attention_timing_models_compute_the_same():
     """rewriter.kit.timing.exact_attention_speed times a one-node GroupQueryAttention against the node
     apply_gqa makes of it: the two compute the same decode step (1e-5), packed QKV and separate Q/K/V,
     rotary inside; and the measurement returns both times per past."""
-    from custom_ops.reference.attn import pack_keys, pack_kv
+    from custom_ops.reference.attn import pack_cache
     from rewriter.backends.packed_attention import exact_gqa
     from rewriter.kit import timing
     import onnx_ir as ir
@@ -175,7 +175,8 @@ def test_exact_attention_timing_models_compute_the_same():
                      "value": r.standard_normal((1, 1, 32), dtype=np.float32)}
         yg = sg.run(["y"], {**base, "past_key_values.0.key": K, "past_key_values.0.value": V})[0]
         names = {i.name for i in sp.get_inputs()}
-        fp = {**base, "past_key_values.0.kv": pack_kv(K, V, "fp32"), "past_key_values.0.key_bits": pack_keys(K, "sign", 0.0)}
+        bits, rows = pack_cache(K, V, "fp32", "sign", 0.0)
+        fp = {**base, "past_key_values.0.kv": rows, "past_key_values.0.key_bits": bits}
         yp = sp.run([sp.get_outputs()[0].name], {k: v for k, v in fp.items() if k in names})[0]
         np.testing.assert_allclose(yp, yg, atol=1e-5, rtol=1e-5)
     res = timing.exact_attention_speed(attrs, 4, 2, 16, 16, False, 64, exact_gqa, pasts=(32,), use_cache=False)

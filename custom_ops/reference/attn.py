@@ -34,9 +34,13 @@ Cache mode (kv_quant = "fp32" | "int8" | "int4"; "none" is the mode above): K [B
 NEW tokens only; the cache is graph state (int32 rows, like the key bits):
   past_kv int32 [B, Hkv, P, R] → present_kv [B, Hkv, Tc, R], one row per key (kv_row_words):
     K codes (D bytes int8, or D/2 bytes of int4 pairs: element 2i low nibble, 2i+1 high, two's
-    complement), K scale (float32), V codes, V scale; scale = max|x| / L (L = 127 | 7), code =
-    clip(rint(x * (L / max|x|)), -L, L) (all zero when max|x| = 0); x̂ = code * scale. fp32: the
-    "codes" are the float32 values and both scales 1 (exact; GroupQueryAttention's cache).
+    complement), then V codes; scale = max|x| / L (L = 127 | 7), code = clip(rint(x * (L /
+    max|x|)), -L, L) (all zero when max|x| = 0); x̂ = code * scale. fp32: the "codes" are the
+    float32 values and both scales 1 (exact; GroupQueryAttention's cache). The row's K scale and
+    V scale (float32) are the last two words of its key-bits row: past_bits / present_bits rows
+    have cache_bits_words(D, mode) = W + 2 words in this mode (pack_cache), so a row of D = Dv =
+    64 int8 codes is 128 bytes (two cache lines, where codes and scales together took three).
+    past_bits is required whenever past_kv has rows.
   seqlens_k int32 [B] (optional, GroupQueryAttention's: total length − 1 per sequence; default
     P + S for all): total_b = seqlens_k[b] + 1, the new rows go to positions
     pos0_b = max(0, total_b − S) .. total_b − 1 (rows at or beyond total_b are padding: not stored,
@@ -262,9 +266,14 @@ _CODE_BYTES = {"fp32": lambda n: 4 * n, "int8": lambda n: n, "int4": lambda n: n
 
 
 def kv_row_words(D: int, Dv: int, kv_quant: str = "int8") -> int:
-    """int32 words per cached key: K codes, K scale, V codes, V scale."""
+    """int32 words per cached key row: K codes, V codes (their scales are in the key-bits row)."""
     cb = _CODE_BYTES[kv_quant]
-    return cb(D) // 4 + 1 + cb(Dv) // 4 + 1
+    return cb(D) // 4 + cb(Dv) // 4
+
+
+def cache_bits_words(D: int, mode: str = "sign") -> int:
+    """int32 words per key-bits row in cache mode: the key bits (n_words), K scale, V scale."""
+    return n_words(D, mode) + 2
 
 
 def quantize_rows(x: np.ndarray, kv_quant: str) -> tuple[np.ndarray, np.ndarray]:
@@ -303,23 +312,32 @@ def _bytes_codes(b: np.ndarray, n: int, kv_quant: str) -> np.ndarray:
     return out
 
 
-def pack_kv(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8") -> np.ndarray:
-    """K [..., T, D], V [..., T, Dv] float32 → cache rows [..., T, R] int32 (layout: module docstring)."""
+def pack_kv(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8") -> tuple[np.ndarray, np.ndarray]:
+    """K [..., T, D], V [..., T, Dv] float32 → (cache rows [..., T, R] int32, their scales [..., T, 2]
+    int32: K scale, V scale as float32 bits, the key-bits row's last two words; module docstring)."""
     kc, ks = quantize_rows(K, kv_quant)
     vc, vs = quantize_rows(V, kv_quant)
-    parts = [_codes_bytes(kc, kv_quant), ks[..., None].view(np.uint8),
-             _codes_bytes(vc, kv_quant), vs[..., None].view(np.uint8)]
-    return np.ascontiguousarray(np.concatenate(parts, -1)).view(np.int32)
+    rows = np.ascontiguousarray(np.concatenate([_codes_bytes(kc, kv_quant), _codes_bytes(vc, kv_quant)], -1))
+    return rows.view(np.int32), np.ascontiguousarray(np.stack([ks, vs], -1).astype(np.float32)).view(np.int32)
 
 
-def unpack_kv(rows: np.ndarray, D: int, Dv: int, kv_quant: str = "int8") -> tuple[np.ndarray, np.ndarray]:
-    """Cache rows [..., T, R] int32 → (K̂ [..., T, D], V̂ [..., T, Dv]) float32 (dequantized)."""
+def pack_cache(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8", mode: str = "sign", eps: float = 0.0,
+               eps_heads=None) -> tuple[np.ndarray, np.ndarray]:
+    """K [B, H, T, D], V [B, H, T, Dv] float32 → the cache-mode state as the op stores it:
+    (bits [B, H, T, cache_bits_words(D, mode)] int32, kv rows [B, H, T, kv_row_words] int32)."""
+    rows, sc = pack_kv(K, V, kv_quant)
+    return np.concatenate([pack_keys(K, mode, eps, eps_heads), sc], -1), rows
+
+
+def unpack_kv(rows: np.ndarray, bits: np.ndarray, D: int, Dv: int, kv_quant: str = "int8") -> tuple[np.ndarray, np.ndarray]:
+    """Cache rows [..., T, R] int32 and their key-bits rows [..., T, W + 2] (scales in the last two
+    words) → (K̂ [..., T, D], V̂ [..., T, Dv]) float32 (dequantized)."""
     b = np.ascontiguousarray(rows).view(np.uint8)
     kb, vb = _CODE_BYTES[kv_quant](D), _CODE_BYTES[kv_quant](Dv)
     kc = _bytes_codes(b[..., :kb], D, kv_quant)
-    ks = np.ascontiguousarray(b[..., kb:kb + 4]).view(np.float32)
-    vc = _bytes_codes(b[..., kb + 4:kb + 4 + vb], Dv, kv_quant)
-    vs = np.ascontiguousarray(b[..., kb + 4 + vb:kb + 8 + vb]).view(np.float32)
+    vc = _bytes_codes(b[..., kb:kb + vb], Dv, kv_quant)
+    sc = np.ascontiguousarray(np.asarray(bits)[..., -2:]).view(np.float32)
+    ks, vs = sc[..., 0:1], sc[..., 1:2]
     return (kc.astype(np.float32) * ks).astype(np.float32), (vc.astype(np.float32) * vs).astype(np.float32)
 
 
@@ -340,12 +358,13 @@ def query_int16(q: np.ndarray) -> tuple[np.ndarray, np.float32]:
     return qi, np.float32(a / L)
 
 
-def kv_key_codes(rows: np.ndarray, D: int, kv_quant: str) -> tuple[np.ndarray, np.ndarray]:
-    """Cache rows [..., T, R] int32 (int8 / int4) → (K codes [..., T, D] int64, K scale [..., T] float32)."""
+def kv_key_codes(rows: np.ndarray, bits: np.ndarray, D: int, kv_quant: str) -> tuple[np.ndarray, np.ndarray]:
+    """Cache rows [..., T, R] int32 (int8 / int4) and their key-bits rows → (K codes [..., T, D] int64,
+    K scale [..., T] float32)."""
     b = np.ascontiguousarray(rows).view(np.uint8)
     kb = _CODE_BYTES[kv_quant](D)
     return (_bytes_codes(b[..., :kb], D, kv_quant).astype(np.int64),
-            np.ascontiguousarray(b[..., kb:kb + 4]).view(np.float32)[..., 0])
+            np.ascontiguousarray(np.asarray(bits)[..., -2]).view(np.float32))
 
 
 def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
@@ -366,7 +385,8 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
     _, Hkv, S, _ = K.shape
     Dv = V.shape[-1]
     rep = Hq // Hkv
-    R, W = kv_row_words(D, Dv, kvq), n_words(D, mode)
+    R, W0 = kv_row_words(D, Dv, kvq), n_words(D, mode)
+    W = W0 + 2  # the key bits, then the row's K / V scales
     P = 0 if past_kv is None or np.asarray(past_kv).size == 0 else np.asarray(past_kv).shape[2]
     total = (np.full(B, P + S, np.int64) if seqlens_k is None or np.asarray(seqlens_k).size == 0
              else np.asarray(seqlens_k, np.int64).reshape(B) + 1)
@@ -374,24 +394,21 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
     kv = np.zeros((B, Hkv, Tc, R), np.int32)
     bits = np.zeros((B, Hkv, Tc, W), np.int32)
     if P:
+        if past_bits is None or not np.asarray(past_bits).size:
+            raise ValueError(f"past_kv holds {P} rows but past_bits is missing: the rows' scales are in the key-bits rows")
         kv[:, :, :P] = past_kv
-        if past_bits is not None and np.asarray(past_bits).size:
-            bits[:, :, :P] = past_bits
-        else:
-            kh, _ = unpack_kv(kv[:, :, :P], D, Dv, kvq)
-            bits[:, :, :P] = pack_keys(kh, mode, eps, eps_heads)
-    new_kv = pack_kv(K, V, kvq)
-    new_bits = pack_keys(K, mode, eps, eps_heads)
+        bits[:, :, :P] = past_bits
+    new_bits, new_kv = pack_cache(K, V, kvq, mode, eps, eps_heads)
     pos0 = np.maximum(0, total - S)
     for b in range(B):
         n = int(min(S, total[b] - pos0[b]))
         kv[b, :, pos0[b]:pos0[b] + n] = new_kv[b, :, :n]
         bits[b, :, pos0[b]:pos0[b] + n] = new_bits[b, :, :n]
-    Kd, Vd = unpack_kv(kv, D, Dv, kvq)
-    Kc, Ks = kv_key_codes(kv, D, kvq) if kvq != "fp32" else (None, None)
+    Kd, Vd = unpack_kv(kv, bits, D, Dv, kvq)
+    Kc, Ks = kv_key_codes(kv, bits, D, kvq) if kvq != "fp32" else (None, None)
     mask = None if mask is None or np.asarray(mask).size == 0 else np.asarray(mask, np.float32)
     # density: eps modes over every key in context (auto-disable), sign mode informational
-    live = np.concatenate([bits[b, :, :total[b]].reshape(-1, W) for b in range(B)], 0)
+    live = np.concatenate([bits[b, :, :total[b], :W0].reshape(-1, W0) for b in range(B)], 0)
     dens = density(live, D, mode)
     global_exact = not (0 < budget < 1) or (mode != "sign" and dens > rho)
     Y = np.zeros((B, Hq, M, Dv), np.float32)
@@ -420,8 +437,8 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                         ap = (Kh[ctx] @ qg) * scale
                     else:
                         qa = qg if ks_all is None else qg * ks_all[hk]
-                        s_, coef = approx_int(qa, bits[b, hk, ctx], D, mode, qbits)
-                        ap = s_.astype(np.float32) * unpack_gamma(bits[b, hk, ctx]) * np.float32(coef * scale)
+                        s_, coef = approx_int(qa, bits[b, hk, ctx, :W0], D, mode, qbits)
+                        ap = s_.astype(np.float32) * unpack_gamma(bits[b, hk, ctx, :W0]) * np.float32(coef * scale)
                     g = (ap + mrows[hk * rep][ctx]).astype(np.float32)
                     g = np.where(np.isnan(g), np.float32(-np.inf), g)
                     idx = lo + select_candidates(n_ctx, g, budget, min_candidates, sinks, window, a["cand_block"])

@@ -292,7 +292,7 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
     same arrays, or for PackedAttention's cache state (``past_key_values.N.kv`` / ``.key_bits``) the
     K/V rows quantized and the keys packed as the op stores new rows (the K/V format and key-bit
     width read from the state's row width)."""
-    from ..reference.attn import kv_row_words, n_words, pack_keys, pack_kv
+    from ..reference.attn import cache_bits_words, kv_row_words, pack_cache
 
     out = {}
     for name in io.past_to_present:
@@ -303,16 +303,16 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
         K, V = built.get(f"{stem}.key"), built.get(f"{stem}.value")
         if K is None or V is None or kind not in ("kv", "key_bits"):
             raise KeyError(f"{name}: no {stem}.key / .value in the cache to build it from")
-        width = io.state_shapes[name][-1]
         D, Dv = K.shape[-1], V.shape[-1]
-        if kind == "kv":
-            q = next((q for q in ("int8", "int4", "fp32") if kv_row_words(D, Dv, q) == width), None)
-            if q is None:
-                raise KeyError(f"{name}: row width {width} is no K/V format of head dims {D}/{Dv}")
-            out[name] = pack_kv(K, V, q)
-        else:
-            mode = next((m for m in ("sign", "ternary") if n_words(D, m) == width), "sign")
-            out[name] = pack_keys(K, mode, 0.0 if mode == "sign" else 1e-4)
+        rw, bw = io.state_shapes.get(f"{stem}.kv", [None])[-1], io.state_shapes.get(f"{stem}.key_bits", [None])[-1]
+        q = next((q for q in ("int8", "int4", "fp32") if kv_row_words(D, Dv, q) == rw), None)
+        if q is None:
+            raise KeyError(f"{stem}.kv: row width {rw} is no K/V format of head dims {D}/{Dv}")
+        mode = next((m for m in ("sign", "ternary") if cache_bits_words(D, m) == bw), None)
+        if mode is None:
+            raise KeyError(f"{stem}.key_bits: row width {bw} is no key-bits format of head dim {D}")
+        bits, rows = pack_cache(K, V, q, mode, 0.0 if mode == "sign" else 1e-4)
+        out[name] = rows if kind == "kv" else bits
     return out
 
 

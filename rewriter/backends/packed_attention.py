@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from custom_ops import runtime
-from custom_ops.reference.attn import kv_row_words, n_words
+from custom_ops.reference.attn import cache_bits_words, kv_row_words, n_words
 from custom_ops.schema import DOMAIN
 
 from ..builders.attention import find_attention
@@ -306,7 +306,7 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
         rot = a.get_int("do_rotary", 0)
         cos, sin = (g.inputs[7], g.inputs[8]) if rot else (None, None)
         q, k, v = g.inputs[0], g.inputs[1], g.inputs[2]
-        W, R = n_words(D, cfg.mode), kv_row_words(D, Dv, cfg.kv_quant)
+        W, R = cache_bits_words(D, cfg.mode), kv_row_words(D, Dv, cfg.kv_quant)
         bits_in = ir.Value(name=f"past_key_values.{N}.key_bits", type=ir.TensorType(ir.DataType.INT32),
                            shape=ir.Shape([_sym(B_dim), Hkv, "past_sequence_length", W]))
         kv_in = ir.Value(name=f"past_key_values.{N}.kv", type=ir.TensorType(ir.DataType.INT32),

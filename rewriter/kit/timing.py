@@ -179,7 +179,7 @@ def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(
     the candidate path (None: never within the grid)}."""
     import custom_ops
     from custom_ops import runtime
-    from custom_ops.reference.attn import pack_keys, pack_kv
+    from custom_ops.reference.attn import pack_cache
 
     a = {**attrs, "min_context": 0}
 
@@ -191,11 +191,11 @@ def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(
         for P in pasts:
             Kp = rng.standard_normal((1, Hkv, P, D), dtype=np.float32)
             Vp = rng.standard_normal((1, Hkv, P, Dv), dtype=np.float32)
+            bits, rows = pack_cache(Kp, Vp, a.get("kv_quant", "int8"), a.get("mode", "sign"), a.get("eps", 0.0))
             f = {"Q": rng.standard_normal((1, Hq, 1, D), dtype=np.float32),
                  "K": rng.standard_normal((1, Hkv, 1, D), dtype=np.float32),
                  "V": rng.standard_normal((1, Hkv, 1, Dv), dtype=np.float32),
-                 "past_bits": pack_keys(Kp, a.get("mode", "sign"), a.get("eps", 0.0)),
-                 "past_kv": pack_kv(Kp, Vp, a.get("kv_quant", "int8"))}
+                 "past_bits": bits, "past_kv": rows}
             t = runtime.time_sessions({"exact": s_ex, "approx": s_ap}, f, min_time=0.1)
             out[str(P)] = {"exact": t["exact"], "approx": t["approx"], "speedup": t["exact"] / max(t["approx"], 1e-12)}
         return out
@@ -286,7 +286,7 @@ def exact_attention_speed(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packe
     import custom_ops
     import onnxruntime as ort
     from custom_ops import runtime
-    from custom_ops.reference.attn import pack_keys, pack_kv
+    from custom_ops.reference.attn import pack_cache
 
     pasts = [int(p) for p in pasts if p + 1 < max_pos] or [max(1, max_pos // 2)]
 
@@ -311,7 +311,8 @@ def exact_attention_speed(attrs: dict, Hq: int, Hkv: int, D: int, Dv: int, packe
                 base["key"] = rng.standard_normal((1, 1, Hkv * D), dtype=np.float32)
                 base["value"] = rng.standard_normal((1, 1, Hkv * Dv), dtype=np.float32)
             fg = {**base, "past_key_values.0.key": Kp, "past_key_values.0.value": Vp}
-            fp = {**base, "past_key_values.0.kv": pack_kv(Kp, Vp, "fp32"), "past_key_values.0.key_bits": pack_keys(Kp, "sign", 0.0)}
+            bits, rows = pack_cache(Kp, Vp, "fp32", "sign", 0.0)
+            fp = {**base, "past_key_values.0.kv": rows, "past_key_values.0.key_bits": bits}
             fp = {k_: v_ for k_, v_ in fp.items() if k_ in {i.name for i in s_p.get_inputs()}}
             t = runtime.time_sessions({"gqa": s_g, "exact": s_p}, None, min_time=0.1, feeds_of={"gqa": fg, "exact": fp})
             g_, e_ = t["gqa"], t["exact"]

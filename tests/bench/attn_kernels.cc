@@ -5,7 +5,8 @@
 //       -DORTLEAN_ISA_NAME='"avx2"' -D'ORTLEAN_ISA_TABLE(n)=n##_avx2' tests/bench/attn_kernels.cc -o /tmp/ak
 //   /tmp/ak [T=4096] [bits=8] [reps=50] [copies=1] [hugepages=0] [only this case]
 //
-// Rows of one KV head in the cache-row format (K codes, K scale, V codes, V scale; D = Dv = 64),
+// Rows of one KV head in the cache-row format (K codes, V codes; D = Dv = 64; the scales in 20-byte
+// key-bits rows as the op keeps them, one array shared by the copies),
 // 3 query heads: tile = deq_rows + dots_tile + deq_rows + pv_tile (float tiles of 32 rows, the fp32
 // rows' path), attend = the library's kv_attend task (the op's decode loop: gather, int16 query .
 // codes, online softmax, pv_rows) over all keys, attend_sel8 = the same over a sorted random eighth of
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   int cur = 0;
   const ortlean::AttnKernels& ak = ortlean::ORTLEAN_ISA_TABLE(attn_kernels);
   const int64_t D = 64, Dv = 64, nq = 3, nb = 32;
-  const int64_t kbytes = D * bits / 8, vbytes = Dv * bits / 8, R = kbytes + 4 + vbytes + 4;
+  const int64_t kbytes = D * bits / 8, vbytes = Dv * bits / 8, R = kbytes + vbytes, SB = 20;  // SB: key-bits row bytes (sign bits, gamma, K / V scale)
   std::mt19937 rng(0);
   struct Buf { uint8_t* p; size_t n; uint8_t* data() { return p; } size_t size() const { return n; } };
   std::vector<Buf> bufs(static_cast<size_t>(copies));
@@ -63,7 +64,7 @@ int main(int argc, char** argv) {
     for (int64_t i0 = 0; i0 < T; i0 += nb) {
       for (int64_t i = 0; i < nb; ++i) {
         kr[i] = rows.data() + (i0 + i) * R;
-        vr[i] = kr[i] + kbytes + 4;
+        vr[i] = kr[i] + kbytes;
       }
       ak.deq_rows(kr, nb, D, bits, kf.data());
       ak.dots_tile(q.data(), nq, D, kf.data(), nb, D, L.data());
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
   std::vector<float> pr(nq * (Dv + 2));
   std::vector<int64_t> sel;
   for (int64_t t = 0; t < T; ++t) if (rng() % 8 == 0) sel.push_back(t);
+  std::vector<float> sc(static_cast<size_t>(T * SB / 4), 0.01f);  // the scales' words of the key-bits rows
   // the library's attend task (kv_attend: int16 query . codes, online softmax, pv_rows), all T keys
   std::vector<float> scr(ortlean::kv_attend_scratch(nq, D, Dv));
   auto attend = [&](bool listed) {
@@ -87,6 +89,7 @@ int main(int argc, char** argv) {
     a.base = rows.data(); a.row_bytes = R; a.kbytes = kbytes; a.vbytes = vbytes;
     a.list = listed ? sl.data() : nullptr; a.start = 0; a.n = listed ? static_cast<int64_t>(sl.size()) : T;
     a.bits = bits; a.D = D; a.Dv = Dv; a.scale = 1e-3f; a.softcap = 0; a.mask = nullptr; a.mst = 0;
+    a.sc = reinterpret_cast<const uint8_t*>(sc.data() + 3); a.sc_stride = SB;
     a.part = pr.data(); a.scratch = scr.data();
     ak.kv_attend(a);
     sink = sink + pr[5];

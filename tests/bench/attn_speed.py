@@ -204,7 +204,7 @@ def bench_decode(a) -> dict:
     from onnx import TensorProto as TP, helper
 
     import custom_ops
-    from custom_ops.reference.attn import kv_row_words, n_words
+    from custom_ops.reference.attn import cache_bits_words, kv_row_words
     from custom_ops.runtime.memory import huge_zeros_many, thp_mode
 
     Hq, Hkv, D, L = 9, 3, 64, a.layers
@@ -298,11 +298,11 @@ def bench_decode(a) -> dict:
                 bnd.bind_output(f"y{i}")
             runs[pre + "gqa_fp32"] = (gqa, bnd)
             bytes_read[pre + "gqa_fp32"] = 2 * Hkv * cap * D * 4
-            arrays[pre + "gqa_fp32"] = [b[0] for b in gq]
+            arrays[pre + "gqa_fp32"] = [(b[0], Hkv * cap * D * 4) for b in gq]
             bufs.append(gq)
             for (tag, kvq, budget), s in packed.items():
                 name = f"{pre}{tag}packed_{kvq}_b{budget:g}"
-                R, W = kv_row_words(D, D, kvq), n_words(D, "sign")
+                R, W = kv_row_words(D, D, kvq), cache_bits_words(D, "sign")
                 bnd = s.io_binding()
                 bnd.bind_cpu_input("Q", rng.standard_normal((1, Hq, 1, D), dtype=np.float32))
                 bnd.bind_cpu_input("K", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
@@ -315,7 +315,8 @@ def bench_decode(a) -> dict:
                     kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
                     kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
                     bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
-                    bits[..., -1] = np.float32(0.8).view(np.int32)
+                    bits[..., -3] = np.float32(0.8).view(np.int32)        # gamma
+                    bits[..., -2:] = np.float32(0.01).view(np.int32)      # the row's K / V scales
                     kv, bits = place(kv, pool), place(bits, pool)
                     ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)
                     kvs.append((kv, bits, ov_kv, ov_b))
@@ -327,8 +328,10 @@ def bench_decode(a) -> dict:
                 runs[name] = (s, bnd)
                 approx = 0 < budget < 1 and cap > a.min_context and max(64, int(np.ceil(budget * cap))) < cap
                 ncand = max(64, int(np.ceil(budget * cap))) if approx else cap
-                bytes_read[name] = Hkv * ((cap * W * 4 if approx else 0) + ncand * R * 4)
-                arrays[name] = [x[0] for x in kvs]
+                # every key's bits row (its scales: the exact path reads those of all keys; the lines are
+                # read whole), the selected keys' code rows
+                bytes_read[name] = Hkv * (cap * W * 4 + ncand * R * 4)
+                arrays[name] = [(x[0], Hkv * ncand * R * 4) for x in kvs] + [(x[1], Hkv * cap * W * 4) for x in kvs]
                 bufs.append(kvs)
         names = list(runs)
         times = {n: [] for n in names}
@@ -340,9 +343,9 @@ def bench_decode(a) -> dict:
                 t0 = time.perf_counter()
                 s.run_with_iobinding(bnd)
                 dt = time.perf_counter() - t0
-                # bytes_read is per layer; GQA's layers are two arrays (K, V) of half of it each
-                per_array = bytes_read[n] * L // len(arrays[n])
-                ts = _stream_time(lib, arrays[n], per_array, a.threads)
+                # the bytes of every layer: GQA's two arrays (K, V), a packed layer's code rows and bits rows
+                ts = sum(_stream_time(lib, [x for x, nb in arrays[n] if nb == k], k, a.threads)
+                         for k in sorted({nb for _, nb in arrays[n]}))
                 if r >= 2:
                     times[n].append(dt / L)
                     stream[n].append(ts / L)

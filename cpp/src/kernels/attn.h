@@ -11,9 +11,11 @@ struct KvAttend {
   const float* q;        // query heads h < nq at q + h * ldq, D floats each
   int64_t ldq;
   int nq;
-  const uint8_t* base;   // row t of the KV head at base + t * row_bytes: K codes (kbytes), K scale,
-  int64_t row_bytes;     // V codes (vbytes), V scale (float32)
+  const uint8_t* base;   // row t of the KV head at base + t * row_bytes: K codes (kbytes), V codes
+  int64_t row_bytes;     // (vbytes)
   int64_t kbytes, vbytes;
+  const uint8_t* sc;     // row t's K scale, V scale (float32 each) at sc + t * sc_stride (its key-bits row)
+  int64_t sc_stride;
   const int32_t* list;   // rows list[i] (candidates), or start + i when list is null; i < n
   int64_t start, n;
   int bits;              // 32 (float rows) | 8 | 4

@@ -497,7 +497,8 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
 }
 
 // ================================================================== cache mode (kv_quant)
-// K/V are the new tokens; the cache is past_kv rows (KvRowFormat) + past_bits rows; new rows go to
+// K/V are the new tokens; the cache is past_kv rows (KvRowFormat: codes) + past_bits rows (key bits,
+// then the row's K / V scales); new rows go to
 // positions pos0_b .. total_b - 1. Decode: candidates chosen once per KV-head group (popcount score
 // of the group query, lutscore), then the group's query heads read each selected row once
 // (online softmax in blocks, split over ORT's pool by (row, block of keys), merged at the end).
@@ -509,16 +510,17 @@ inline float rint_small(float v) {
   return (v + kMagic) - kMagic;
 }
 
-// One cached key row (int32 words): K codes, K scale, V codes, V scale (custom_ops/reference/attn.py).
+// One cached key row (int32 words): K codes, V codes (custom_ops/reference/attn.py); the row's K scale
+// and V scale are the last two words of its key-bits row (scales(bits row): sc[0], sc[1]). Rows of
+// D = Dv = 64 int8 codes are 128 bytes, two cache lines, where codes and scales together took three
+// (a selected row read from DRAM costs its lines; the scales' words were just read by the scoring).
 struct KvRowFormat {
   int bits;             // 32 | 8 | 4
   int64_t kbytes, vbytes, words;
   KvRowFormat(int b, int64_t D, int64_t Dv)
-      : bits(b), kbytes(D * b / 8), vbytes(Dv * b / 8), words(kbytes / 4 + 1 + vbytes / 4 + 1) {}
+      : bits(b), kbytes(D * b / 8), vbytes(Dv * b / 8), words(kbytes / 4 + vbytes / 4) {}
   const uint8_t* k(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row); }
-  float kscale(const uint32_t* row) const { return f32(row + kbytes / 4); }
-  const uint8_t* v(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row + kbytes / 4 + 1); }
-  float vscale(const uint32_t* row) const { return f32(row + kbytes / 4 + 1 + vbytes / 4); }
+  const uint8_t* v(const uint32_t* row) const { return reinterpret_cast<const uint8_t*>(row + kbytes / 4); }
   static float f32(const uint32_t* w) {
     float f;
     std::memcpy(&f, w, 4);
@@ -548,12 +550,13 @@ struct KvRowFormat {
     }
     return a / L;
   }
-  void store(const float* kx, int64_t D, const float* vx, int64_t Dv, uint32_t* row) const {
+  // codes into row, the K / V scales into sc[0], sc[1] (the key-bits row's last two words)
+  void store(const float* kx, int64_t D, const float* vx, int64_t Dv, uint32_t* row, uint32_t* sc) const {
     uint8_t* b = reinterpret_cast<uint8_t*>(row);
     const float ks = quantize(kx, D, b);
-    std::memcpy(b + kbytes, &ks, 4);
-    const float vs = quantize(vx, Dv, b + kbytes + 4);
-    std::memcpy(b + kbytes + 4 + vbytes, &vs, 4);
+    const float vs = quantize(vx, Dv, b + kbytes);
+    std::memcpy(sc, &ks, 4);
+    std::memcpy(sc + 1, &vs, 4);
   }
 };
 
@@ -561,6 +564,7 @@ struct KvCall {
   int64_t B, Hq, M, D, Hkv, S, Dv, rep, P = 0, Tc = 0;
   PackedKeyFormat fmt;
   KvRowFormat kf;
+  int64_t W = fmt.words + 2;  // key-bits row: fmt's words, then the K / V scales of the cached row
   const float *Q = nullptr, *K = nullptr, *V = nullptr;
   float* Y = nullptr;
   float* y_bsh = nullptr;  // GQA layout with M > 1: the output [B, M, Hq * Dv] (Y is then staged)
@@ -568,6 +572,8 @@ struct KvCall {
   int64_t msb = 0, msh = 0, msm = 0, mst = 0;
   const uint32_t *past_bits = nullptr, *past_kv = nullptr;
   uint32_t *bits = nullptr, *kv = nullptr;  // [B, Hkv, Tc, W] / [.., R]
+  float kscale(int64_t bh, int64_t t) const { return KvRowFormat::f32(bits + (bh * Tc + t) * W + fmt.words); }
+  float vscale(int64_t bh, int64_t t) const { return KvRowFormat::f32(bits + (bh * Tc + t) * W + fmt.words + 1); }
   std::vector<int64_t> total, pos0;         // per sequence
   bool global_exact = false;
   // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
@@ -603,7 +609,7 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
     fail("kv_quant: head dims must be multiples of 8, got D " + std::to_string(D) + ", Dv " + std::to_string(Dv));
   check_list_lengths(Hkv, D);
   KvCall c{B, Hq, M, D, Hkv, S, Dv, Hq / Hkv, 0, 0, PackedKeyFormat(p.mode, D), KvRowFormat(p.kv_bits, D, Dv)};
-  const int64_t W = c.fmt.words, R = c.kf.words;
+  const int64_t W = c.W, R = c.kf.words;
   if (ctx.GetInputCount() > 5) {
     Ort::ConstValue pv = ctx.GetInput(5);
     if (pv) {
@@ -625,6 +631,9 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
       if (c.P) c.past_bits = reinterpret_cast<const uint32_t*>(pv.GetTensorData<int32_t>());
     }
   }
+  if (c.P && !c.past_bits)
+    fail("past_kv holds " + std::to_string(c.P) + " rows but past_bits is missing: the cached rows' K / V scales "
+         "are in their key-bits rows (past_bits [B, Hkv, P, " + std::to_string(W) + "])");
   c.total.assign(static_cast<size_t>(B), c.P + S);
   if (ctx.GetInputCount() > 6) {
     Ort::ConstValue sv = ctx.GetInput(6);
@@ -676,7 +685,7 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
 // binding past and present to one buffer), zeros up to Tc, then the new rows quantized and packed.
 void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
-  const int64_t B = c.B, Hkv = c.Hkv, Tc = c.Tc, W = c.fmt.words, R = c.kf.words, BH = B * Hkv;
+  const int64_t B = c.B, Hkv = c.Hkv, Tc = c.Tc, W = c.W, R = c.kf.words, BH = B * Hkv;
   const size_t nout = ctx.GetOutputCount();
   uint32_t* sb = nullptr;
   const size_t need = (nout > 1 ? 0 : static_cast<size_t>(BH * Tc * W)) + (nout > 2 ? 0 : static_cast<size_t>(BH * Tc * R));
@@ -689,25 +698,10 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
     uint32_t* kd = c.kv + bh * Tc * R;
     uint32_t* bd = c.bits + bh * Tc * W;
     if (P && c.past_kv + bh * P * R != kd) std::memcpy(kd, c.past_kv + bh * P * R, sizeof(uint32_t) * P * R);
-    if (P && c.past_bits && c.past_bits + bh * P * W != bd) std::memcpy(bd, c.past_bits + bh * P * W, sizeof(uint32_t) * P * W);
+    if (P && c.past_bits + bh * P * W != bd) std::memcpy(bd, c.past_bits + bh * P * W, sizeof(uint32_t) * P * W);
     if (Tc > P && !(c.past_kv && c.past_kv + bh * P * R == kd)) {
       std::memset(kd + P * R, 0, sizeof(uint32_t) * (Tc - P) * R);
       std::memset(bd + P * W, 0, sizeof(uint32_t) * (Tc - P) * W);
-    }
-  }
-  // past_kv without past_bits: the carried keys' bits from their dequantized values
-  if (P && !c.past_bits) {
-    std::vector<float> kx(static_cast<size_t>(c.D));
-    for (int64_t bh = 0; bh < BH; ++bh) {
-      const float eps = p.eps_heads.empty() ? p.eps : p.eps_heads[static_cast<size_t>(bh % Hkv)];
-      for (int64_t t = 0; t < P; ++t) {
-        const uint32_t* row = c.kv + (bh * Tc + t) * R;
-        const float ks = c.kf.kscale(row);
-        const uint8_t* kr = c.kf.k(row);
-        ak_->deq_rows(&kr, 1, c.D, c.kf.bits, kx.data());
-        for (int64_t d = 0; d < c.D; ++d) kx[static_cast<size_t>(d)] *= ks;
-        c.fmt.pack(kx.data(), 1, eps, c.bits + (bh * Tc + t) * W);
-      }
     }
   }
   int64_t packed = 0;
@@ -719,8 +713,9 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
         const float* kx0 = c.K + ((b * Hkv + hk) * c.S + m) * c.D;
         const float* vx0 = c.V + ((b * Hkv + hk) * c.S + m) * c.Dv;
         const int64_t t = p0 + m;
-        c.kf.store(kx0, c.D, vx0, c.Dv, c.kv + ((b * Hkv + hk) * Tc + t) * R);
-        c.fmt.pack(kx0, 1, eps, c.bits + ((b * Hkv + hk) * Tc + t) * W);
+        uint32_t* br = c.bits + ((b * Hkv + hk) * Tc + t) * W;
+        c.fmt.pack(kx0, 1, eps, br);
+        c.kf.store(kx0, c.D, vx0, c.Dv, c.kv + ((b * Hkv + hk) * Tc + t) * R, br + c.fmt.words);
         ++packed;
       }
     }
@@ -834,7 +829,7 @@ constexpr int64_t kScoreMinChunk = 1024;
 void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   const AttnKernels& ak = *ak_;
-  const int64_t rows = c.B * c.Hkv * c.M, M = c.M, Tc = c.Tc, D = c.D, W = c.fmt.words, nw = c.fmt.nw;
+  const int64_t rows = c.B * c.Hkv * c.M, M = c.M, Tc = c.Tc, D = c.D, W = c.W, nw = c.fmt.nw;
   c.lo.assign(static_cast<size_t>(rows), 0);
   c.hi.assign(static_cast<size_t>(rows), 0);
   c.n.assign(static_cast<size_t>(rows), 0);
@@ -910,7 +905,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         ak.deq_rows(&kr, 1, D, c.kf.bits, kd);
         const float dot = ak.dot(qg, kd, D);
         // reference: (K̂ @ q) * scale with K̂ = code * kscale
-        g[t] = dot * c.kf.kscale(row) * p.scale;
+        g[t] = dot * c.kscale(b * c.Hkv + hk, lo + t) * p.scale;
       }
       masked_scores(c, b, h0, m, lo, nctx, g);
     } else {
@@ -1096,6 +1091,8 @@ void PackedAttentionKernel::attend_kv(KvCall& c, Ort::KernelContext& ctx) const 
     a.row_bytes = R * 4;
     a.kbytes = c.kf.kbytes;
     a.vbytes = c.kf.vbytes;
+    a.sc = reinterpret_cast<const uint8_t*>(c.bits + ((b * c.Hkv + hk) * Tc) * c.W + c.fmt.words);
+    a.sc_stride = c.W * 4;
     a.list = c.off[static_cast<size_t>(r)] >= 0 ? c.idx.data() + c.off[static_cast<size_t>(r)] + c0 : nullptr;
     a.start = c.lo[static_cast<size_t>(r)] + c0;
     a.n = std::min(chunk_len[r], c.n[static_cast<size_t>(r)] - c0);
@@ -1252,7 +1249,7 @@ void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const 
 // Prompt rows (M > 1, every row exact, no mask): per (sequence, KV head, tile of kPrefillTile query
 // rows) the group's query heads against the tile's key range [k0, k1) in two GEMMs (OpenBLAS, one
 // thread per task), each row's keys outside its [lo, hi) masked, softcap, softmax. fp32 rows: S =
-// scale Q.K^T straight from the rows (K's floats at the row start, V's after K's scale word,
+// scale Q.K^T straight from the rows (K's floats at the row start, V's after them,
 // leading dimension R), Y = P.V. int8 / int4 rows, as the reference's query_int16 path: the query
 // heads quantized per row to kQLevels levels by the decode kernel's quantize_query (qi, qs), the key codes as floats (deq_rows), S = qi.codes
 // (integers, exact in float up to 2^24 per product sum), logit = S * (qs * (kscale * scale)), Y =
@@ -1301,7 +1298,7 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
       for (int64_t h = 0; h < rep; ++h)
         std::memcpy(Qt + h * mt * D, c.Q + ((b * c.Hq + hk * rep + h) * M + m0) * D, sizeof(float) * static_cast<size_t>(mt * D));
       Kp = reinterpret_cast<const float*>(rb);
-      Vp = Kp + c.kf.kbytes / 4 + 1;
+      Vp = Kp + c.kf.kbytes / 4;
       ldk = ldv = R;
     } else {
       qs = Yt + rows * Dv;
@@ -1324,8 +1321,8 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
         const uint32_t* row = rb + j * R;
         rp[j] = c.kf.k(row);
         rp[T + j] = c.kf.v(row);
-        ks[j] = c.kf.kscale(row) * sc;
-        vs[j] = c.kf.vscale(row);
+        ks[j] = c.kscale(b * c.Hkv + hk, k0 + j) * sc;
+        vs[j] = c.vscale(b * c.Hkv + hk, k0 + j);
       }
       ak_->deq_rows(rp, T, D, c.kf.bits, Kc);
       ak_->deq_rows(rp + T, T, Dv, c.kf.bits, Vc);
