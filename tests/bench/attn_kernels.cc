@@ -11,7 +11,8 @@
 // rows' path), attend = the library's kv_attend task (the op's decode loop: gather, int16 query .
 // codes, online softmax, pv_rows) over all keys, attend_sel8 = the same over a sorted random eighth of
 // the keys (as a 0.125 budget selects; still per context key: x8 per selected key), lut = lutscore
-// over 8 bytes of key bits, stream = a plain read of the rows.
+// over 8 bytes of key bits (one array, in cache), lut_rows = lutscore + score finish over 20-byte
+// key-bits rows of every copy (as the op reads them), stream = a plain read of the rows.
 // Medians of reps; copies > 1 cycles through that many row buffers (copies = 90: the 50 MB of a
 // 30-layer SmolLM2 int8 cache at T = 4096, from DRAM; hugepages = 1: madvise(MADV_HUGEPAGE)).
 #include <algorithm>
@@ -98,6 +99,18 @@ int main(int argc, char** argv) {
     ak.lutscore(kbits.data(), 3, T, 8, qi.data(), lut.data(), core.data(), nullptr);
     sink = sink + static_cast<float>(core[T / 2]);
   };
+  // lutscore as the op runs it: cache-mode key-bits rows (sign words, gamma, K / V scale: 20 bytes) of
+  // every copy (from DRAM with copies = 90), the float scores finished per block (ScoreFinish)
+  std::vector<uint32_t> kbc(static_cast<size_t>(T * 5) * copies);
+  for (size_t i = 0; i < kbc.size(); ++i) kbc[i] = i % 5 >= 2 ? 0x3f000000u : rng();
+  std::vector<float> gs(static_cast<size_t>(T));
+  auto lutc = [&] {
+    cur = (cur + 1) % copies;
+    ortlean::ScoreFinish f{};
+    f.two = 2; f.qs = 5; f.gword = 2; f.coef = 1e-3f; f.g = gs.data();
+    ak.lutscore(kbc.data() + static_cast<size_t>(T * 5) * cur, 5, T, 8, qi.data(), lut.data(), core.data(), &f);
+    sink = sink + gs[T / 2];
+  };
   auto stream = [&] {
     auto& rows = next();
     uint64_t a = 0, b = 0, c = 0, d = 0;
@@ -117,7 +130,8 @@ int main(int argc, char** argv) {
     std::vector<double> ns;
   };
   std::vector<Case> cs = {{"tile", tile, {}}, {"attend", [&] { attend(false); }, {}},
-                          {"attend_sel8", [&] { attend(true); }, {}}, {"lutscore", lut_, {}}, {"stream", stream, {}}};
+                          {"attend_sel8", [&] { attend(true); }, {}}, {"lutscore", lut_, {}}, {"lut_rows", lutc, {}},
+                          {"stream", stream, {}}};
   if (argc > 6)  // only the named case (for perf)
     cs.erase(std::remove_if(cs.begin(), cs.end(), [&](const Case& c) { return std::strcmp(c.name, argv[6]) != 0; }), cs.end());
   for (int r = 0; r < reps + 2; ++r)
