@@ -220,8 +220,8 @@ def plot(a) -> None:
 
     res = json.loads(Path(a.json).read_text())
     q = res.get("quality", {})
-    if a.quality_json:  # Δppl from another run of the same variants (a speed-only run has none)
-        q = {**q, **json.loads(Path(a.quality_json).read_text()).get("quality", {})}
+    for qj in filter(None, (a.quality_json or "").split(",")):  # Δppl from other runs of the same variants
+        q = {**q, **json.loads(Path(qj).read_text()).get("quality", {})}  # (a speed-only run has none)
     fig, axes = plt.subplots(1, len(res["decode"]), figsize=(6 * len(res["decode"]), 4.5), squeeze=False)
     for ax, (th, by_past) in zip(axes[0], res["decode"].items()):
         for past, row in by_past.items():
@@ -263,7 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-windows", type=int, default=1)
     ap.add_argument("--extra", default="", help="NAME=MODEL,... more models in the same rounds")
     ap.add_argument("--json")
-    ap.add_argument("--quality-json", help="plot: take Δppl from this run's JSON (same variant names)")
+    ap.add_argument("--quality-json", help="plot: take Δppl from these runs' JSON (comma-separated, later ones "
+                    "win; same variant names)")
     ap.add_argument("--png")
     a = ap.parse_args(argv)
     if a.what == "plot":
