@@ -5,7 +5,7 @@ PackedAttention at several K/V formats and budgets, each made by the CLI path (`
 own choice, --attn-tune with the calibration novel).
 
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
-                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:auto]
+                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:0.25:w128:c,int8:auto]
                                              [--steps 8] [--rounds 3] [--sessions 1] [--ppl-context 4096]
                                              [--ppl-score 64] [--ppl-windows 1] [--extra NAME=MODEL,...]
                                              [--json FILE]
@@ -23,7 +23,7 @@ itself, then --ppl-score teacher-forced decode steps scored) against the GQA mod
 --extra: more models with the same interface in the same interleaved rounds (e.g. a build of another
 revision: before/after rows measured together).
 plot: the quality/speed frontier (Δppl vs speedup at each past, one point per variant) to a PNG;
---quality-json takes Δppl from another run of the same variants (a speed-only run has none).
+--quality-json takes Δppl from other runs of the same variants (a speed-only run has none).
 Every line printed carries the ISA and thread count; --json writes everything.
 """
 from __future__ import annotations
@@ -51,15 +51,19 @@ def _variant_models(base: Path, variants: list[tuple[str, ...]], out: Path, cali
 
     paths = {}
     for kvq, budget, *more in variants:
-        opts = {m[0]: int(m[1:]) for m in more}  # kN: --attn-cand-block N, wN: --attn-window N
-        if set(opts) - {"k", "w"}:
-            raise SystemExit(f"variant {kvq}:{budget}:{':'.join(more)}: options are kN (candidate blocks), wN (window)")
+        opts = {m[0]: int(m[1:] or 1) for m in more}  # kN: --attn-cand-block N, wN: --attn-window N, c: --calib-text
+        if set(opts) - {"k", "w", "c"}:
+            raise SystemExit(f"variant {kvq}:{budget}:{':'.join(more)}: options are kN (candidate blocks), wN (window), "
+                             "c (calibration text: per-channel key scales for the popcount score)")
         blk = opts.get("k", 1)
-        name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "") + (f" w{opts['w']}" if "w" in opts else "")
+        name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "") + (f" w{opts['w']}" if "w" in opts else "") \
+            + (" cal" if "c" in opts else "")
         p = out / name.replace(" ", "_") / "model.onnx"
         p.parent.mkdir(parents=True, exist_ok=True)
         flags = ["--state-pack", "binary", "--attn-kv", kvq] + (["--attn-cand-block", str(blk)] if blk != 1 else [])
         flags += ["--attn-window", str(opts["w"])] if "w" in opts else []
+        if "c" in opts and budget != "auto":
+            flags += ["--calib-text", calib]
         if budget == "auto":
             if not calib:
                 raise SystemExit("variant budget 'auto' needs the calibration novel (models.corpus)")
@@ -110,7 +114,7 @@ def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-longctx-"))
     from models import corpus
 
-    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(v[1] == "auto" for v in variants) else None
+    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(v[1] == "auto" or "c" in v[2:] for v in variants) else None
     paths = {"gqa int4": base, **_variant_models(base, variants, tmp, calib)}
     for e in filter(None, a.extra.split(",")):
         name, _, path = e.partition("=")
@@ -252,8 +256,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pasts", default="128,1024,4096,8192")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125",
-                    help="K/V format:budget[:kN][:wN] list; budget 'auto' = chosen by --attn-tune; kN: candidates "
-                         "in blocks of N keys (--attn-cand-block); wN: a recent window of N keys (--attn-window)")
+                    help="K/V format:budget[:kN][:wN][:c] list; budget 'auto' = chosen by --attn-tune; kN: candidates "
+                         "in blocks of N keys (--attn-cand-block); wN: a recent window of N keys (--attn-window); c: "
+                         "--calib-text (the calibration novel: per-channel key scales in the popcount score, as a "
+                         "rewrite with calibration text gets them)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=1,
