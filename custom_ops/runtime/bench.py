@@ -294,7 +294,7 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
     width read from the state's row width)."""
     from ..reference.attn import cache_bits_words, kv_row_words, pack_cache
 
-    out = {}
+    out, packed = {}, {}  # packed: stem -> (bits, rows), one pack_cache per layer for its two states
     for name in io.past_to_present:
         if name in built:
             out[name] = built[name]
@@ -303,6 +303,9 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
         K, V = built.get(f"{stem}.key"), built.get(f"{stem}.value")
         if K is None or V is None or kind not in ("kv", "key_bits"):
             raise KeyError(f"{name}: no {stem}.key / .value in the cache to build it from")
+        if stem in packed:
+            out[name] = packed[stem][1 if kind == "kv" else 0]
+            continue
         D, Dv = K.shape[-1], V.shape[-1]
         rw, bw = io.state_shapes.get(f"{stem}.kv", [None])[-1], io.state_shapes.get(f"{stem}.key_bits", [None])[-1]
         q = next((q for q in ("int8", "int4", "fp32") if kv_row_words(D, Dv, q) == rw), None)
@@ -311,8 +314,8 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
         mode = next((m for m in ("sign", "ternary") if cache_bits_words(D, m) == bw), None)
         if mode is None:
             raise KeyError(f"{stem}.key_bits: row width {bw} is no key-bits format of head dim {D}")
-        bits, rows = pack_cache(K, V, q, mode, 0.0 if mode == "sign" else 1e-4)
-        out[name] = rows if kind == "kv" else bits
+        packed[stem] = pack_cache(K, V, q, mode, 0.0 if mode == "sign" else 1e-4)
+        out[name] = packed[stem][1 if kind == "kv" else 0]
     return out
 
 
