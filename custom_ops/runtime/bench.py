@@ -10,6 +10,30 @@ import numpy as np
 from .io import ModelIO, feeds, run
 
 # benchmarking
+# An idle intra-op pool keeps its workers spinning for tens of milliseconds after a Run (measured ~40
+# ms with ORT 1.32 on a 2-vCPU VM: the process's other threads busy 0.9 of a 30 ms sleep after a Run,
+# 0.4 of a 100 ms one). In a process with several sessions, a session timed soon after another shares
+# the cores with that session's spinning workers: 2-thread rows came out bimodal (two sessions of one
+# model 203 / 125 tok/s) and 2-thread GroupQueryAttention timed at 2x its 1-thread time. So a harness
+# pauses SETTLE_S before it switches sessions when more than one thread runs.
+SETTLE_S = 0.1
+
+
+def settle(threads: int | None) -> None:
+    """Wait until the other sessions' intra-op pools stop spinning (``threads`` != 1: 0 or None = the
+    default pool, as wide as the machine)."""
+    if threads != 1:
+        time.sleep(SETTLE_S)
+
+
+def session_threads(sess) -> int:
+    """intra_op_num_threads of an onnxruntime session (0: ORT's default, every core)."""
+    try:
+        return int(sess.get_session_options().intra_op_num_threads)
+    except AttributeError:
+        return 0
+
+
 def _stats(samples_s: list[float]) -> dict:
     a = np.asarray(samples_s, dtype=np.float64) * 1e3
     return {"median_ms": float(np.median(a)), "p10_ms": float(np.percentile(a, 10)),
@@ -88,7 +112,8 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
                 # untimed run first: the previous session's intra-op threads spin for a while after
                 # its Run and, with > 1 thread on few cores, would compete with this timed one
                 # (measured: SmolLM2 prefill at 2 threads 0.78-0.85x in a tight interleave where
-                # the per-op ORT profile gives 0.93x)
+                # the per-op ORT profile gives 0.93x); and a pause for them to stop (settle)
+                settle(session_threads(sessions[n]))
                 t_prefill(n, long_ids)
             dt = t_prefill(n, long_ids)
             if timed:
@@ -102,6 +127,7 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
         else:
             for n in order:
                 if timed and len(names) > 1:
+                    settle(session_threads(sessions[n]))
                     t_prefill(n, short_ids)  # untimed: see above
                 dt = t_prefill(n, short_ids)
                 if timed:
@@ -367,6 +393,8 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     for rnd in range(1 + repeats):
         k = rnd % len(rows)
         for r in rows[k:] + rows[:k]:
+            if len(rows) > 1:
+                settle(threads)  # the previous row's pool stops spinning
             pt = drivers[r].prefill(prefill_ids)
             dts = {p: drivers[r].decode(p, step_ids) for p in pasts}
             if rnd > 0:  # round 0 warms up

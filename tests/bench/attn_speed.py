@@ -167,18 +167,28 @@ def _stream_lib(tmp: Path):
     if not cc:
         raise SystemExit("decode bench: no C compiler for the streaming bound (tests/bench/attn_stream.c)")
     so = tmp / "attn_stream.so"
-    subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", str(ROOT / "tests" / "bench" / "attn_stream.c"),
+    subprocess.run([cc, "-O3", "-mavx2", "-shared", "-fPIC", "-pthread", str(ROOT / "tests" / "bench" / "attn_stream.c"),
                     "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     lib.stream_read.restype = ctypes.c_uint64
     lib.stream_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
+    lib.stream_read_mt.restype = ctypes.c_uint64
+    lib.stream_read_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
     return lib
 
 
-def _stream_time(lib, arrays, nbytes: int, threads: int) -> float:
-    """Seconds to read the first nbytes of every array (threads split each array's range)."""
+def _flush(lib, buf) -> None:
+    """Read buf (larger than the last-level cache) so the next run finds none of its bytes cached."""
     import ctypes
-    import threading
+
+    ptrs = (ctypes.c_void_p * 1)(buf.ctypes.data)
+    lib.stream_read(ptrs, 1, 0, buf.nbytes // 8)
+
+
+def _stream_time(lib, arrays, nbytes: int, threads: int) -> float:
+    """Seconds to read the first nbytes of every array (threads split each array's range; timed in C
+    from the moment the threads are up to the last one's finish, thread start-up not timed)."""
+    import ctypes
 
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
     words = nbytes // 8
@@ -186,15 +196,7 @@ def _stream_time(lib, arrays, nbytes: int, threads: int) -> float:
         t0 = time.perf_counter()
         lib.stream_read(ptrs, len(arrays), 0, words)
         return time.perf_counter() - t0
-    part = (words + threads - 1) // threads
-    ths = [threading.Thread(target=lib.stream_read, args=(ptrs, len(arrays), i * part, max(0, min(part, words - i * part))))
-           for i in range(threads)]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
-    return time.perf_counter() - t0
+    return lib.stream_read_mt(ptrs, len(arrays), words, threads) * 1e-9
 
 
 def bench_decode(a) -> dict:
@@ -205,12 +207,14 @@ def bench_decode(a) -> dict:
 
     import custom_ops
     from custom_ops.reference.attn import cache_bits_words, kv_row_words
+    from custom_ops.runtime.bench import settle
     from custom_ops.runtime.memory import huge_zeros_many, thp_mode
 
     Hq, Hkv, D, L = 9, 3, 64, a.layers
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-attnd-"))
     lib = _stream_lib(tmp)
     rng = np.random.default_rng(0)
+    flush_buf = np.ones(8 << 20, np.uint64) if a.threads > 1 else None  # 64 MB: twice a 32 MB L3
 
     def vi(n, t=TP.FLOAT):
         return helper.make_tensor_value_info(n, t, None)
@@ -340,10 +344,21 @@ def bench_decode(a) -> dict:
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
                 s, bnd = runs[n]
+                if a.threads > 1:
+                    # every session owns an intra-op pool whose workers spin for tens of ms after a Run
+                    # (custom_ops.runtime.bench.settle): timed right after another session, a run shared
+                    # the cores with that spinning worker (2-thread GQA timed at 2x its 1-thread time).
+                    # So: a pause, an untimed run (this session's pool awake), the CPU caches flushed
+                    # (the untimed run left this session's bytes in L3), then the timed run.
+                    settle(a.threads)
+                    s.run_with_iobinding(bnd)
+                    _flush(lib, flush_buf)
                 t0 = time.perf_counter()
                 s.run_with_iobinding(bnd)
                 dt = time.perf_counter() - t0
                 # the bytes of every layer: GQA's two arrays (K, V), a packed layer's code rows and bits rows
+                if a.threads > 1:
+                    _flush(lib, flush_buf)
                 ts = sum(_stream_time(lib, [x for x, nb in arrays[n] if nb == k], k, a.threads)
                          for k in sorted({nb for _, nb in arrays[n]}))
                 if r >= 2:

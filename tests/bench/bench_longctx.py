@@ -159,12 +159,14 @@ def run(a) -> dict:
                     kvs[key].fill(past, built if key[0] == "gqa int4" else rb.state_from_kv(ios[key], built))
             del built
             times = {key: [] for key in keys}
-            # interleaved rounds (rotating order); in each, a session's first step is untimed: the pools of
-            # the other sessions stop spinning on the cores meanwhile (measured: timing every step of
-            # models alternating step by step halved 2-thread tokens/s, GQA's too)
+            # interleaved rounds (rotating order); in each, a pause (settle: the other sessions' pools
+            # stop spinning on the cores, which takes tens of ms), then a session's first step untimed
+            # (measured: timing every step of models alternating step by step halved 2-thread tokens/s,
+            # GQA's too; with only the untimed step, 2-thread sessions of one model came out bimodal)
             for r in range(a.rounds + 1):
                 order = keys[r % len(keys):] + keys[: r % len(keys)]
                 for key in order:
+                    rb.settle(th)
                     kv = kvs[key]
                     kv.length = past
                     for k in range(a.steps + 1):
