@@ -5,7 +5,7 @@ PackedAttention at several K/V formats and budgets, each made by the CLI path (`
 own choice, --attn-tune with the calibration novel).
 
     python tests/bench/bench_longctx.py run  [--pasts 128,1024,4096,8192] [--threads 1,2]
-                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:0.25:w128:c,int8:auto]
+                                             [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:0.25:w128:c,int8:0.125:w128:o,int8:auto]
                                              [--steps 8] [--rounds 3] [--sessions 1] [--ppl-context 4096]
                                              [--ppl-score 64] [--ppl-windows 1] [--extra NAME=MODEL,...]
                                              [--json FILE]
@@ -51,17 +51,20 @@ def _variant_models(base: Path, variants: list[tuple[str, ...]], out: Path, cali
 
     paths = {}
     for kvq, budget, *more in variants:
-        opts = {m[0]: int(m[1:] or 1) for m in more}  # kN: --attn-cand-block N, wN: --attn-window N, c: --calib-text
-        if set(opts) - {"k", "w", "c"}:
+        # kN: --attn-cand-block N, wN: --attn-window N, c: --calib-text, o: --attn-select exact (oracle)
+        opts = {m[0]: int(m[1:] or 1) for m in more}
+        if set(opts) - {"k", "w", "c", "o"}:
             raise SystemExit(f"variant {kvq}:{budget}:{':'.join(more)}: options are kN (candidate blocks), wN (window), "
-                             "c (calibration text: per-channel key scales for the popcount score)")
+                             "c (calibration text: per-channel key scales for the popcount score), o (oracle: "
+                             "candidates by exact scores, what the budget alone costs; no speed benefit)")
         blk = opts.get("k", 1)
         name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "") + (f" w{opts['w']}" if "w" in opts else "") \
-            + (" cal" if "c" in opts else "")
+            + (" cal" if "c" in opts else "") + (" oracle" if "o" in opts else "")
         p = out / name.replace(" ", "_") / "model.onnx"
         p.parent.mkdir(parents=True, exist_ok=True)
         flags = ["--state-pack", "binary", "--attn-kv", kvq] + (["--attn-cand-block", str(blk)] if blk != 1 else [])
         flags += ["--attn-window", str(opts["w"])] if "w" in opts else []
+        flags += ["--attn-select", "exact"] if "o" in opts else []
         if "c" in opts and budget != "auto":
             flags += ["--calib-text", calib]
         if budget == "auto":
