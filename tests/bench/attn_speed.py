@@ -19,7 +19,9 @@ caches do not stay in the CPU caches between steps), past and present bound to o
 layer (IOBinding; GroupQueryAttention's shared-buffer mode, PackedAttention's seqlens_k mode):
 com.microsoft GroupQueryAttention (fp32 cache) vs PackedAttention kv_quant int8/int4 at each budget
 (1 = exact over the quantized cache); --lib-a PATH adds the same PackedAttention nodes on another
-build of the library (rows "A:…", interleaved with this checkout's: a kernel change's A/B). Beside each: the bytes the op reads per step (GQA: K and V;
+build of the library (rows "A:…", interleaved with this checkout's: a kernel change's A/B; run it in
+both slots, ORTLEAN_LIBRARY=X … --lib-a Y and swapped: one slot's rows were up to 8 % faster than the
+other's with the same library, either way from run to run). Beside each: the bytes the op reads per step (GQA: K and V;
 PackedAttention: the key bits of the context when it approximates + the selected quantized rows)
 and the streaming bound — the time to read those bytes from the same buffers with a plain
 streaming loop (tests/bench/attn_stream.c, same threads, same run, interleaved) — and op/bound.
