@@ -307,8 +307,46 @@ def test_tune_weighs_measured_speed(forms, tmp_path, monkeypatch, speeds, want):
     assert t["budget"] == want
     if want == 1.0:
         assert "exact kept" in t["summary"] and t["min_context"] == 256   # the flag's default min_context
+        assert "quality_floor" not in t and "shorter" not in t["quality"]
     else:
-        assert t["min_context"] == 128
+        # the chosen budget checked again at 1/4 and 1/2 of the context; within the wide budget the
+        # quality floor is the shortest check, below the crossover: min_context = the crossover
+        assert [c["context"] for c in t["quality"]["shorter"]] == [75, 150]
+        assert t["quality_floor"] == 75 and t["min_context"] == 128
+        assert "quality from context 75" in t["summary"]
+
+
+def test_tune_quality_floor_raises_min_context(forms, tmp_path, monkeypatch):
+    """min_context is at least the quality floor - 1 (the approximate path only where the chosen
+    budget's quality was shown), here a floor above the measured crossover."""
+    from rewriter.backends import packed_attention as pa
+    from rewriter.kit import timing
+
+    monkeypatch.setattr(timing, "attention_crossover", lambda *a, **k: {
+        "pasts": {"64": {"exact": 1.0, "approx": 1.0, "speedup": 1.2},
+                  "1024": {"exact": 1.0, "approx": 1.0, "speedup": 1.5}}, "crossover": 128})
+    monkeypatch.setattr(pa, "quality_floor", lambda C, checks, qb: 200)
+    rc, rep = _rewrite(forms["genai-fp32"] / "model.onnx", tmp_path / "t.onnx", "--state-pack", "binary",
+                       "--weights", "int4", "--calib-text", str(_calib_text(tmp_path / "calib.txt")),
+                       "--attn-tune-context", "300", "--attn-tune-score", "16", "--quality-budget", "10")
+    assert rc == 0, rep
+    t = next(r for r in rep["graph_passes"] if "tune" in r)["tune"]
+    assert 0 < t["budget"] < 1 and t["quality_floor"] == 200 and t["min_context"] == 199
+
+
+def test_quality_floor():
+    """The shortest context from which on every check passes (checks below the tuning context,
+    lowered from the longest while they pass)."""
+    from rewriter.backends.packed_attention import quality_floor
+
+    ch = [{"context": 1024, "delta_ppl": 0.03}, {"context": 2048, "delta_ppl": 0.015}]
+    assert quality_floor(4096, ch, 0.02) == 2048
+    assert quality_floor(4096, ch, 0.05) == 1024
+    assert quality_floor(4096, ch, 0.01) == 4096               # the longest check fails: the tuning context
+    assert quality_floor(4096, [{"context": 1024, "delta_ppl": 0.0}, {"context": 2048, "delta_ppl": 0.5}],
+                         0.02) == 4096                          # a pass below a failure does not count
+    assert quality_floor(4096, [{"context": 1024, "delta_ppl": float("nan")}], 0.02) == 4096
+    assert quality_floor(300, [], 0.02) == 300
 
 
 def test_speedup_at_interpolates_in_log_past():

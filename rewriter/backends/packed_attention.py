@@ -68,10 +68,11 @@ class AttnConfig(Options):
                      "(teacher-forced decode through the cache vs the same model with exact attention) under "
                      "--quality-budget, --attn-min-context from the op's measured exact/candidate crossover on this "
                      "CPU (cached) — auto (default) | off", choices=("auto", "off"))
-    tune_context: int = flag("--attn-tune-context", 1024, "--attn-tune: prefill length before the scored decode steps "
-                             "(default 1024, as ortlean eval's decode mode: a budget is a fraction of the context, so "
-                             "shorter contexts are the harder case; capped by the model's positions and the "
-                             "calibration text)", type=int)
+    tune_context: int = flag("--attn-tune-context", 4096, "--attn-tune: prefill length before the scored decode steps "
+                             "(default 4096, where the candidate path pays; capped by the model's positions and the "
+                             "calibration text). A budget is a fraction of the context, so shorter contexts are the "
+                             "harder case: the chosen budget is checked again at 1/4 and 1/2 of it, and min_context "
+                             "raised to the shortest checked context from which on every check passes", type=int)
     tune_windows: int = flag("--attn-tune-windows", 2, "--attn-tune: spans of the calibration text per trial, each a "
                              "prefill and the scored steps (default 2)", type=int)
     tune_score: int = flag("--attn-tune-score", 128, "--attn-tune: teacher-forced decode steps scored per span "
@@ -388,14 +389,34 @@ def _decode_nll(sess, ids: np.ndarray, context: int, score: int, state: dict | N
             ix = [slice(None)] * arr.ndim
             ix[kv.io.state_seq_axis[name]] = slice(0, context)
             state[name] = arr[tuple(ix)].copy()
-    else:
-        kv.fill(context, state)
+    else:  # the first `context` rows of an earlier prefill of the same tokens (causal: the same cache)
+        part = {}
+        for name, arr in state.items():
+            ix = [slice(None)] * arr.ndim
+            ix[kv.io.state_seq_axis[name]] = slice(0, context)
+            part[name] = arr[tuple(ix)]
+        kv.fill(context, part)
     nll = 0.0
     for i in range(score):
         lg = kv.step(ids[None, context + i: context + i + 1])[0, -1].astype(np.float64)
         m = lg.max()
         nll += m + math.log(np.exp(lg - m).sum()) - lg[ids[context + i + 1]]
     return nll / score, state
+
+
+def quality_floor(context: int, checks: list[dict], budget: float) -> int:
+    """The shortest context from which on the chosen setting is within the quality budget: ``context``
+    (where it was chosen, so passing) lowered through ``checks`` ({"context", "delta_ppl"} at shorter
+    contexts) from the longest down while they pass (a budget is a fraction of the context: quality
+    improves with the context, so the first failing check ends it)."""
+    floor = int(context)
+    for ch in sorted(checks, key=lambda x: -x["context"]):
+        if ch["context"] >= floor:
+            continue
+        if not ch["delta_ppl"] <= budget:
+            break
+        floor = int(ch["context"])
+    return floor
 
 
 BUDGETS = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -451,8 +472,10 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         qb = float(ctx.opts.quality_budget)
         threads = max(2, ctx.threads)
         s_ref = custom_ops.session(ref, threads=threads)
-        nll_ref = float(np.mean([_decode_nll(s_ref, x, C, score, io_hint=ctx.io)[0] for x in spans]))
-        del s_ref
+        ref_res = [_decode_nll(s_ref, x, C, score, io_hint=ctx.io) for x in spans]
+        nll_ref = float(np.mean([r[0] for r in ref_res]))
+        ref_states = [r[1] for r in ref_res]
+        del ref_res
         budgets = BUDGETS if "budget" not in cfg.given else (cfg.budget,)
         windows = WINDOWS if "window" not in cfg.given else (cfg.window,)
         trials, states, best, passed = [], [None] * len(spans), None, []
@@ -502,6 +525,24 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         chosen = {"budget": best[0], "window": best[1]}
         out["quality"] = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb,
                           "context": int(C), "scored": int(score) * len(spans), "spans": len(spans), "trials": trials}
+        if 0 < best[0] < 1:
+            # the approximate path runs from min_context on: the chosen setting at 1/4 and 1/2 of the
+            # context (the same spans, their prefills' first rows), min_context at least the shortest
+            # context from which on every check passes
+            _set_attrs(model, {"budget": float(best[0]), "window": int(best[1]), "min_context": 0})
+            sess = custom_ops.session(modelfile.serialized(model), threads=threads)
+            checks = []
+            for c in (C // 4, C // 2):
+                if c < 16:
+                    continue
+                nr = float(np.mean([_decode_nll(s_ref, x, c, score, st, io_hint=ctx.io)[0]
+                                    for x, st in zip(spans, ref_states)]))
+                na = float(np.mean([_decode_nll(sess, x, c, score, st)[0] for x, st in zip(spans, states)]))
+                checks.append({"context": int(c), "delta_ppl": round(math.exp(na - nr) - 1.0, 5)})
+            del sess
+            out["quality"]["shorter"] = checks
+            out["quality_floor"] = quality_floor(C, checks, qb)
+        del s_ref, ref_states
     attrs = {"budget": float(chosen["budget"]), "window": int(chosen["window"])}
     if "min_context" in cfg.given:
         attrs["min_context"] = int(cfg.min_context)
@@ -510,6 +551,8 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
             x = crossover(attrs["budget"], attrs["window"])
             c = x["crossover"]
             attrs["min_context"] = int(c) if c is not None else 1 << 20
+            if "quality_floor" in out:  # exact below the context where the quality was shown (nctx <= min_context)
+                attrs["min_context"] = max(attrs["min_context"], out["quality_floor"] - 1)
             out["min_context_measured"] = {
                 "crossover": c, "threads": ctx.threads,
                 "speedup": {p: round(v["speedup"], 3) for p, v in x["pasts"].items()},
@@ -527,6 +570,9 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
                and (t["budget"], t["window"]) == (attrs["budget"], attrs["window"])), None)
     if sp is not None and 0 < attrs["budget"] < 1:
         out["summary"] += f" (op {sp:.2f}x exact at context {out['quality']['context']})"
+    if "quality_floor" in out and 0 < attrs["budget"] < 1:
+        sh = ", ".join(f"{c['delta_ppl']:+.4f} at {c['context']}" for c in out["quality"].get("shorter", []))
+        out["summary"] += f"; quality from context {out['quality_floor']} (Δppl {sh})" if sh else ""
     if "speed_note" in out:
         out["summary"] += f"; {out['speed_note']}"
     return out
