@@ -10,9 +10,9 @@ import numpy as np
 from .io import ModelIO, feeds, run
 
 # benchmarking
-# An idle intra-op pool keeps its workers spinning for tens of milliseconds after a Run (measured ~40
-# ms with ORT 1.32 on a 2-vCPU VM: the process's other threads busy 0.9 of a 30 ms sleep after a Run,
-# 0.4 of a 100 ms one). In a process with several sessions, a session timed soon after another shares
+# An idle intra-op pool keeps its workers spinning for tens of milliseconds after a Run (~30-40 ms with
+# ORT 1.32 on a 2-vCPU VM, tests/bench/pool_spin.py: the process's other threads busy 1.05 of a 30 ms
+# sleep after a Run, 0.31 of a 100 ms one, 0.16 of a 200 ms one). In a process with several sessions, a session timed soon after another shares
 # the cores with that session's spinning workers: 2-thread rows came out bimodal (two sessions of one
 # model 203 / 125 tok/s) and 2-thread GroupQueryAttention timed at 2x its 1-thread time. So a harness
 # pauses SETTLE_S before it switches sessions when more than one thread runs.
