@@ -85,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=_count(2), default=512)
     p.add_argument("--windows", type=_count(1), default=8, help="number of windows (causal LM) (default 8)")
     p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
-    p.add_argument("--decode-context", type=_count(1), default=1024,
+    p.add_argument("--decode-context", type=_count(1), default=None,
                    help="decode-mode (a model that approximates in decode, e.g. PackedAttention with a budget): "
-                   "prefill tokens before the scored decode steps (default 1024; capped by the model's positions)")
+                   "prefill tokens before the scored decode steps (default 1024, or the shortest context at "
+                   "which the model approximates when that is longer — its min_context + 1; capped by the "
+                   "model's positions)")
     p.add_argument("--decode-score", type=_count(1), default=128,
                    help="decode-mode: teacher-forced decode steps scored per window (default 128)")
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
@@ -101,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", required=True, help="the dense model")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list (default 1,2)")
     p.add_argument("--prefill", type=_count(1), default=128, help="prefill tokens (default 128)")
-    p.add_argument("--decode-past", type=thread_counts, default=[128],
-                   help="past length(s) for decode steps, comma list (default 128; e.g. 128,4096)")
+    p.add_argument("--decode-past", type=thread_counts, default=None,
+                   help="past length(s) for decode steps, comma list (default 128; 128,1024,4096,8192 for a model "
+                   "that approximates in decode, e.g. PackedAttention with a budget; capped by the positions)")
     p.add_argument("--repeats", type=_count(1), default=15)
     p.add_argument("--steps", type=_count(1), default=16, help="decode steps per past length and round (default 16)")
     p.add_argument("--peers", default="auto", help="rows for the genai builder's fp32/int4 models and llama.cpp: auto "
@@ -292,7 +295,8 @@ def cmd_eval(args) -> int:
 def cmd_bench(args) -> int:
     from . import evaluate
 
-    res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=args.decode_past,
+    decode_past = args.decode_past or evaluate.default_pasts(args.model)
+    res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=decode_past,
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
                          llama=not args.no_llama, steps=args.steps)
     print(evaluate.format_bench(res))

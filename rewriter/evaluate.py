@@ -101,8 +101,22 @@ def fit_pasts(pasts, steps: int, models) -> tuple[list[int], str | None]:
         f"{cap - steps} ran at {cap - steps} ({steps} decode steps after them)")
 
 
+LONG_PASTS = (128, 1024, 4096, 8192)
+
+
+def default_pasts(model: str) -> list[int]:
+    """`ortlean bench`'s decode pasts when none are given: 128, and for a model that approximates in
+    decode (PackedAttention with a budget) also 1024, 4096 and 8192 — where the approximation runs
+    (fit_pasts caps them to the model's positions)."""
+    try:
+        approx = runtime.approximate_decode(model)
+    except Exception:  # an unreadable model is reported by bench itself, with the file named
+        approx = False
+    return list(LONG_PASTS) if approx else [128]
+
+
 def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
-             sentences: int = 256, tokenizer: str | None = None, peers: str = "none", decode_context: int = 1024,
+             sentences: int = 256, tokenizer: str | None = None, peers: str = "none", decode_context: int | None = None,
              decode_score: int = 128) -> dict:
     tp = Path(text_path)
     if not tp.is_file():
@@ -123,14 +137,20 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
         ids = np.asarray(all_ids[: window * windows], dtype=np.int64)
         if ids.size < 2:
             raise OrtleanError(f"--text {tp}: {ids.size} tokens, perplexity needs at least 2")
-        if runtime.approximate_decode(model):  # the approximation only runs in decode: measure there
+        approx_from = runtime.approximate_from(model)
+        if approx_from is not None:  # the approximation only runs in decode: measure there
             cap = min([p for p in (max_positions(model), max_positions(ref)) if p] or [1 << 30])
-            ctx_len = min(decode_context, cap - decode_score - 1)
+            # by default at a context where the candidate path runs (min_context + 1 of the model's nodes)
+            want = decode_context if decode_context is not None else max(1024, approx_from)
+            ctx_len = min(want, cap - decode_score - 1)
             if ctx_len < 1:
-                raise OrtleanError(f"--decode-context {decode_context} + --decode-score {decode_score}: the model takes "
+                raise OrtleanError(f"--decode-context {want} + --decode-score {decode_score}: the model takes "
                                    f"{cap} positions")
             dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 4))
             res["mode"] = f"decode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode steps)"
+            if ctx_len + decode_score < approx_from:
+                res["mode"] += (f"; the model approximates from context {approx_from} on: these steps run its exact "
+                                "path")
 
             def score(s, io_):
                 return runtime.decode_perplexity(s, io_, all_ids, **dm)

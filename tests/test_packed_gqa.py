@@ -793,6 +793,7 @@ def test_decode_perplexity_equals_full_forward_and_sees_the_budget(tmp_path):
                         min_candidates=4)
     dst = _save(m, tmp_path / "packed.onnx")
     assert runtime.approximate_decode(dst)
+    assert runtime.approximate_from(dst) == 17 and runtime.approximate_from(src) is None   # min_context + 1
     ps = custom_ops.session(dst, threads=1)
     pio = runtime.ModelIO.from_session(ps)
     d = runtime.decode_perplexity(ps, pio, ids, context=c, score=s, windows=1)

@@ -376,6 +376,29 @@ def test_crossover_is_measured_and_cached(monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------- eval / bench
+def test_eval_and_bench_defaults_follow_the_approximation(forms, tmp_path):
+    """`ortlean eval`'s decode-mode context defaults to where the model approximates (its nodes'
+    min_context + 1 when longer than 1024, capped by the positions, with a note when the scored steps
+    cannot reach it); `ortlean bench`'s default pasts reach long contexts for such a model."""
+    from rewriter import evaluate
+
+    src = forms["genai-fp32"] / "model.onnx"
+    text = _calib_text(tmp_path / "eval.txt", seed=3)
+    # the tiny model takes 512 positions: the default context is capped at 512 - 16 - 1 = 495
+    for mc, ctx, exact_note in ((16, None, False), (300, None, False), (300, 64, True), (1 << 20, None, True)):
+        out = tmp_path / f"a{mc}.onnx"
+        if not out.exists():
+            rc, _ = _rewrite(src, out, "--state-pack", "binary", "--attn-budget", "0.25", "--attn-window", "8",
+                             "--attn-min-context", str(mc), "--attn-tune", "off")
+            assert rc == 0
+        res = evaluate.evaluate(str(out), str(src), str(text), threads=1, windows=4, decode_score=16,
+                                decode_context=ctx)
+        assert res["mode"].startswith("decode") and ("run its exact path" in res["mode"]) == exact_note, res["mode"]
+        assert f"{ctx or 495}-token prefill" in res["mode"]
+        assert evaluate.default_pasts(str(out)) == [128, 1024, 4096, 8192]
+    assert evaluate.default_pasts(str(src)) == [128]
+
+
 def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
     """`ortlean eval` scores an approximate PackedAttention model in decode mode (context capped by
     the model's positions); `runtime.bench.decode_table` builds long pasts once (chunked prefill of

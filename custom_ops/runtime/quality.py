@@ -126,19 +126,28 @@ def sentences_from_text(text: str, n: int, min_words: int = 8, max_words: int = 
 
 
 # decode-mode quality (approximate decode paths: PackedAttention's candidate budget)
+def approximate_from(model) -> int | None:
+    """The shortest context at which a model (path or ModelProto) decodes through an approximation
+    that its prefill does not use — an ai.ortlean PackedAttention node with 0 < budget < 1 takes its
+    candidate path above its min_context (default 256) — or None when none does."""
+    import onnx
+
+    m = onnx.load(str(model), load_external_data=False) if not isinstance(model, onnx.ModelProto) else model
+    best = None
+    for n in m.graph.node:
+        if n.op_type == "PackedAttention" and n.domain == "ai.ortlean":
+            at = {a.name: a for a in n.attribute}
+            if "budget" in at and 0.0 < at["budget"].f < 1.0:
+                mc = at["min_context"].i if "min_context" in at else 256
+                best = mc + 1 if best is None else min(best, mc + 1)
+    return best
+
+
 def approximate_decode(model) -> bool:
     """Whether a model (path or ModelProto) decodes through an approximation that its prefill does
     not use: an ai.ortlean PackedAttention node with 0 < budget < 1 (perplexity over prompt windows
     runs its exact prefill path and cannot see it)."""
-    import onnx
-
-    m = onnx.load(str(model), load_external_data=False) if not isinstance(model, onnx.ModelProto) else model
-    for n in m.graph.node:
-        if n.op_type == "PackedAttention" and n.domain == "ai.ortlean":
-            for a in n.attribute:
-                if a.name == "budget" and 0.0 < a.f < 1.0:
-                    return True
-    return False
+    return approximate_from(model) is not None
 
 
 def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 128, windows: int = 2,
