@@ -376,6 +376,33 @@ def test_crossover_is_measured_and_cached(monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------- eval / bench
+def test_long_past_cache_from_an_fp32_row_cache(forms, tmp_path):
+    """`ortlean bench`'s long pasts are built by a model with a float cache; `rewrite --weights int4`
+    makes GroupQueryAttention exact PackedAttention (fp32 rows), so state_from_kv takes such a cache
+    too: an int8 model's state made from it has the int8 widths and dequantizes to its K/V (was: the
+    fp32 rows copied into the int8 state, a shape error)."""
+    from custom_ops.reference.attn import unpack_kv
+    from custom_ops.runtime import bench as rb
+
+    src = forms["genai-fp32"] / "model.onnx"
+    for name, kvq in (("f.onnx", "fp32"), ("i.onnx", "int8")):
+        rc, _ = _rewrite(src, tmp_path / name, "--state-pack", "binary", "--attn-kv", kvq, "--attn-budget", "1",
+                         "--attn-tune", "off")
+        assert rc == 0
+    sf, si = (custom_ops.session(str(tmp_path / n), threads=1) for n in ("f.onnx", "i.onnx"))
+    iof, ioi = runtime.ModelIO.from_session(sf), runtime.ModelIO.from_session(si)
+    built = rb.chunked_state(sf, iof, np.random.default_rng(0).integers(3, 200, (1, 40)))
+    st = rb.state_from_kv(ioi, built)
+    for name in ioi.past_to_present:
+        assert st[name].shape[-1] == ioi.state_shapes[name][-1], name
+    stem = next(n for n in ioi.past_to_present if n.endswith(".kv"))[:-3]
+    rows, bits = built[stem + ".kv"], built[stem + ".key_bits"]
+    D = rows.shape[-1] // 2
+    K, V = unpack_kv(rows, bits, D, D, "fp32")
+    K8, V8 = unpack_kv(st[stem + ".kv"], st[stem + ".key_bits"], D, D, "int8")
+    assert np.allclose(K8, K, atol=np.abs(K).max() / 100) and np.allclose(V8, V, atol=np.abs(V).max() / 100)
+
+
 def test_eval_and_bench_defaults_follow_the_approximation(forms, tmp_path):
     """`ortlean eval`'s decode-mode context defaults to where the model approximates (its nodes'
     min_context + 1 when longer than 1024, capped by the positions, with a note when the scored steps

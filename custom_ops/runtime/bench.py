@@ -313,20 +313,45 @@ def chunked_state(sess, io: ModelIO, ids, chunk: int = 512) -> dict[str, np.ndar
     return past
 
 
+def _float_kv(built: Mapping[str, np.ndarray], stem: str):
+    """(K, V) float32 of layer ``stem`` in ``built``: its ``.key`` / ``.value``, or the rows of a
+    PackedAttention fp32 cache (``.kv`` rows of D + Dv float words, D = Dv, with their ``.key_bits``
+    rows: what `ortlean rewrite --weights int4` writes, its GroupQueryAttention made exact
+    PackedAttention by --attn-exact); (None, None) when neither is there."""
+    from ..reference.attn import cache_bits_words, unpack_kv
+
+    K, V = built.get(f"{stem}.key"), built.get(f"{stem}.value")
+    if K is not None and V is not None:
+        return K, V
+    rows, bits = built.get(f"{stem}.kv"), built.get(f"{stem}.key_bits")
+    if rows is None or bits is None or rows.shape[-1] % 2:
+        return None, None
+    D = rows.shape[-1] // 2
+    if bits.shape[-1] not in (cache_bits_words(D, "sign"), cache_bits_words(D, "ternary")):
+        return None, None
+    return unpack_kv(rows, bits, D, D, "fp32")
+
+
 def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``io``'s cache from ``built`` (a ``past_key_values.N.key`` / ``.value`` float cache): the
-    same arrays, or for PackedAttention's cache state (``past_key_values.N.kv`` / ``.key_bits``) the
-    K/V rows quantized and the keys packed as the op stores new rows (the K/V format and key-bit
-    width read from the state's row width)."""
+    """``io``'s cache from ``built`` (a ``past_key_values.N.key`` / ``.value`` float cache, or a
+    PackedAttention fp32-row cache): the same arrays where the formats agree, or for PackedAttention's
+    cache state (``past_key_values.N.kv`` / ``.key_bits``) the K/V rows quantized and the keys packed
+    as the op stores new rows (the K/V format and key-bit width read from the state's row width)."""
     from ..reference.attn import cache_bits_words, kv_row_words, pack_cache
 
     out, packed = {}, {}  # packed: stem -> (bits, rows), one pack_cache per layer for its two states
+    def same_format(name: str) -> bool:  # a PackedAttention state: its layer's .kv rows of the same width
+        stem, _, kind = name.rpartition(".")
+        probe = f"{stem}.kv" if kind in ("kv", "key_bits") else name
+        want = io.state_shapes.get(probe, [None])[-1]
+        return probe in built and (not isinstance(want, int) or built[probe].shape[-1] == want)
+
     for name in io.past_to_present:
-        if name in built:
+        if name in built and same_format(name):
             out[name] = built[name]
             continue
         stem, _, kind = name.rpartition(".")
-        K, V = built.get(f"{stem}.key"), built.get(f"{stem}.value")
+        K, V = _float_kv(built, stem)
         if K is None or V is None or kind not in ("kv", "key_bits"):
             raise KeyError(f"{name}: no {stem}.key / .value in the cache to build it from")
         if stem in packed:
