@@ -309,9 +309,9 @@ def test_tune_weighs_measured_speed(forms, tmp_path, monkeypatch, speeds, want):
         assert "exact kept" in t["summary"] and t["min_context"] == 256   # the flag's default min_context
         assert "quality_floor" not in t and "shorter" not in t["quality"]
     else:
-        # the chosen budget checked again at 1/4 and 1/2 of the context; within the wide budget the
-        # quality floor is the shortest check, below the crossover: min_context = the crossover
-        assert [c["context"] for c in t["quality"]["shorter"]] == [75, 150]
+        # the chosen budget checked again at 1/4, 1/2 and 3/4 of the context; within the wide budget
+        # the quality floor is the shortest check, below the crossover: min_context = the crossover
+        assert [c["context"] for c in t["quality"]["shorter"]] == [75, 150, 225]
         assert t["quality_floor"] == 75 and t["min_context"] == 128
         assert "quality from context 75" in t["summary"]
 

@@ -71,7 +71,7 @@ class AttnConfig(Options):
     tune_context: int = flag("--attn-tune-context", 4096, "--attn-tune: prefill length before the scored decode steps "
                              "(default 4096, where the candidate path pays; capped by the model's positions and the "
                              "calibration text). A budget is a fraction of the context, so shorter contexts are the "
-                             "harder case: the chosen budget is checked again at 1/4 and 1/2 of it, and min_context "
+                             "harder case: the chosen budget is checked again at 1/4, 1/2 and 3/4 of it, and min_context "
                              "raised to the shortest checked context from which on every check passes", type=int)
     tune_windows: int = flag("--attn-tune-windows", 2, "--attn-tune: spans of the calibration text per trial, each a "
                              "prefill and the scored steps (default 2)", type=int)
@@ -526,13 +526,13 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         out["quality"] = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb,
                           "context": int(C), "scored": int(score) * len(spans), "spans": len(spans), "trials": trials}
         if 0 < best[0] < 1:
-            # the approximate path runs from min_context on: the chosen setting at 1/4 and 1/2 of the
-            # context (the same spans, their prefills' first rows), min_context at least the shortest
-            # context from which on every check passes
+            # the approximate path runs from min_context on: the chosen setting at 1/4, 1/2 and 3/4 of
+            # the context (the same spans, their prefills' first rows), min_context at least the
+            # shortest context from which on every check passes
             _set_attrs(model, {"budget": float(best[0]), "window": int(best[1]), "min_context": 0})
             sess = custom_ops.session(modelfile.serialized(model), threads=threads)
             checks = []
-            for c in (C // 4, C // 2):
+            for c in (C // 4, C // 2, 3 * C // 4):
                 if c < 16:
                     continue
                 nr = float(np.mean([_decode_nll(s_ref, x, c, score, st, io_hint=ctx.io)[0]
