@@ -129,16 +129,20 @@ def sentences_from_text(text: str, n: int, min_words: int = 8, max_words: int = 
 def approximate_from(model) -> int | None:
     """The shortest context at which a model (path or ModelProto) decodes through an approximation
     that its prefill does not use — an ai.ortlean PackedAttention node with 0 < budget < 1 takes its
-    candidate path above its min_context (default 256) — or None when none does."""
+    candidate path above its min_context (the schema's default when a node omits it) — or None when
+    none does."""
     import onnx
 
+    from .. import schema
+
+    default_mc = schema.get("PackedAttention").attr("min_context").default
     m = onnx.load(str(model), load_external_data=False) if not isinstance(model, onnx.ModelProto) else model
     best = None
     for n in m.graph.node:
         if n.op_type == "PackedAttention" and n.domain == "ai.ortlean":
             at = {a.name: a for a in n.attribute}
             if "budget" in at and 0.0 < at["budget"].f < 1.0:
-                mc = at["min_context"].i if "min_context" in at else 256
+                mc = at["min_context"].i if "min_context" in at else default_mc
                 best = mc + 1 if best is None else min(best, mc + 1)
     return best
 

@@ -382,20 +382,20 @@ def _decode_nll(sess, ids: np.ndarray, context: int, score: int, state: dict | N
     if io_hint is not None:
         io.fill_from(io_hint)
     kv = runtime.SharedKV(sess, io, max_len=context + score)
+
+    def first_rows(arrays: dict) -> dict:  # each state's first `context` rows along its sequence axis
+        out = {}
+        for name, arr in arrays.items():
+            ix = [slice(None)] * arr.ndim
+            ix[kv.io.state_seq_axis[name]] = slice(0, context)
+            out[name] = arr[tuple(ix)]
+        return out
+
     if state is None:
         kv.prefill(ids[None, :context])
-        state = {}
-        for name, arr in kv.arrays.items():
-            ix = [slice(None)] * arr.ndim
-            ix[kv.io.state_seq_axis[name]] = slice(0, context)
-            state[name] = arr[tuple(ix)].copy()
+        state = {name: arr.copy() for name, arr in first_rows(kv.arrays).items()}
     else:  # the first `context` rows of an earlier prefill of the same tokens (causal: the same cache)
-        part = {}
-        for name, arr in state.items():
-            ix = [slice(None)] * arr.ndim
-            ix[kv.io.state_seq_axis[name]] = slice(0, context)
-            part[name] = arr[tuple(ix)]
-        kv.fill(context, part)
+        kv.fill(context, first_rows(state))
     nll = 0.0
     for i in range(score):
         lg = kv.step(ids[None, context + i: context + i + 1])[0, -1].astype(np.float64)

@@ -261,10 +261,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pasts", default="128,1024,4096,8192")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="int8:1,int8:0.25,int8:0.125,int4:0.125",
-                    help="K/V format:budget[:kN][:wN][:c] list; budget 'auto' = chosen by --attn-tune; kN: candidates "
-                         "in blocks of N keys (--attn-cand-block); wN: a recent window of N keys (--attn-window); c: "
-                         "--calib-text (the calibration novel: per-channel key scales in the popcount score, as a "
-                         "rewrite with calibration text gets them)")
+                    help="K/V format:budget[:kN][:wN][:c][:o] list; budget 'auto' = chosen by --attn-tune; kN: "
+                         "candidates in blocks of N keys (--attn-cand-block); wN: a recent window of N keys "
+                         "(--attn-window); c: --calib-text (the calibration novel: per-channel key scales in the "
+                         "popcount score, as a rewrite with calibration text gets them); o: --attn-select exact "
+                         "(oracle candidates: what the budget alone costs)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=1,
