@@ -10,9 +10,15 @@ Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1):
   sign    plane 0 bit d = k_d > 0                                  (planes = 1)
   ternary plane 0 bit d = k_d > eps, plane 1 bit d = k_d < -eps      (planes = 2)
   binary  plane 0 bit d = |k_d| > eps                               (planes = 1)
+  pq      (cache mode only) product-quantization codes: D/4 subspaces, subspace s the dims
+          pq_dims[4s .. 4s+3] (pq_dims empty: 4s .. 4s+3), its code the nearest of the KV head's 16
+          centroids pq_book[hk, s, c, 0:4] ([Hkv, D/4, 16, 4] flattened): squared distance in float32,
+          the four terms summed in order, NaN counted as +inf, ties to the lower c (none finite: 0);
+          code s is bits 4 (s % 8) .. 4 (s % 8) + 3 of word s // 8 (planes = 1, the same words as sign)
   (eps: the attribute, or eps_heads[kv head] when given)
   bit d of plane p is bit d % 32 of word p * ceil(D/32) + d // 32; the last word holds gamma
-  (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none).
+  (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none),
+  pq → 1.
 
 Approximate score of a query row q (only used to pick candidates, never as the output), after
 q ← q * kscale[kv head] when the per-channel key scale kscale [Hkv * D] is given (calibrated mean
@@ -20,6 +26,9 @@ q ← q * kscale[kv head] when the per-channel key scale kscale [Hkv * D] is giv
   a = max|q|, L = 2^(qbits-1) - 1, qi = rint(q * (L / a)) (integers in [-L, L]);
   sign: Σ qi_d (2 bit_d - 1); ternary: Σ qi_d (pos_d - neg_d); binary: Σ qi_d bit_d
   (evaluated with popcounts over the bit planes of |qi|), times gamma_k * ((a / L) * scale), plus mask.
+  pq (kscale does not apply): the table t[s, c] = Σ_j q[dims[4s+j]] · pq_book[hk, s, c, j] (float32,
+  j in order), a = max|t|, ti = rint(t · (L / a)); score Σ_s ti[s, code_s] times (a / L) * scale, plus
+  mask (all scores 0, plus mask, when a = 0 or some t is not finite).
 With approx_prefill = 1, rows of M > 1 also use candidates, each as a decode step would: its
 context is the keys up to its last unmasked one (T_m), and every rule below uses T_m for T.
 select = "exact" replaces the approximate score by the exact one (oracle: measures what the budget
@@ -84,7 +93,8 @@ import numpy as np
 
 from ..schema import get as _schema
 
-MODES = {"sign": 1, "ternary": 2, "binary": 1}
+MODES = {"sign": 1, "ternary": 2, "binary": 1, "pq": 1}
+PQ_WIDTH, PQ_CODES = 4, 16
 _SCHEMA = _schema("PackedAttention")
 
 
@@ -92,9 +102,78 @@ def n_words(D: int, mode: str = "sign") -> int:
     return MODES[mode] * ((D + 31) // 32) + 1
 
 
-def pack_keys(K: np.ndarray, mode: str = "sign", eps: float = 0.0, eps_heads=None) -> np.ndarray:
-    """K [..., T, D] float32 → bits [..., T, W] int32 (eps_heads: per head, K [B, H, T, D])."""
+def pq_params(book, dims, Hkv: int, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """pq_book / pq_dims attributes → (book [Hkv, D/4, 16, 4] float32, dims [D] int64), checked."""
+    if D % PQ_WIDTH:
+        raise ValueError(f"mode pq needs a head dim divisible by {PQ_WIDTH}, got {D}")
+    book = np.asarray(book if book is not None else (), np.float32).ravel()
+    if book.size != Hkv * D * PQ_CODES:
+        raise ValueError(f"pq_book has {book.size} values, expected KV heads x head dim x 16 = {Hkv * D * PQ_CODES}")
+    dims = np.arange(D) if dims is None or not len(dims) else np.asarray(dims, np.int64)
+    if sorted(dims.tolist()) != list(range(D)):
+        raise ValueError(f"pq_dims must be a permutation of 0 .. {D - 1}")
+    return book.reshape(Hkv, D // PQ_WIDTH, PQ_CODES, PQ_WIDTH), dims
+
+
+def pq_encode(K: np.ndarray, book: np.ndarray, dims: np.ndarray) -> np.ndarray:
+    """K [..., T, D] of one KV head, book [D/4, 16, 4] → codes [..., T, D/4] (module docstring)."""
+    K = np.asarray(K, np.float32)
+    x = K[..., dims].reshape(K.shape[:-1] + (K.shape[-1] // PQ_WIDTH, 1, PQ_WIDTH))   # [..., S, 1, 4]
+    e = x - book                                                   # [..., S, 16, 4] float32
+    sq = e * e
+    d2 = sq[..., 0]
+    for j in range(1, PQ_WIDTH):
+        d2 = d2 + sq[..., j]
+    d2 = np.where(np.isnan(d2), np.float32(np.inf), d2)
+    return d2.argmin(-1)
+
+
+def pq_words(codes: np.ndarray, D: int) -> np.ndarray:
+    """codes [..., D/4] → plane words [..., ceil(D / 32)] uint32 (code s at bits 4 (s % 8) of word s // 8)."""
+    nw = (D + 31) // 32
+    S = codes.shape[-1]
+    c = np.zeros(codes.shape[:-1] + (nw * 8,), np.uint64)
+    c[..., :S] = codes
+    c = c.reshape(codes.shape[:-1] + (nw, 8))
+    return (c << (4 * np.arange(8, dtype=np.uint64))).sum(-1).astype(np.uint32)
+
+
+def pq_unpack(bits: np.ndarray, D: int) -> np.ndarray:
+    """key-bits rows [..., W] → codes [..., D/4] (int64)."""
+    nw = (D + 31) // 32
+    w = np.ascontiguousarray(bits[..., :nw]).view(np.uint32).astype(np.uint64)
+    c = (w[..., :, None] >> (4 * np.arange(8, dtype=np.uint64))) & 15
+    return c.reshape(c.shape[:-2] + (-1,))[..., :D // PQ_WIDTH].astype(np.int64)
+
+
+def pq_tables(q: np.ndarray, book: np.ndarray, dims: np.ndarray, qbits: int):
+    """The integer tables of the pq score of q [D] (one KV head's book [D/4, 16, 4]): (ti int64
+    [D/4, 16], a / L float32), or None when a = 0 or some t is not finite (module docstring)."""
+    x = np.asarray(q, np.float32)[dims].reshape(-1, 1, PQ_WIDTH)
+    pr = x * book                                                  # [S, 16, 4]
+    t = pr[..., 0]
+    for j in range(1, PQ_WIDTH):
+        t = t + pr[..., j]
+    if not np.isfinite(t).all():
+        return None
+    a = np.float32(np.abs(t).max())
+    if not a > 0:
+        return None
+    L = np.float32(2 ** (qbits - 1) - 1)
+    return np.rint(t * (L / a)).astype(np.int64), np.float32(a / L)
+
+
+def pack_keys(K: np.ndarray, mode: str = "sign", eps: float = 0.0, eps_heads=None, pq=None) -> np.ndarray:
+    """K [..., T, D] float32 → bits [..., T, W] int32 (eps_heads: per head, K [B, H, T, D]; pq: mode
+    pq's (book [H, D/4, 16, 4], dims), K [B, H, T, D])."""
     K = np.asarray(K, dtype=np.float32)
+    if mode == "pq":
+        if pq is None:
+            raise ValueError("mode pq needs its codebook (pq_book)")
+        book, dims = pq
+        codes = np.stack([pq_encode(K[:, h], book[h], dims) for h in range(K.shape[1])], 1)
+        one = np.ones(K.shape[:-1] + (1,), np.float32).view(np.uint32)
+        return np.concatenate([pq_words(codes, K.shape[-1]), one], -1).view(np.int32)
     if eps_heads is not None and len(eps_heads) and mode != "sign":
         return np.concatenate([pack_keys(K[:, h:h + 1], mode, float(e)) for h, e in enumerate(eps_heads)], 1)
     D = K.shape[-1]
@@ -200,6 +279,8 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, **attrs):
     eps_heads, kscale = a.get("eps_heads"), a.get("kscale")
     if a["cand_block"] != 1:
         raise ValueError(f"cand_block {a['cand_block']} needs kv_quant fp32 | int8 | int4 (1 without)")
+    if mode == "pq":
+        raise ValueError("mode pq needs kv_quant fp32 | int8 | int4")
     Q = np.asarray(Q, np.float32)
     K = np.asarray(K, np.float32)
     V = np.asarray(V, np.float32)
@@ -223,7 +304,7 @@ def packed_attention(Q, K, V, mask=None, past_bits=None, **attrs):
     Y = np.zeros((B, Hq, M, Dv), np.float32)
     dens = density(bits, D, mode)
     budget = float(np.float32(budget))
-    global_exact = not (0 < budget < 1) or (mode != "sign" and dens > rho)
+    global_exact = not (0 < budget < 1) or (mode in ("ternary", "binary") and dens > rho)
     for b in range(B):
         for h in range(Hq):
             hk = h // rep
@@ -322,11 +403,12 @@ def pack_kv(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8") -> tuple[np.nd
 
 
 def pack_cache(K: np.ndarray, V: np.ndarray, kv_quant: str = "int8", mode: str = "sign", eps: float = 0.0,
-               eps_heads=None) -> tuple[np.ndarray, np.ndarray]:
+               eps_heads=None, pq=None) -> tuple[np.ndarray, np.ndarray]:
     """K [B, H, T, D], V [B, H, T, Dv] float32 → the cache-mode state as the op stores it:
-    (bits [B, H, T, cache_bits_words(D, mode)] int32, kv rows [B, H, T, kv_row_words] int32)."""
+    (bits [B, H, T, cache_bits_words(D, mode)] int32, kv rows [B, H, T, kv_row_words] int32).
+    pq: mode pq's (book, dims) (pq_params)."""
     rows, sc = pack_kv(K, V, kv_quant)
-    return np.concatenate([pack_keys(K, mode, eps, eps_heads), sc], -1), rows
+    return np.concatenate([pack_keys(K, mode, eps, eps_heads, pq), sc], -1), rows
 
 
 def unpack_kv(rows: np.ndarray, bits: np.ndarray, D: int, Dv: int, kv_quant: str = "int8") -> tuple[np.ndarray, np.ndarray]:
@@ -398,7 +480,12 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
             raise ValueError(f"past_kv holds {P} rows but past_bits is missing: the rows' scales are in the key-bits rows")
         kv[:, :, :P] = past_kv
         bits[:, :, :P] = past_bits
-    new_bits, new_kv = pack_cache(K, V, kvq, mode, eps, eps_heads)
+    pq = None
+    if mode == "pq":
+        if a.get("kscale"):
+            raise ValueError("kscale does not apply to mode pq")
+        pq = pq_params(a.get("pq_book"), a.get("pq_dims"), Hkv, D)
+    new_bits, new_kv = pack_cache(K, V, kvq, mode, eps, eps_heads, pq)
     pos0 = np.maximum(0, total - S)
     for b in range(B):
         n = int(min(S, total[b] - pos0[b]))
@@ -410,7 +497,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
     # density: eps modes over every key in context (auto-disable), sign mode informational
     live = np.concatenate([bits[b, :, :total[b], :W0].reshape(-1, W0) for b in range(B)], 0)
     dens = density(live, D, mode)
-    global_exact = not (0 < budget < 1) or (mode != "sign" and dens > rho)
+    global_exact = not (0 < budget < 1) or (mode in ("ternary", "binary") and dens > rho)
     Y = np.zeros((B, Hq, M, Dv), np.float32)
     ks_all = None if kscale is None or not len(kscale) else np.asarray(kscale, np.float32).reshape(Hkv, D)
     for b in range(B):
@@ -435,6 +522,14 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                         qg = (qg + Q[b, h, m]).astype(np.float32)
                     if select == "exact":
                         ap = (Kh[ctx] @ qg) * scale
+                    elif mode == "pq":
+                        tb = pq_tables(qg, pq[0][hk], pq[1], qbits)
+                        if tb is None:
+                            ap = np.zeros(n_ctx, np.float32)
+                        else:
+                            codes = pq_unpack(bits[b, hk, ctx, :W0], D)
+                            s_ = np.take_along_axis(tb[0], codes.T, 1).sum(0)
+                            ap = s_.astype(np.float32) * np.float32(1) * np.float32(tb[1] * scale)
                     else:
                         qa = qg if ks_all is None else qg * ks_all[hk]
                         s_, coef = approx_int(qa, bits[b, hk, ctx, :W0], D, mode, qbits)

@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     sink = sink + pr[5];
   };
   auto lut_ = [&] {
-    ak.lutscore(kbits.data(), 3, T, 8, qi.data(), lut.data(), core.data(), nullptr);
+    ak.lutscore(kbits.data(), 3, T, 8, qi.data(), lut.data(), core.data(), nullptr, nullptr);
     sink = sink + static_cast<float>(core[T / 2]);
   };
   // lutscore as the op runs it: cache-mode key-bits rows (sign words, gamma, K / V scale: 20 bytes) of
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     cur = (cur + 1) % copies;
     ortlean::ScoreFinish f{};
     f.two = 2; f.qs = 5; f.gword = 2; f.coef = 1e-3f; f.g = gs.data();
-    ak.lutscore(kbc.data() + static_cast<size_t>(T * 5) * cur, 5, T, 8, qi.data(), lut.data(), core.data(), &f);
+    ak.lutscore(kbc.data() + static_cast<size_t>(T * 5) * cur, 5, T, 8, qi.data(), lut.data(), core.data(), &f, nullptr);
     sink = sink + gs[T / 2];
   };
   auto stream = [&] {

@@ -84,9 +84,12 @@ struct AttnKernels {
   // out[t] = sum over the set bits d of key t of qi[d], d < 8 * nbytes (the integer popcount score of a
   // quantized query); key t's plane words start at kb + t * ldk, bit d = bit d % 8 of byte d / 8. lut:
   // scratch of nbytes * 256 int32 (tables built from qi inside, as the path needs them). fin (null:
-  // none): also the float scores, as score_finish (a block's keys while their rows are in L1).
+  // none): also the float scores, as score_finish (a block's keys while their rows are in L1). tables
+  // (null: from qi): the nibble tables themselves, tables[j * 32 + n] the value of n as byte j's low
+  // nibble, tables[j * 32 + 16 + n] as its high nibble (pq codes: out[t] = sum of its nibbles' values;
+  // qi unused).
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* qi, int32_t* lut,
-                   int32_t* out, const ScoreFinish* fin);
+                   int32_t* out, const ScoreFinish* fin, const int32_t* tables);
   // f.g[t] = float(f.two * core[t] - f.qs) * gamma_t * f.coef (+ f.mr[t * f.mst] when f.mr), NaN -> -inf,
   // t < T; gamma_t = the float32 bits of word f.gword of key t's row (kb + t * ldk)
   void (*score_finish)(const int32_t* core, int64_t T, const ScoreFinish& f, const uint32_t* kb, int64_t ldk);

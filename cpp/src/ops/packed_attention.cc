@@ -215,6 +215,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   at.read({{"min_candidates", &p.min_candidates}, {"sinks", &p.sinks}, {"window", &p.window},
            {"min_context", &p.min_context}, {"qbits", &p.qbits}, {"approx_prefill", &p.approx_prefill},
            {"eps_heads", &p.eps_heads}, {"kscale", &p.kscale}});
+  at.read({{"pq_book", &p.pq_book}, {"pq_dims", &p.pq_dims}});
   std::string kvq;
   at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
   at.read({{"local_window", &p.local_window}, {"num_heads", &p.num_heads}, {"kv_num_heads", &p.kv_num_heads},
@@ -230,7 +231,22 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   if (p.num_heads > 0 && p.num_heads % p.kv_num_heads)
     fail("num_heads " + std::to_string(p.num_heads) + " not a multiple of kv_num_heads " +
          std::to_string(p.kv_num_heads));
-  p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : KeyMode::Sign;
+  p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : mode == "pq" ? KeyMode::Pq
+                                                                                               : KeyMode::Sign;
+  if (p.mode == KeyMode::Pq) {
+    if (!p.kv_bits) fail("attribute mode pq needs kv_quant fp32 | int8 | int4");
+    if (p.pq_book.empty()) fail("attribute mode pq needs pq_book (KV heads x head dim x 16 centroid values)");
+    if (!p.kscale.empty()) fail("attribute kscale does not apply to mode pq (the centroids keep the magnitudes)");
+    std::vector<char> seen(p.pq_dims.size(), 0);
+    for (const int64_t d : p.pq_dims) {
+      if (d >= static_cast<int64_t>(seen.size()) || seen[static_cast<size_t>(d)])
+        fail("attribute pq_dims must be a permutation of 0 .. " + std::to_string(p.pq_dims.size() - 1) + ", has " +
+             std::to_string(d) + (d < static_cast<int64_t>(seen.size()) ? " twice" : ""));
+      seen[static_cast<size_t>(d)] = 1;
+    }
+  } else if (!p.pq_book.empty() || !p.pq_dims.empty()) {
+    fail("attributes pq_book / pq_dims need mode pq, got mode " + mode);
+  }
   p.k_bhdt = layout == "bhdt";
   p.oracle = select == "exact";
   check_list_lengths(info);
@@ -255,7 +271,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
 // eps_heads / kscale against the KV heads and head dim of K when its static shape says them (else
 // at the first Run).
 void PackedAttentionKernel::check_list_lengths(const Ort::ConstKernelInfo& info) const {
-  if (p_.eps_heads.empty() && p_.kscale.empty()) return;
+  if (p_.eps_heads.empty() && p_.kscale.empty() && p_.pq_book.empty()) return;
   if (info.GetInputCount() < 2 || p_.num_heads > 0) return;  // no K, or GQA's layout: checked on the first Run()
   auto ti = info.GetInputTypeInfo(1);
   if (ti.GetONNXType() != ONNX_TYPE_TENSOR) return;
@@ -272,6 +288,16 @@ void PackedAttentionKernel::check_list_lengths(int64_t Hkv, int64_t D) const {
   if (Hkv > 0 && D > 0 && !p.kscale.empty() && static_cast<int64_t>(p.kscale.size()) != Hkv * D)
     fail("attribute kscale has " + std::to_string(p.kscale.size()) + " values, expected KV heads x head dim = " +
          std::to_string(Hkv * D));
+  if (p.mode == KeyMode::Pq && D > 0) {
+    if (D % kPqWidth)
+      fail("mode pq needs a head dim divisible by " + std::to_string(kPqWidth) + ", got " + std::to_string(D));
+    if (Hkv > 0 && static_cast<int64_t>(p.pq_book.size()) != Hkv * D * kPqCodes)
+      fail("attribute pq_book has " + std::to_string(p.pq_book.size()) +
+           " values, expected KV heads x head dim x 16 = " + std::to_string(Hkv * D * kPqCodes));
+    if (!p.pq_dims.empty() && static_cast<int64_t>(p.pq_dims.size()) != D)
+      fail("attribute pq_dims has " + std::to_string(p.pq_dims.size()) + " values, expected head dim " +
+           std::to_string(D));
+  }
 }
 
 // ------------------------------------------------------------------ compute
@@ -714,7 +740,10 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
         const float* vx0 = c.V + ((b * Hkv + hk) * c.S + m) * c.Dv;
         const int64_t t = p0 + m;
         uint32_t* br = c.bits + ((b * Hkv + hk) * Tc + t) * W;
-        c.fmt.pack(kx0, 1, eps, br);
+        if (p.mode == KeyMode::Pq)
+          c.fmt.pack_pq(kx0, p.pq_book.data() + hk * c.D * kPqCodes, p.pq_dims.empty() ? nullptr : p.pq_dims.data(), br);
+        else
+          c.fmt.pack(kx0, 1, eps, br);
         c.kf.store(kx0, c.D, vx0, c.Dv, c.kv + ((b * Hkv + hk) * Tc + t) * R, br + c.fmt.words);
         ++packed;
       }
@@ -726,7 +755,7 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
   int64_t set = 0, nbits = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tot = c.total[static_cast<size_t>(b)];
-    const int64_t t0 = p.mode == KeyMode::Sign ? c.pos0[static_cast<size_t>(b)] : 0;
+    const int64_t t0 = p.mode == KeyMode::Sign || p.mode == KeyMode::Pq ? c.pos0[static_cast<size_t>(b)] : 0;
     for (int64_t hk = 0; hk < Hkv; ++hk)
       for (int64_t t = t0; t < tot; ++t)
         for (int64_t j = 0; j < plane_words; ++j) set += popc(c.bits[((b * Hkv + hk) * Tc + t) * W + j]);
@@ -735,7 +764,7 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
   if (nbits > 0) {
     const double dens = static_cast<double>(set) / static_cast<double>(nbits);
     metrics::set(m_density_, dens);
-    if (p.mode != KeyMode::Sign && dens > p.rho) c.global_exact = true;
+    if ((p.mode == KeyMode::Ternary || p.mode == KeyMode::Binary) && dens > p.rho) c.global_exact = true;
   }
 }
 
@@ -876,7 +905,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     float* buf;
     const int64_t nbytes = (D + 7) / 8, lut_n = nbytes * 256;
     try {
-      buf = task_scratch().get(static_cast<size_t>(2 * nt + lut_n + 2 * D + nbytes * 8 + 64));
+      buf = task_scratch().get(static_cast<size_t>(2 * nt + lut_n + 2 * D + nbytes * 8 + nbytes * 32 + 4 * D + 64));
     } catch (...) {
       oom = true;
       return;
@@ -888,6 +917,8 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     float* qg = reinterpret_cast<float*>(lut + lut_n);     // [D]
     float* kd = qg + D;                                    // [D]
     int32_t* qi = reinterpret_cast<int32_t*>(kd + D);      // [nbytes * 8] the quantized query
+    int32_t* tabs = qi + nbytes * 8;                       // pq: [nbytes][32] the subspaces' integer tables
+    float* tf = reinterpret_cast<float*>(tabs + nbytes * 32);  // pq: [D / 4][16] their float values
     const int64_t nctx = nt;  // the scoring below runs over this task's keys [lo, lo + nt)
     // the group query: sum of its heads' rows, in head order
     const float* q0 = c.Q + ((b * c.Hq + h0) * M + m) * D;
@@ -908,6 +939,47 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         g[t] = dot * c.kscale(b * c.Hkv + hk, lo + t) * p.scale;
       }
       masked_scores(c, b, h0, m, lo, nctx, g);
+    } else if (p.mode == KeyMode::Pq) {
+      // tf[s][c] = group query . centroid c of subspace s (float32, j in order), quantized to +-L over the
+      // largest |tf|; the score of a key is the sum of its codes' entries (lutscore with these tables)
+      const int64_t ns = D / kPqWidth;
+      const float* book = p.pq_book.data() + hk * D * kPqCodes;
+      const int64_t* dims = p.pq_dims.empty() ? nullptr : p.pq_dims.data();
+      float a = 0.0f;
+      bool finite = true;
+      for (int64_t s = 0; s < ns; ++s) {
+        float x[kPqWidth];
+        for (int j = 0; j < kPqWidth; ++j) x[j] = qg[dims ? dims[s * kPqWidth + j] : s * kPqWidth + j];
+        for (int cc = 0; cc < kPqCodes; ++cc) {
+          const float* cb = book + (s * kPqCodes + cc) * kPqWidth;
+          float acc = x[0] * cb[0];
+          for (int j = 1; j < kPqWidth; ++j) acc = acc + x[j] * cb[j];
+          tf[s * kPqCodes + cc] = acc;
+          finite = finite && std::isfinite(acc);
+          a = std::max(a, std::fabs(acc));
+        }
+      }
+      if (!(a > 0) || !finite) {  // no information (zero or non-finite query): all scores 0 (then the mask)
+        std::fill(g, g + nctx, 0.0f);
+        masked_scores(c, b, h0, m, lo, nctx, g);
+      } else {
+        const float L = static_cast<float>((1 << (p.qbits - 1)) - 1);
+        const float inv = L / a;
+        std::fill(tabs, tabs + nbytes * 32, 0);
+        for (int64_t s = 0; s < ns; ++s)
+          for (int cc = 0; cc < kPqCodes; ++cc)
+            tabs[(s / 2) * 32 + (s % 2) * 16 + cc] = static_cast<int32_t>(std::nearbyint(tf[s * kPqCodes + cc] * inv));
+        const float* mr = c.mask_row(b, h0, m);
+        ScoreFinish fin{};
+        fin.two = 1;
+        fin.qs = 0;
+        fin.gword = c.fmt.gamma;
+        fin.coef = (a / L) * p.scale;
+        fin.mr = mr ? mr + lo * c.mst : nullptr;
+        fin.mst = c.mst;
+        fin.g = g;
+        ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, &fin, tabs);
+      }
     } else {
       const float* qa = qg;
       if (!p.kscale.empty()) {
@@ -945,12 +1017,12 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         fin.mst = c.mst;
         fin.g = g;
         if (p.mode == KeyMode::Ternary) {  // two planes: core - core1, then the scores
-          ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, nullptr);
-          ak.lutscore(kb + nw, W, nctx, nbytes, qi, lut, core1, nullptr);
+          ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, nullptr, nullptr);
+          ak.lutscore(kb + nw, W, nctx, nbytes, qi, lut, core1, nullptr, nullptr);
           for (int64_t t = 0; t < nctx; ++t) core[t] -= core1[t];
           ak.score_finish(core, nctx, fin, kb, W);
         } else {
-          ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, &fin);
+          ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, &fin, nullptr);
         }
       }
     }

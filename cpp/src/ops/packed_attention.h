@@ -25,6 +25,8 @@ struct AttnParams {
   bool k_bhdt;                   // K is [B, Hkv, D, T]
   std::vector<float> kscale;     // [Hkv * D] per-channel key scale folded into q for the popcount score
   std::vector<float> eps_heads;  // per KV head (eps modes), empty = eps for all
+  std::vector<float> pq_book;    // pq mode: [Hkv][D / 4][16][4] centroids per KV head and subspace
+  std::vector<int64_t> pq_dims;  // pq mode: subspace s = dims pq_dims[4s .. 4s + 3] (empty: 4s .. 4s + 3)
   int kv_bits = 0;               // 0: K/V are the context; 32 / 8 / 4: cache rows (past_kv) of fp32 / int8 / int4
   int64_t local_window = -1;     // kv cache mode: the last w keys [pos - w + 1, pos] when > 0
   float softcap = 0.0f;          // kv cache mode: softcap * tanh(logit / softcap) when > 0
@@ -49,7 +51,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}, {kI32, kOptional}};
   static constexpr AttrSpec kAttrs[] = {
       attr_float("scale", 1.0f),  // any finite value
-      attr_string("mode", "sign").one_of("sign|ternary|binary"),
+      attr_string("mode", "sign").one_of("sign|ternary|binary|pq"),
       attr_float("eps", 0.0f).at_least(0),
       attr_float("budget", 0.0f).range(0, 1),  // 0 or 1: exact
       attr_int("min_candidates", 64).range(0, kMaxDim),
@@ -65,6 +67,8 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_int("approx_prefill", 0).flag(),
       attr_list("eps_heads", AttrType::Floats).at_least(0),  // one per KV head
       attr_list("kscale", AttrType::Floats).at_least(0),     // KV heads x head dim
+      attr_list("pq_book", AttrType::Floats),                // pq: KV heads x head dim x 16 (finite)
+      attr_list("pq_dims", AttrType::Ints).range(0, kMaxDim),  // pq: a permutation of 0 .. D - 1, or empty
       attr_string("select", "popcount").one_of("popcount|exact"),
       attr_string("kv_quant", "none").one_of("none|fp32|int8|int4"),
       attr_int("local_window", -1).range(-1, kMaxDim),

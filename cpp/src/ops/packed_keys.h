@@ -3,8 +3,9 @@
 //   plane words [planes * nw]: bit d of plane p is bit (d % 32) of word p*nw + d/32
 //                              (sign: 1 plane, bit = k > 0; binary: 1 plane, |k| > eps;
 //                               ternary: 2 planes, k > eps / k < -eps)
+//                              (pq: the nibble codes, subspace s at bits 4 (s % 8) of word s / 8)
 //   gamma [1]:                 float32 bits of the key's scale (mean |k| over the set bits, or
-//                              over all d in sign mode; eps when no bit is set)
+//                              over all d in sign mode; eps when no bit is set; 1 in pq mode)
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -12,7 +13,9 @@
 
 namespace ortlean {
 
-enum class KeyMode { Sign = 0, Ternary = 1, Binary = 2 };
+enum class KeyMode { Sign = 0, Ternary = 1, Binary = 2, Pq = 3 };
+
+constexpr int kPqWidth = 4, kPqCodes = 16;  // pq mode: dims per subspace, centroids per subspace
 
 struct PackedKeyFormat {
   KeyMode mode;
@@ -60,6 +63,36 @@ struct PackedKeyFormat {
     const float g = mode == KeyMode::Sign ? static_cast<float>(asum / static_cast<double>(D))
                                           : (cnt ? static_cast<float>(asum / static_cast<double>(cnt)) : eps);
     std::memcpy(row + gamma, &g, 4);
+  }
+
+  // pq mode: subspace s of key k (element d at k[d]) is k[dims[4s + j]] (dims null: 4s + j), its code
+  // the nearest of the 16 centroids book[(s * 16 + c) * 4 + j] (squared distance in float32, j summed in
+  // order; NaN counts as +inf; ties: the lower c; none finite: 0). The reference (custom_ops/reference/attn.py pq_encode) matches
+  // this bit for bit: this file is compiled without FMA contraction.
+  void pack_pq(const float* k, const float* book, const int64_t* dims, uint32_t* row) const {
+    std::memset(row, 0, sizeof(uint32_t) * static_cast<size_t>(words));
+    const int64_t ns = D / kPqWidth;
+    for (int64_t s = 0; s < ns; ++s) {
+      float x[kPqWidth];
+      for (int j = 0; j < kPqWidth; ++j) x[j] = k[dims ? dims[s * kPqWidth + j] : s * kPqWidth + j];
+      const float* cb = book + s * kPqCodes * kPqWidth;
+      float best = __builtin_inff();
+      uint32_t code = 0;
+      for (int c = 0; c < kPqCodes; ++c) {
+        float acc = 0.0f;
+        for (int j = 0; j < kPqWidth; ++j) {
+          const float e = x[j] - cb[c * kPqWidth + j];
+          acc = j == 0 ? e * e : acc + e * e;
+        }
+        if (acc < best) {  // NaN never is: NaN distances count as +inf
+          best = acc;
+          code = static_cast<uint32_t>(c);
+        }
+      }
+      row[s / 8] |= code << (4 * (s % 8));
+    }
+    const float one = 1.0f;
+    std::memcpy(row + gamma, &one, 4);
   }
 };
 

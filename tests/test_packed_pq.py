@@ -1,0 +1,263 @@
+"""PackedAttention's pq key codes (mode "pq", cache mode): product-quantization codes of the keys
+(D/4 subspaces of 4 dims, 16 centroids each: one nibble a subspace, the same key-bits words as sign)
+scored by the nibble tables of the group query. Native kernel vs the numpy reference
+(custom_ops/reference/attn.py) on random and adversarial shapes, every ISA path, the GQA layout with
+rotary, the refusal of bad nodes, and the candidates themselves: keys that are codewords are ranked
+as exact scores rank them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import custom_ops  # noqa: E402
+from custom_ops.reference.attn import (pack_cache, pack_keys, pq_encode, pq_params, pq_tables,  # noqa: E402
+                                       pq_unpack, pq_words)
+
+from conftest import requires_native  # noqa: E402
+from test_packed_gqa import gqa_case, kv_model, run_native, run_ref, run_ref_op  # noqa: E402
+
+
+def book_for(Hkv, D, seed=0, scale=1.0):
+    r = np.random.default_rng(seed)
+    return (scale * r.standard_normal((Hkv, D // 4, 16, 4))).astype(np.float32)
+
+
+def pq_case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, dims=None, book=None):
+    """Random new tokens and a past whose keys have a few hot rows aligned with the queries (as
+    test_packed_gqa.case), packed with pq codes; returns (feed, attrs for the book)."""
+    r = np.random.default_rng(seed)
+    Dv = Dv or D
+    book = book_for(Hkv, D, seed + 100) if book is None else book
+    dims = np.arange(D) if dims is None else np.asarray(dims)
+    Q = r.standard_normal((B, Hq, S, D), dtype=np.float32)
+    Kp = r.standard_normal((B, Hkv, P, D), dtype=np.float32)
+    if P:
+        hot = r.choice(P, size=max(1, P // 20), replace=False)
+        Kp[:, :, hot] += 2.0 * Q.reshape(B, Hkv, Hq // Hkv, S, D).mean((2, 3))[:, :, None]
+    Vp = r.standard_normal((B, Hkv, P, Dv), dtype=np.float32)
+    K = r.standard_normal((B, Hkv, S, D), dtype=np.float32)
+    V = r.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
+    bits, rows = pack_cache(Kp, Vp, q, "pq", pq=(book, dims))
+    feed = {"Q": Q, "K": K, "V": V, "past_kv": rows, "past_bits": bits}
+    attrs = dict(mode="pq", pq_book=[float(x) for x in book.ravel()])
+    if not np.array_equal(dims, np.arange(D)):
+        attrs["pq_dims"] = [int(x) for x in dims]
+    return feed, attrs
+
+
+# --------------------------------------------------------------------------- reference
+def test_reference_codes_are_nearest_centroids_and_roundtrip():
+    r = np.random.default_rng(0)
+    D = 40
+    book = book_for(1, D)[0]
+    dims = r.permutation(D)
+    K = r.standard_normal((50, D)).astype(np.float32)
+    codes = pq_encode(K, book, dims)
+    x = K[:, dims].reshape(50, D // 4, 1, 4).astype(np.float64)
+    np.testing.assert_array_equal(codes, ((x - book) ** 2).sum(-1).argmin(-1))
+    np.testing.assert_array_equal(pq_unpack(pq_words(codes, D), D), codes)
+    # words: code s at bits 4 (s % 8) of word s // 8
+    w = pq_words(codes[:1], D)[0]
+    assert int(w[0]) & 15 == codes[0, 0] and (int(w[0]) >> 28) & 15 == codes[0, 7] and int(w[1]) & 15 == codes[0, 8]
+    # ties: the lower centroid; NaN distances count as +inf; all NaN: code 0
+    b2 = book.copy()
+    b2[0, 5] = b2[0, 9] = 0.0
+    b2[0, :5] = b2[0, 6:9] = b2[0, 10:] = 50.0
+    z = np.zeros((1, D), np.float32)
+    assert pq_encode(z, b2, np.arange(D))[0, 0] == 5
+    b2[0, 5] = np.nan
+    assert pq_encode(z, b2, np.arange(D))[0, 0] == 9
+    zn = z.copy()
+    zn[0, 0] = np.nan
+    assert pq_encode(zn, b2, np.arange(D))[0, 0] == 0
+    # the gamma word is 1; the key-bits row has the sign mode's width
+    bits = pack_keys(K[None, None], "pq", pq=(book[None], dims))
+    assert bits.shape[-1] == pack_keys(K[None, None], "sign").shape[-1]
+    assert (bits[..., -1].view(np.float32) == 1.0).all()
+
+
+def test_reference_tables():
+    r = np.random.default_rng(1)
+    D = 16
+    book = book_for(1, D)[0]
+    q = r.standard_normal(D).astype(np.float32)
+    ti, coef = pq_tables(q, book, np.arange(D), 8)
+    t = (q.reshape(-1, 1, 4).astype(np.float64) * book).sum(-1)
+    assert np.abs(ti).max() == 127
+    np.testing.assert_allclose(ti * coef, t, atol=float(coef) * 0.5 + 1e-6)
+    assert pq_tables(np.zeros(D, np.float32), book, np.arange(D), 8) is None
+    q[3] = np.inf
+    assert pq_tables(q, book, np.arange(D), 8) is None
+
+
+def test_reference_checks_params():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        pq_params(np.zeros(2 * 18 * 16), None, 2, 18)
+    with pytest.raises(ValueError, match="pq_book has 10 values"):
+        pq_params(np.zeros(10), None, 2, 16)
+    with pytest.raises(ValueError, match="permutation"):
+        pq_params(np.zeros(16 * 16), [0] * 16, 1, 16)
+
+
+# --------------------------------------------------------------------------- native vs reference
+PQ_CASES = [
+    # (B, Hq, Hkv, S, P, D, Dv, q, attrs, permuted dims)
+    (1, 9, 3, 1, 700, 64, 64, "int8", dict(budget=0.25, window=64, min_context=128), False),   # SmolLM2
+    (1, 9, 3, 1, 700, 64, 64, "int4", dict(budget=0.125, window=32, min_context=128), True),
+    (1, 6, 2, 1, 300, 24, 20, "fp32", dict(budget=0.3, window=16, min_context=32), True),      # 6 subspaces
+    (1, 4, 2, 1, 300, 20, 12, "fp32", dict(budget=0.3, window=8, min_context=0), False),       # 5: an odd count
+    (2, 4, 2, 1, 333, 48, 40, "int8", dict(budget=0.3, window=17, sinks=3, min_candidates=5, min_context=10), True),
+    (1, 4, 2, 1, 1100, 128, 64, "int8", dict(budget=0.2, window=16), False),                  # 16 key bytes
+    (1, 6, 3, 1, 2300, 64, 64, "int8", dict(budget=0.2, window=32), False),                   # two key ranges
+    (1, 4, 2, 1, 61, 64, 64, "int8", dict(budget=0.5, window=4, sinks=0, min_candidates=0, min_context=0), False),
+    (1, 6, 3, 1, 1000, 64, 64, "int8", dict(budget=0.2, window=8, qbits=16), False),           # wide tables
+    (1, 4, 2, 1, 900, 32, 32, "int8", dict(budget=0.2, qbits=2, min_context=0), False),        # heavy ties
+    (1, 9, 3, 1, 1000, 64, 64, "int8", dict(budget=0.25, window=61, sinks=3, min_context=64, cand_block=16), False),
+    (1, 6, 2, 4, 700, 64, 64, "int8", dict(budget=0.25, approx_prefill=1, min_context=64), False),
+    (1, 4, 2, 1, 700, 64, 64, "int8", dict(budget=0.25, local_window=300, min_context=64, softcap=5.0), True),
+    (1, 4, 2, 5, 90, 16, 16, "int8", dict(budget=0.0), False),                                  # prefill rows
+    (1, 4, 2, 7, 0, 16, 16, "int4", dict(), False),                                              # first prompt
+]
+
+
+@requires_native
+@pytest.mark.parametrize("B,Hq,Hkv,S,P,D,Dv,q,attrs,perm", PQ_CASES)
+def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs, perm):
+    dims = np.random.default_rng(D).permutation(D) if perm else None
+    f, pa = pq_case(B=B, Hq=Hq, Hkv=Hkv, S=S, P=P, D=D, Dv=Dv, q=q, dims=dims)
+    attrs = dict(kv_quant=q, scale=float(D) ** -0.5, **pa, **attrs)
+    if not P:
+        f.pop("past_kv"), f.pop("past_bits")
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_array_equal(kv, kr)
+    np.testing.assert_array_equal(bits, br)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+@requires_native
+def test_kernel_vs_reference_mask_zero_query_and_nan_key():
+    """An additive mask with -inf stretches, a zero query (all scores 0: ties by index), a new key
+    with a NaN component (its subspace's code 0)."""
+    f, pa = pq_case(B=2, Hq=4, Hkv=2, P=500, seed=11)
+    f["Q"][1] = 0.0
+    f["K"][0, 1, 0, 5] = np.nan
+    mask = np.zeros((2, 4, 1, 501), np.float32)
+    mask[0, :, :, 100:300] = -np.inf
+    mask[1, 1, :, :50] = -np.inf
+    f["mask"] = mask
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.15, window=8, sinks=2, min_candidates=4, min_context=16, **pa)
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_array_equal(bits[..., :3], br[..., :3])  # codes and gamma (the NaN row's int8 scale aside)
+    assert (pq_unpack(bits[0, 1, 500], 64)[1] == 0)
+    np.testing.assert_allclose(Y[1], Yr[1], atol=2e-5, rtol=1e-4)  # batch row 1: no NaN key
+
+
+@requires_native
+def test_codeword_keys_pick_the_exact_candidates():
+    """Keys made of codewords (every subspace exactly a centroid) and fp32 rows: the pq score is the
+    exact group score up to the tables' rounding (qbits 16), so the candidates, and Y, are the
+    oracle's (select = exact); sign bits pick other keys."""
+    r = np.random.default_rng(5)
+    Hq, Hkv, D, P = 6, 2, 32, 1500
+    book = book_for(Hkv, D, 7)
+    codes = r.integers(0, 16, (1, Hkv, P, D // 4))
+    Kp = np.stack([book[h][np.arange(D // 4), codes[0, h]].reshape(P, D) for h in range(Hkv)])[None]
+    Vp = r.standard_normal((1, Hkv, P, D)).astype(np.float32)
+    feed = {"Q": r.standard_normal((1, Hq, 1, D)).astype(np.float32),
+            "K": book[:, np.arange(D // 4), 0].reshape(1, Hkv, 1, D).copy(),
+            "V": r.standard_normal((1, Hkv, 1, D)).astype(np.float32)}
+    base = dict(kv_quant="fp32", scale=D ** -0.5, budget=0.1, window=8, sinks=0, min_candidates=0, min_context=0)
+    bits, rows = pack_cache(Kp, Vp, "fp32", "pq", pq=(book, np.arange(D)))
+    assert (pq_unpack(bits[..., :2], D) == codes).all()
+    pa = dict(mode="pq", pq_book=[float(x) for x in book.ravel()], qbits=16)
+    Y_pq = run_native({**base, **pa}, {**feed, "past_bits": bits, "past_kv": rows})[0]
+    Y_or = run_native({**base, **pa, "select": "exact"}, {**feed, "past_bits": bits, "past_kv": rows})[0]
+    np.testing.assert_allclose(Y_pq, Y_or, atol=1e-5)
+    sb, sr = pack_cache(Kp, Vp, "fp32", "sign")
+    Y_sign = run_native(base, {**feed, "past_bits": sb, "past_kv": sr})[0]
+    assert np.abs(Y_sign - Y_or).max() > 1e-3
+
+
+@requires_native
+@pytest.mark.parametrize("seqlens,P,S", [([300], 300, 1), ([16, 13], 12, 5)])
+def test_gqa_layout_with_rotary(seqlens, P, S):
+    """GroupQueryAttention's layout: the keys rotated inside the op, then coded; padding rows."""
+    B = len(seqlens)
+    D = 64 if B == 1 else 32
+    feed = gqa_case(B, 9 if B == 1 else 6, 3 if B == 1 else 2, S, P, D, D, "int8", packed=True, rot_half=D // 2,
+                    seqlens=seqlens)
+    Hkv = 3 if B == 1 else 2
+    book = book_for(Hkv, D, 3)
+    if P:  # the past re-packed with pq codes (same rows)
+        from custom_ops.reference.attn import unpack_kv
+        Kd, _ = unpack_kv(feed["past_kv"], feed["past_bits"], D, D, "int8")
+        pb = pack_keys(Kd, "pq", pq=(book, np.arange(D)))
+        feed["past_bits"] = np.concatenate([pb, feed["past_bits"][..., -2:]], -1)
+    attrs = dict(kv_quant="int8", scale=D ** -0.5, num_heads=9 if B == 1 else 6, kv_num_heads=Hkv, mode="pq",
+                 pq_book=[float(x) for x in book.ravel()], budget=0.25, window=8, min_context=16)
+    Yr, br, kr = run_ref_op(attrs, feed)
+    Y, bits, kv = run_native(attrs, feed)
+    np.testing.assert_array_equal(bits, br)
+    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+
+
+def _isa_worker() -> None:
+    for shape in (dict(P=500), dict(Hq=10, Hkv=2, P=601, D=40, Dv=24)):
+        f, pa = pq_case(seed=8, **shape)
+        attrs = dict(kv_quant="int8", scale=0.125, budget=0.25, window=32, min_context=64, **pa)
+        Y, bits, kv = run_native(attrs, f)
+        Yr, br, kr = run_ref(attrs, f)
+        np.testing.assert_allclose(Y, Yr, atol=2e-5)
+        assert (bits == br).all() and (kv == kr).all()
+    print("ok", custom_ops.isa())
+
+
+@requires_native
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_isa_paths(isa):
+    env = dict(os.environ, ORTLEAN_ISA=isa)
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_packed_pq as t; t._isa_worker()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == isa
+
+
+# --------------------------------------------------------------------------- bad nodes
+BOOK = [0.5] * (2 * 16 * 16)
+
+
+@requires_native
+@pytest.mark.parametrize("attrs,needle", [
+    (dict(kv_quant="none", mode="pq", pq_book=BOOK), "mode pq needs kv_quant"),
+    (dict(kv_quant="int8", mode="pq"), "needs pq_book"),
+    (dict(kv_quant="int8", mode="pq", pq_book=BOOK, kscale=[1.0] * 32), "kscale"),
+    (dict(kv_quant="int8", mode="pq", pq_book=BOOK, pq_dims=[0, 1, 2, 2]), "pq_dims"),
+    (dict(kv_quant="int8", mode="pq", pq_book=BOOK, pq_dims=[0, 1, 2, 9]), "pq_dims"),
+    (dict(kv_quant="int8", mode="sign", pq_book=BOOK), "need mode pq"),
+    (dict(kv_quant="int8", mode="pq", pq_book=[float("nan")] * 512), "pq_book"),
+])
+def test_invalid_node_fails_with_name(attrs, needle):
+    with pytest.raises(Exception) as e:
+        custom_ops.session(kv_model(attrs, name="bad_pq_node"))
+    assert "bad_pq_node" in str(e.value) and needle in str(e.value)
+
+
+@requires_native
+def test_book_and_dims_lengths_checked_at_run():
+    f, pa = pq_case(Hq=4, Hkv=2, P=20, D=16)
+    for bad, needle in ((dict(pa, pq_book=pa["pq_book"][:-16]), "pq_book has 496 values"),
+                        (dict(pa, pq_dims=list(range(8))), "pq_dims has 8 values")):
+        with pytest.raises(Exception, match=needle):
+            run_native(dict(kv_quant="int8", budget=0.5, **bad), f)
