@@ -336,12 +336,15 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
     """``io``'s cache from ``built`` (a ``past_key_values.N.key`` / ``.value`` float cache, or a
     PackedAttention fp32-row cache): the same arrays where the formats agree, or for PackedAttention's
     cache state (``past_key_values.N.kv`` / ``.key_bits``) the K/V rows quantized and the keys packed
-    as the op stores new rows (the K/V format and key-bit width read from the state's row width)."""
-    from ..reference.attn import cache_bits_words, kv_row_words, pack_cache
+    as the op stores new rows: the K/V format from the state's row width, the key packing from the
+    node (``io.key_packing``, when ``io`` came from the model file; else sign / ternary by width))."""
+    from ..reference.attn import cache_bits_words, kv_row_words, pack_cache, pq_params
 
     out, packed = {}, {}  # packed: stem -> (bits, rows), one pack_cache per layer for its two states
     def same_format(name: str) -> bool:  # a PackedAttention state: its layer's .kv rows of the same width
         stem, _, kind = name.rpartition(".")
+        if kind in ("kv", "key_bits") and io.key_packing.get(stem, {}).get("mode", "sign") == "pq":
+            return False  # pq codes have sign bits' width: another model's key bits are never this codebook's
         probe = f"{stem}.kv" if kind in ("kv", "key_bits") else name
         want = io.state_shapes.get(probe, [None])[-1]
         return probe in built and (not isinstance(want, int) or built[probe].shape[-1] == want)
@@ -362,10 +365,16 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
         q = next((q for q in ("int8", "int4", "fp32") if kv_row_words(D, Dv, q) == rw), None)
         if q is None:
             raise KeyError(f"{stem}.kv: row width {rw} is no K/V format of head dims {D}/{Dv}")
-        mode = next((m for m in ("sign", "ternary") if cache_bits_words(D, m) == bw), None)
-        if mode is None:
-            raise KeyError(f"{stem}.key_bits: row width {bw} is no key-bits format of head dim {D}")
-        packed[stem] = pack_cache(K, V, q, mode, 0.0 if mode == "sign" else 1e-4)
+        spec = io.key_packing.get(stem)
+        if spec:  # the node's own packing (from_session(model_path)): pq codebooks, eps
+            mode, eps = spec["mode"], spec["eps"]
+            pq = pq_params(spec["pq_book"], spec["pq_dims"], K.shape[1], D) if mode == "pq" else None
+            packed[stem] = pack_cache(K, V, q, mode, eps, spec["eps_heads"] or None, pq)
+        else:
+            mode = next((m for m in ("sign", "ternary") if cache_bits_words(D, m) == bw), None)
+            if mode is None:
+                raise KeyError(f"{stem}.key_bits: row width {bw} is no key-bits format of head dim {D}")
+            packed[stem] = pack_cache(K, V, q, mode, 0.0 if mode == "sign" else 1e-4)
         out[name] = packed[stem][1 if kind == "kv" else 0]
     return out
 

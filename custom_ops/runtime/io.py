@@ -45,6 +45,10 @@ class ModelIO:
     head_dim: int | None = None
     vocab_size: int | None = None
     hidden_size: int | None = None
+    # PackedAttention's key packing per cache stem ("past_key_values.N" -> the node's mode, eps,
+    # eps_heads, pq_book, pq_dims), read from the model file by from_session(model_path): sign and pq
+    # key-bits rows have the same width, so the state alone does not say how to pack a key
+    key_packing: dict[str, dict] = field(default_factory=dict)
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -187,7 +191,10 @@ class ModelIO:
             return a.name, shape, _ONNX_TO_NP.get(a.type, np.float32)
 
         io = cls.from_signature([vi(a) for a in sess.get_inputs()], [vi(a) for a in sess.get_outputs()])
-        return io.resolve_dims(model_path) if model_path is not None else io
+        if model_path is None:
+            return io
+        io.key_packing = key_packing(model_path) if any(n.endswith(".key_bits") for n in io.past_to_present) else {}
+        return io.resolve_dims(model_path)
 
     # -- symbolic state dimensions ------------------------------------------------------------
     def _set_kv_dims(self, kv_heads: int | None, head_dim: int | None) -> "ModelIO":
@@ -358,3 +365,25 @@ def feeds(io: ModelIO, input_ids, past: Mapping[str, np.ndarray] | None = None, 
     return out
 
 
+def key_packing(model_path) -> dict[str, dict]:
+    """{cache stem: {mode, eps, eps_heads, pq_book, pq_dims}} of every PackedAttention node of the
+    model file (its past_bits input ``<stem>.key_bits``); {} for bytes or no such node."""
+    if isinstance(model_path, (bytes, bytearray)):
+        return {}
+    p = Path(model_path)
+    p = p / "model.onnx" if p.is_dir() else p
+    if not p.is_file():
+        return {}
+    import onnx
+    from onnx import helper
+
+    out = {}
+    for n in onnx.load(str(p), load_external_data=False).graph.node:
+        if n.op_type != "PackedAttention" or len(n.input) < 5 or not n.input[4].endswith(".key_bits"):
+            continue
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        out[n.input[4][: -len(".key_bits")]] = {
+            "mode": a.get("mode", b"sign").decode() if isinstance(a.get("mode"), bytes) else a.get("mode", "sign"),
+            "eps": float(a.get("eps", 0.0)), "eps_heads": list(a.get("eps_heads", [])),
+            "pq_book": list(a.get("pq_book", [])), "pq_dims": list(a.get("pq_dims", []))}
+    return out

@@ -179,9 +179,13 @@ def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(
     the candidate path (None: never within the grid)}."""
     import custom_ops
     from custom_ops import runtime
-    from custom_ops.reference.attn import pack_cache
+    from custom_ops.reference.attn import pack_cache, pq_params
 
     a = {**attrs, "min_context": 0}
+    if a.get("mode") == "pq" and not a.get("pq_book"):
+        # the step's time does not depend on the centroids' values: a fixed random book (and a short key)
+        a["pq_book"] = [float(x) for x in np.random.default_rng(1).standard_normal(Hkv * D * 16, dtype=np.float32)]
+        a.pop("pq_dims", None)
 
     def measure():
         s_ap = custom_ops.session(packed_attention_model(Hq, Hkv, D, Dv, a), threads=threads)
@@ -191,7 +195,9 @@ def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(
         for P in pasts:
             Kp = rng.standard_normal((1, Hkv, P, D), dtype=np.float32)
             Vp = rng.standard_normal((1, Hkv, P, Dv), dtype=np.float32)
-            bits, rows = pack_cache(Kp, Vp, a.get("kv_quant", "int8"), a.get("mode", "sign"), a.get("eps", 0.0))
+            mode = a.get("mode", "sign")
+            pq = pq_params(a.get("pq_book"), a.get("pq_dims"), Hkv, D) if mode == "pq" else None
+            bits, rows = pack_cache(Kp, Vp, a.get("kv_quant", "int8"), mode, a.get("eps", 0.0), None, pq)
             f = {"Q": rng.standard_normal((1, Hq, 1, D), dtype=np.float32),
                  "K": rng.standard_normal((1, Hkv, 1, D), dtype=np.float32),
                  "V": rng.standard_normal((1, Hkv, 1, Dv), dtype=np.float32),
@@ -201,7 +207,7 @@ def attention_crossover(Hq: int, Hkv: int, D: int, Dv: int, attrs: dict, pasts=(
         return out
 
     key = ["PackedAttention-crossover", Hq, Hkv, D, Dv, sorted((k, v) for k, v in a.items()
-                                                               if k not in ("layer", "scale")), list(pasts)]
+                                                               if k not in ("layer", "scale", "pq_book")), list(pasts)]
     res = cached(key, threads, measure) if use_cache else measure()
     ps = sorted(pasts)
     first = len(ps)                      # the first grid past from which every longer one is faster
