@@ -137,9 +137,12 @@ def tune_line(t: dict) -> str:
     out = f"attention tune: {t['summary']}"
     q = t.get("quality")
     if isinstance(q, dict):
-        tr = ", ".join(f"b{x['budget']:g}/w{x['window']} {100 * x['delta_ppl']:+.2f} %" for x in q["trials"])
+        tr = ", ".join(f"b{x['budget']:g}/w{x['window']} {100 * x['delta_ppl']:+.2f} %"
+                       + (f" (≤ {100 * x['delta_ppl_upper']:+.2f})" if "delta_ppl_upper" in x else "")
+                       for x in q["trials"])
         out += (f"\n  decode-mode Δppl vs exact attention ({q['context']}-token context, {q['scored']} decode steps "
-                f"of the calibration text; budget {100 * q['budget']:g} %): {tr}")
+                f"of the calibration text; budget {100 * q['budget']:g} %, met by the one-sided 95 % upper bound in "
+                f"brackets): {tr}")
     elif q:
         out += f"\n  budget/window not calibrated: {q}"
     m = t.get("min_context_measured")

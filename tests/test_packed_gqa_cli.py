@@ -250,7 +250,8 @@ def test_tune_chooses_budget_window_min_context(forms, tmp_path):
     t = rec["tune"]
     trials = t["quality"]["trials"]
     assert trials[0]["budget"] == 1.0 and t["quality"]["context"] == 300
-    passing = [x for x in trials if x["delta_ppl"] <= 0.05]
+    assert all(x["delta_ppl_upper"] >= x["delta_ppl"] for x in trials)
+    passing = [x for x in trials if x["delta_ppl_upper"] <= 0.05]   # the budget holds at the upper bound
     assert {"budget": t["budget"], "window": t["window"]} in [{"budget": x["budget"], "window": x["window"]}
                                                               for x in passing]
     # the fastest passing trial by the op's measured speedup at the context (exact unless one is >= MIN_SPEEDUP)
@@ -347,6 +348,27 @@ def test_quality_floor():
                          0.02) == 4096                          # a pass below a failure does not count
     assert quality_floor(4096, [{"context": 1024, "delta_ppl": float("nan")}], 0.02) == 4096
     assert quality_floor(300, [], 0.02) == 300
+    # the upper bound is what must pass when a check has one
+    assert quality_floor(4096, [{"context": 2048, "delta_ppl": 0.015, "delta_ppl_upper": 0.025}], 0.02) == 4096
+
+
+def test_paired_delta_upper_bound():
+    """Δppl from paired per-token NLLs and its one-sided 95 % upper bound: equal NLLs give 0 and 0, a
+    constant shift gives exp(shift) − 1 for both, noisy differences a bound above the mean that
+    narrows as the sample grows."""
+    from rewriter.backends.packed_attention import Z_UPPER, paired_delta
+
+    r = np.random.default_rng(0)
+    ref = r.uniform(1, 5, 1000)
+    assert paired_delta(ref, ref) == (0.0, 0.0)
+    d, up = paired_delta(ref + 0.01, ref)
+    assert d == pytest.approx(np.expm1(0.01)) and up == pytest.approx(d)
+    noise = r.normal(0.01, 0.2, 4000)
+    d1, u1 = paired_delta(ref + noise[:1000], ref)
+    d4, u4 = paired_delta(np.tile(ref, 4) + noise, np.tile(ref, 4))
+    assert u1 > d1 and u4 > d4 and u4 - d4 < u1 - d1
+    se = noise[:1000].std(ddof=1) / np.sqrt(1000)
+    assert u1 == pytest.approx(np.expm1(noise[:1000].mean() + Z_UPPER * se))
 
 
 def test_speedup_at_interpolates_in_log_past():
@@ -522,3 +544,82 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert {"dense", "lean", "dense | shared KV", "lean | shared KV"} <= set(rows)
     assert all(rows[k]["decode510"] > 0 for k in rows)
     assert "dec P510 t1" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- pq key codes
+def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path):
+    """--state-pack binary with --calib-text on a fused graph packs pq codes by default (auto): every
+    node carries mode pq, a [Hkv, D/4, 16, 4] codebook and the rotary pairing as pq_dims; the model
+    decodes; ortlean's long-past cache (state_from_kv, the packing read from the model file) packs
+    the keys as the op itself does. --attn-pack-bits sign keeps sign bits with key scales; pq without
+    calibration text, or on an unfused graph, is refused."""
+    import onnx
+
+    from custom_ops.runtime import bench as rb
+    from rewriter.backends.packed_attention import pq_dims
+
+    src = forms["genai-fp32"] / "model.onnx"
+    calib = _calib_text(tmp_path / "calib.txt")
+    rc, rep = _rewrite(src, tmp_path / "pq.onnx", "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget",
+                       "0.5", "--attn-tune", "off", "--calib-text", str(calib), "--attn-pq-keys", "512")
+    assert rc == 0, rep
+    assert any("pq key codes" in r["decision"] for r in rep["graph_passes"])
+    m = onnx.load(str(tmp_path / "pq.onnx"), load_external_data=False)
+    pa = [n for n in m.graph.node if n.op_type == "PackedAttention"]
+    hkv = next(a.i for a in pa[0].attribute if a.name == "kv_num_heads")
+    for n in pa:
+        a = {x.name: x for x in n.attribute}
+        assert a["mode"].s == b"pq" and "kscale" not in a
+        D = len(a["pq_dims"].ints) if "pq_dims" in a else None
+        assert D and len(a["pq_book"].floats) == hkv * D * 16
+        cos = next(i for i in m.graph.initializer if i.name == n.input[7])
+        r = cos.dims[1] * 2
+        assert list(a["pq_dims"].ints)[:4] == [0, r // 2, 1, r // 2 + 1] == pq_dims(D, (np.zeros((1, r // 2)),) * 2
+                                                                                    + (False,))[:4]
+    rc, _ = _rewrite(src, tmp_path / "f.onnx", "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget", "1",
+                     "--attn-tune", "off")
+    assert rc == 0
+    sf, sp = (custom_ops.session(str(tmp_path / n), threads=1) for n in ("f.onnx", "pq.onnx"))
+    iof, iop = runtime.ModelIO.from_session(sf, tmp_path / "f.onnx"), runtime.ModelIO.from_session(sp, tmp_path / "pq.onnx")
+    assert iop.key_packing and all(v["mode"] == "pq" for v in iop.key_packing.values())
+    ids = np.random.default_rng(0).integers(3, 200, (1, 60))
+    own = rb.chunked_state(sp, iop, ids)            # the op packs its keys
+    made = rb.state_from_kv(iop, rb.chunked_state(sf, iof, ids))   # the reference packs the float cache's keys
+    for name in (n for n in iop.past_to_present if n.endswith(".key_bits")):
+        W0 = own[name].shape[-1] - 2
+        np.testing.assert_array_equal(own[name][..., :W0], made[name][..., :W0])  # contexts < min_context: exact
+    logits = _shared_logits(tmp_path / "pq.onnx", ids[:, :40], ids[:, 40:48])
+    assert np.isfinite(logits).all()
+    rc, rep = _rewrite(src, tmp_path / "s.onnx", "--state-pack", "binary", "--attn-budget", "0.5", "--attn-tune", "off",
+                       "--calib-text", str(calib), "--attn-pack-bits", "sign")
+    assert rc == 0
+    a = {x.name: x for x in next(n for n in onnx.load(str(tmp_path / "s.onnx"), load_external_data=False).graph.node
+                                 if n.op_type == "PackedAttention").attribute}
+    assert a["mode"].s == b"sign" and "kscale" in a and "pq_book" not in a
+    rc, _ = _rewrite(src, tmp_path / "x.onnx", "--state-pack", "binary", "--attn-pack-bits", "pq", "--attn-tune", "off")
+    assert rc != 0
+
+
+def test_fit_pq_book_and_rotary_helpers():
+    """fit_pq_book recovers well-separated centroids; keys rotated to other positions and back are
+    the same keys; the rotary pairing of pq_dims for half-split and interleaved layouts."""
+    from rewriter.backends.packed_attention import _rotate, fit_pq_book, pq_dims
+
+    r = np.random.default_rng(0)
+    D = 16
+    true = r.standard_normal((D // 4, 16, 4)).astype(np.float32) * 10
+    keys = np.concatenate([true[np.arange(D // 4), r.integers(0, 16, D // 4)].reshape(D) for _ in range(800)])
+    keys = keys.reshape(800, D) + r.standard_normal((800, D)).astype(np.float32) * 0.01
+    book = fit_pq_book(keys, list(range(D)), None, 2000, seed=1)
+    for s in range(D // 4):
+        d = ((book[s][:, None] - true[s][None]) ** 2).sum(-1)
+        assert d.min(0).max() < 0.1   # every true centroid found
+    ang = r.uniform(0, 6.3, (5, 4)).astype(np.float32)
+    x = r.standard_normal((5, 12)).astype(np.float32)
+    for inter in (False, True):
+        y = _rotate(x, np.cos(ang), np.sin(ang), inter)
+        assert np.allclose(_rotate(y, np.cos(ang), np.sin(ang), inter, inverse=True), x, atol=1e-5)
+        assert np.allclose(y[:, 8:], x[:, 8:])                                  # dims past r unrotated
+    assert pq_dims(12, (np.zeros((1, 4)), None, False)) == [0, 4, 1, 5, 2, 6, 3, 7, 8, 9, 10, 11]
+    assert pq_dims(8, (np.zeros((1, 4)), None, True)) == list(range(8))
+    assert pq_dims(8, None) == list(range(8))

@@ -51,21 +51,25 @@ def _variant_models(base: Path, variants: list[tuple[str, ...]], out: Path, cali
 
     paths = {}
     for kvq, budget, *more in variants:
-        # kN: --attn-cand-block N, wN: --attn-window N, c: --calib-text, o: --attn-select exact (oracle)
+        # kN: --attn-cand-block N, wN: --attn-window N, c: --calib-text, o: --attn-select exact (oracle),
+        # p: --attn-pack-bits pq (pq key codes, fitted on the calibration text)
         opts = {m[0]: int(m[1:] or 1) for m in more}
-        if set(opts) - {"k", "w", "c", "o"}:
+        if set(opts) - {"k", "w", "c", "o", "p"}:
             raise SystemExit(f"variant {kvq}:{budget}:{':'.join(more)}: options are kN (candidate blocks), wN (window), "
                              "c (calibration text: per-channel key scales for the popcount score), o (oracle: "
-                             "candidates by exact scores, what the budget alone costs; no speed benefit)")
+                             "candidates by exact scores, what the budget alone costs; no speed benefit), p (pq key "
+                             "codes fitted on the calibration text)")
         blk = opts.get("k", 1)
         name = f"packed {kvq} b{budget}" + (f" k{blk}" if blk != 1 else "") + (f" w{opts['w']}" if "w" in opts else "") \
-            + (" cal" if "c" in opts else "") + (" oracle" if "o" in opts else "")
+            + (" cal" if "c" in opts else "") + (" oracle" if "o" in opts else "") + (" pq" if "p" in opts else "")
         p = out / name.replace(" ", "_") / "model.onnx"
         p.parent.mkdir(parents=True, exist_ok=True)
         flags = ["--state-pack", "binary", "--attn-kv", kvq] + (["--attn-cand-block", str(blk)] if blk != 1 else [])
         flags += ["--attn-window", str(opts["w"])] if "w" in opts else []
         flags += ["--attn-select", "exact"] if "o" in opts else []
-        if "c" in opts and budget != "auto":
+        # c alone: sign bits with the calibrated key scales (a rewrite with --calib-text packs pq codes by default)
+        flags += ["--attn-pack-bits", "pq" if "p" in opts else "sign"] if "p" in opts or "c" in opts else []
+        if ("c" in opts or "p" in opts) and budget != "auto":
             flags += ["--calib-text", calib]
         if budget == "auto":
             if not calib:
@@ -117,7 +121,8 @@ def run(a) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-longctx-"))
     from models import corpus
 
-    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(v[1] == "auto" or "c" in v[2:] for v in variants) else None
+    calib = str(corpus.novels()[corpus.CALIB_NOVEL]) if any(v[1] == "auto" or "c" in v[2:] or "p" in v[2:] for v in variants) \
+        else None
     paths = {"gqa int4": base, **_variant_models(base, variants, tmp, calib)}
     for e in filter(None, a.extra.split(",")):
         name, _, path = e.partition("=")
@@ -143,7 +148,7 @@ def run(a) -> dict:
         # over several sessions is what a model gets)
         keys = [(n, j) for j in range(a.sessions) for n in paths]
         sess = {(n, j): custom_ops.session(str(paths[n]), threads=th) for n, j in keys}
-        ios = {key: runtime.ModelIO.from_session(s) for key, s in sess.items()}
+        ios = {key: runtime.ModelIO.from_session(s, paths[key[0]]) for key, s in sess.items()}
         if th == threads[0]:
             g = _kv_bytes_per_token(ios[("gqa int4", 0)])
             for n in paths:
@@ -193,7 +198,8 @@ def run(a) -> dict:
             del kvs, g
         del sess
     if a.ppl_windows > 0:
-        ids = np.asarray(_eval_ids(), dtype=np.int64)
+        novel = corpus.CALIB_NOVEL if a.ppl_novel == "calib" else corpus.EVAL_NOVEL
+        ids = np.asarray(_eval_ids(novel), dtype=np.int64)
         sess = {n: custom_ops.session(str(p), threads=threads[-1]) for n, p in paths.items()}
         dm = dict(context=a.ppl_context, score=a.ppl_score, windows=a.ppl_windows)
         ref = None
@@ -202,20 +208,20 @@ def run(a) -> dict:
             d = runtime.decode_perplexity(s, runtime.ModelIO.from_session(s), ids, **dm)
             ref = ref or d
             res["quality"][n] = {"ppl": round(d["ppl"], 4), "delta_ppl": round(d["ppl"] / ref["ppl"] - 1, 4),
-                                 "tokens": d["tokens"], "loop": d["loop"], **dm}
+                                 "tokens": d["tokens"], "loop": d["loop"], "novel": novel, **dm}
             print(f"[{isa}] {n:20s} decode-mode ppl {d['ppl']:.4f}  Δppl {100 * (d['ppl'] / ref['ppl'] - 1):+.2f} % "
-                  f"({d['tokens']} tokens after {a.ppl_context}-token prefills, Persuasion; "
+                  f"({d['tokens']} tokens after {a.ppl_context}-token prefills, {novel}; "
                   f"{time.monotonic() - t0:.0f} s)", flush=True)
     return res
 
 
-def _eval_ids():
+def _eval_ids(novel):
     from tokenizers import Tokenizer
 
     from models import corpus, prepare
 
     tok = Tokenizer.from_file(str(prepare.prepare("smollm2") / "tokenizer.json"))
-    return tok.encode(corpus.text(corpus.EVAL_NOVEL), add_special_tokens=False).ids
+    return tok.encode(corpus.text(novel), add_special_tokens=False).ids
 
 
 def plot(a) -> None:
@@ -265,7 +271,8 @@ def main(argv=None) -> int:
                          "candidates in blocks of N keys (--attn-cand-block); wN: a recent window of N keys "
                          "(--attn-window); c: --calib-text (the calibration novel: per-channel key scales in the "
                          "popcount score, as a rewrite with calibration text gets them); o: --attn-select exact "
-                         "(oracle candidates: what the budget alone costs)")
+                         "(oracle candidates: what the budget alone costs); p: --attn-pack-bits pq (pq key codes "
+                         "fitted on the calibration novel)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=1,
@@ -273,6 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-context", type=int, default=4096)
     ap.add_argument("--ppl-score", type=int, default=64)
     ap.add_argument("--ppl-windows", type=int, default=1)
+    ap.add_argument("--ppl-novel", choices=("eval", "calib"), default="eval",
+                    help="the quality's text: the held-out novel (default) or the calibration one (what --attn-tune "
+                         "sees; in-sample for pq codes and key scales)")
     ap.add_argument("--extra", default="", help="NAME=MODEL,... more models in the same rounds")
     ap.add_argument("--json")
     ap.add_argument("--quality-json", help="plot: take Δppl from these runs' JSON (comma-separated, later ones "
