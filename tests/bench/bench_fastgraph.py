@@ -148,7 +148,7 @@ def main():
     def io_for(name, sess):
         if name in genai_dirs:
             return peers.genai_io(sess, genai_dirs[name])
-        return runtime.ModelIO.from_session(sess)
+        return runtime.ModelIO.from_session(sess, models[name])   # the model file: its key packing for long pasts
 
     # rows: (model, driver)
     row_names = [f"{m}" for m in models]
