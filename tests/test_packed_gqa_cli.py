@@ -623,3 +623,22 @@ def test_fit_pq_book_and_rotary_helpers():
     assert pq_dims(12, (np.zeros((1, 4)), None, False)) == [0, 4, 1, 5, 2, 6, 3, 7, 8, 9, 10, 11]
     assert pq_dims(8, (np.zeros((1, 4)), None, True)) == list(range(8))
     assert pq_dims(8, None) == list(range(8))
+
+
+def test_og_row_runs_pasts_near_the_context_length(forms):
+    """The genai generator row (`ortlean bench`'s "| og") at a past whose rounds of steps would run
+    past the model's context_length (SmolLM2: past 8176 + rounds x 16 > 8192, og refused max_length):
+    max_length is capped and the generator built again, untimed, when a round has no room left."""
+    pytest.importorskip("onnxruntime_genai")
+    from custom_ops.runtime.bench import OgRow
+
+    d = forms["genai-fp32"]
+    ctx = json.loads((d / "genai_config.json").read_text())["model"]["context_length"]
+    p, steps = ctx - 16, 16
+    ids = np.random.default_rng(0).integers(3, 200, (1, p))
+    row = OgRow(d, threads=1, past_ids={p: ids}, steps=steps, rounds=4)
+    assert row.max_len == ctx
+    for _ in range(4):
+        t = row.decode(p, np.zeros((1, steps), np.int64))
+        assert len(t) == steps and all(x > 0 for x in t)
+        assert row.used[p] <= ctx

@@ -1,8 +1,10 @@
 """Timing sessions: prefill/decode latency of whole models compared in one process, interleaved."""
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -261,8 +263,6 @@ class OgRow:
     generate_next_token, greedy, its shared KV buffers)."""
 
     def __init__(self, model_dir, threads: int, past_ids: dict, steps: int, rounds: int):
-        import json
-
         import onnxruntime_genai as og
 
         self.og = og
@@ -272,6 +272,10 @@ class OgRow:
         self.model = og.Model(cfg)
         self.past_ids, self.steps, self.rounds = past_ids, steps, rounds
         self.gens: dict[int, object] = {}
+        self.used: dict[int, int] = {}    # tokens in each past's generator
+        gc = Path(model_dir) / "genai_config.json"
+        ctx = json.loads(gc.read_text()).get("model", {}).get("context_length") if gc.is_file() else None
+        self.max_len = int(ctx) if ctx else None  # og refuses a max_length beyond the model's context_length
 
     def _gen(self, max_length: int):
         p = self.og.GeneratorParams(self.model)
@@ -289,10 +293,16 @@ class OgRow:
     def decode(self, p: int, step_ids) -> list[float]:
         # one generator per past length, built once (untimed) and continued: its past grows by
         # `steps` tokens per round (og cannot rewind a shared-buffer cache cheaply)
-        if p not in self.gens:
-            g = self._gen(p + self.steps * (self.rounds + 2) + 2)
-            g.append_tokens(np.asarray(self.past_ids[p]).reshape(-1).astype(np.int32))
-            self.gens[p] = g
+        n = step_ids.shape[1]
+        cap = p + self.steps * (self.rounds + 2) + 2
+        cap = min(cap, self.max_len) if self.max_len else cap
+        if p not in self.gens or self.used[p] + n > cap:
+            # new, or no room left for this round's steps (a past near the context length): built again, untimed
+            past = np.asarray(self.past_ids[p]).reshape(-1).astype(np.int32)
+            g = self._gen(cap)
+            g.append_tokens(past)
+            self.gens[p], self.used[p] = g, past.size
+        self.used[p] += n
         g, out = self.gens[p], []
         for _ in range(step_ids.shape[1]):
             t0 = time.perf_counter()
