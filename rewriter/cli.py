@@ -263,7 +263,7 @@ def cmd_inspect(args) -> int:
         print(f"\n{len(custom)} ortlean nodes:")
         for c in custom:
             a = c["attributes"]
-            extra = ", ".join(f"{k}={v}" for k, v in a.items() if k not in ("layer", "target"))
+            extra = ", ".join(f"{k}={_short(v)}" for k, v in a.items() if k not in ("layer", "target"))
             print(f"  {c['op']:<12} {c['name']}  [{a.get('target', '?')}]  {extra}")
     print(f"\n{len(cands)} dense weight MatMuls:")
     for c in info["dense_candidates"]:
@@ -276,6 +276,14 @@ def cmd_inspect(args) -> int:
     if info["attention_cores"]:
         print(f"\n{info['attention_cores']} fused attention cores")
     return 0
+
+
+def _short(v, n: int = 6):
+    """A list attribute for the text listing: itself when short, else its length and first values
+    (PackedAttention's pq_book has KV heads x head dim x 16 of them; --json keeps them all)."""
+    if isinstance(v, list) and len(v) > n:
+        return f"[{len(v)} values: {', '.join(f'{x:.4g}' if isinstance(x, float) else str(x) for x in v[:3])}, …]"
+    return v
 
 
 # --------------------------------------------------------------------------- eval / bench / generate

@@ -547,7 +547,7 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- pq key codes
-def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path):
+def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path, capsys):
     """--state-pack binary with --calib-text on a fused graph packs pq codes by default (auto): every
     node carries mode pq, a [Hkv, D/4, 16, 4] codebook and the rotary pairing as pq_dims; the model
     decodes; ortlean's long-past cache (state_from_kv, the packing read from the model file) packs
@@ -590,6 +590,13 @@ def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path):
         np.testing.assert_array_equal(own[name][..., :W0], made[name][..., :W0])  # contexts < min_context: exact
     logits = _shared_logits(tmp_path / "pq.onnx", ids[:, :40], ids[:, 40:48])
     assert np.isfinite(logits).all()
+    # `ortlean inspect` lists a codebook by its length, not its values (--json keeps them)
+    from rewriter import cli
+
+    cli.main(["inspect", str(tmp_path / "pq.onnx")])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "mode=pq" in x)
+    assert f"pq_book=[{len(a['pq_book'].floats)} values:" in line and len(line) < 600
     rc, rep = _rewrite(src, tmp_path / "s.onnx", "--state-pack", "binary", "--attn-budget", "0.5", "--attn-tune", "off",
                        "--calib-text", str(calib), "--attn-pack-bits", "sign")
     assert rc == 0
