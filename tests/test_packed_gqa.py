@@ -43,8 +43,9 @@ def kv_model(attrs, *, use=("Q", "K", "V", "past_bits", "past_kv"), outs=3, name
     return m.SerializeToString()
 
 
-def case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, mode="sign", eps=0.0):
-    """Random new tokens and a past cache whose keys have a few hot rows aligned with the queries."""
+def case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, mode="sign", eps=0.0, pq=None):
+    """Random new tokens and a past cache whose keys have a few hot rows aligned with the queries
+    (pq: mode pq's (book, dims))."""
     r = np.random.default_rng(seed)
     Dv = Dv or D
     Q = r.standard_normal((B, Hq, S, D), dtype=np.float32)
@@ -55,7 +56,7 @@ def case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, mode="si
     Vp = r.standard_normal((B, Hkv, P, Dv), dtype=np.float32)
     K = r.standard_normal((B, Hkv, S, D), dtype=np.float32)
     V = r.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
-    bits, rows = pack_cache(Kp, Vp, q, mode, eps)
+    bits, rows = pack_cache(Kp, Vp, q, mode, eps, None, pq)
     feed = {"Q": Q, "K": K, "V": V, "past_kv": rows, "past_bits": bits}
     return feed
 
@@ -210,8 +211,13 @@ def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs):
              eps=attrs.get("eps", 0.0))
     if not P:
         f.pop("past_kv"), f.pop("past_bits")
-    Yr, br, kr = run_ref(attrs, f)
-    Y, bits, kv = run_native(attrs, f)
+    assert_native_equals_reference(attrs, f)
+
+
+def assert_native_equals_reference(attrs, feed):
+    """The kernel's cache rows and key-bits rows equal the reference's, Y to 2e-5."""
+    Yr, br, kr = run_ref(attrs, feed)
+    Y, bits, kv = run_native(attrs, feed)
     np.testing.assert_array_equal(kv, kr)
     np.testing.assert_array_equal(bits, br)
     np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)

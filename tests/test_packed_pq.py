@@ -24,7 +24,8 @@ from custom_ops.reference.attn import (pack_cache, pack_keys, pq_encode, pq_para
                                        pq_unpack, pq_words)
 
 from conftest import requires_native  # noqa: E402
-from test_packed_gqa import gqa_case, kv_model, run_native, run_ref, run_ref_op  # noqa: E402
+from test_packed_gqa import (assert_native_equals_reference, case, gqa_case, kv_model, run_native,  # noqa: E402
+                             run_ref, run_ref_op)
 
 
 def book_for(Hkv, D, seed=0, scale=1.0):
@@ -33,22 +34,11 @@ def book_for(Hkv, D, seed=0, scale=1.0):
 
 
 def pq_case(B=1, Hq=9, Hkv=3, S=1, P=700, D=64, Dv=None, q="int8", seed=0, dims=None, book=None):
-    """Random new tokens and a past whose keys have a few hot rows aligned with the queries (as
-    test_packed_gqa.case), packed with pq codes; returns (feed, attrs for the book)."""
-    r = np.random.default_rng(seed)
-    Dv = Dv or D
+    """test_packed_gqa.case's feed (hot keys aligned with the queries) packed with pq codes of a random
+    codebook; returns (feed, the node's pq attributes)."""
     book = book_for(Hkv, D, seed + 100) if book is None else book
     dims = np.arange(D) if dims is None else np.asarray(dims)
-    Q = r.standard_normal((B, Hq, S, D), dtype=np.float32)
-    Kp = r.standard_normal((B, Hkv, P, D), dtype=np.float32)
-    if P:
-        hot = r.choice(P, size=max(1, P // 20), replace=False)
-        Kp[:, :, hot] += 2.0 * Q.reshape(B, Hkv, Hq // Hkv, S, D).mean((2, 3))[:, :, None]
-    Vp = r.standard_normal((B, Hkv, P, Dv), dtype=np.float32)
-    K = r.standard_normal((B, Hkv, S, D), dtype=np.float32)
-    V = r.standard_normal((B, Hkv, S, Dv), dtype=np.float32)
-    bits, rows = pack_cache(Kp, Vp, q, "pq", pq=(book, dims))
-    feed = {"Q": Q, "K": K, "V": V, "past_kv": rows, "past_bits": bits}
+    feed = case(B=B, Hq=Hq, Hkv=Hkv, S=S, P=P, D=D, Dv=Dv, q=q, seed=seed, mode="pq", pq=(book, dims))
     attrs = dict(mode="pq", pq_book=[float(x) for x in book.ravel()])
     if not np.array_equal(dims, np.arange(D)):
         attrs["pq_dims"] = [int(x) for x in dims]
@@ -138,11 +128,7 @@ def test_kernel_vs_reference(B, Hq, Hkv, S, P, D, Dv, q, attrs, perm):
     attrs = dict(kv_quant=q, scale=float(D) ** -0.5, **pa, **attrs)
     if not P:
         f.pop("past_kv"), f.pop("past_bits")
-    Yr, br, kr = run_ref(attrs, f)
-    Y, bits, kv = run_native(attrs, f)
-    np.testing.assert_array_equal(kv, kr)
-    np.testing.assert_array_equal(bits, br)
-    np.testing.assert_allclose(Y, Yr, atol=2e-5, rtol=1e-4)
+    assert_native_equals_reference(attrs, f)
 
 
 @requires_native
