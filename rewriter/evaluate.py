@@ -117,7 +117,7 @@ def default_pasts(model: str) -> list[int]:
 
 def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
              sentences: int = 256, tokenizer: str | None = None, peers: str = "none", decode_context: int | None = None,
-             decode_score: int = 128) -> dict:
+             decode_score: int = 256) -> dict:
     tp = Path(text_path)
     if not tp.is_file():
         raise OrtleanError(f"--text {tp}: no such file")
@@ -146,7 +146,7 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
             if ctx_len < 1:
                 raise OrtleanError(f"--decode-context {want} + --decode-score {decode_score}: the model takes "
                                    f"{cap} positions")
-            dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 4))
+            dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 2))  # 4 x 256 by default
             res["mode"] = f"decode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode steps)"
             if ctx_len + decode_score < approx_from:
                 res["mode"] += (f"; the model approximates from context {approx_from} on: these steps run its exact "
@@ -161,6 +161,8 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
         l = score(s_lean, io_l)
         res.update({"tokens": int(d["tokens"]), "window": window, "ppl_ref": float(d["ppl"]), "ppl": float(l["ppl"]),
                     "delta_ppl": float(l["ppl"] / d["ppl"] - 1.0)})
+        if "token_nll" in d and len(d["token_nll"]) == len(l["token_nll"]):  # decode mode: the same tokens, paired
+            res["delta_ppl_upper"] = runtime.paired_delta(l["token_nll"], d["token_nll"])[1]
         rows, notes = {}, []
         for name, path in peer_models(ref, peers, notes).items():  # the peers a user compares, same text
             s = _session(path, threads)
@@ -185,6 +187,8 @@ def format_eval(r: dict) -> str:
         how = f"decode-mode, {r['mode']}" if r.get("mode") else f"{r['window']}-token windows"
         out = (f"perplexity on {r['tokens']} tokens ({how}) of {Path(r['text']).name}: "
                f"dense {r['ppl_ref']:.3f}, lean {r['ppl']:.3f}, Δppl {100 * r['delta_ppl']:+.2f} %")
+        if "delta_ppl_upper" in r:
+            out += f" (one-sided 95 % upper bound {100 * r['delta_ppl_upper']:+.2f} %, paired per-token NLLs)"
         for k, v in (r.get("peers") or {}).items():
             out += f"\n  {k:<12} ppl {v['ppl']:.3f}, Δppl {100 * v['delta_ppl']:+.2f} % (same text, vs the same dense model)"
         for n in r.get("notes") or []:

@@ -356,7 +356,8 @@ def test_paired_delta_upper_bound():
     """Δppl from paired per-token NLLs and its one-sided 95 % upper bound: equal NLLs give 0 and 0, a
     constant shift gives exp(shift) − 1 for both, noisy differences a bound above the mean that
     narrows as the sample grows."""
-    from rewriter.backends.packed_attention import Z_UPPER, paired_delta
+    from custom_ops.runtime.quality import Z_UPPER
+    from rewriter.backends.packed_attention import paired_delta
 
     r = np.random.default_rng(0)
     ref = r.uniform(1, 5, 1000)
@@ -444,6 +445,7 @@ def test_eval_and_bench_defaults_follow_the_approximation(forms, tmp_path):
                                 decode_context=ctx)
         assert res["mode"].startswith("decode") and ("run its exact path" in res["mode"]) == exact_note, res["mode"]
         assert f"{ctx or 495}-token prefill" in res["mode"]
+        assert res["tokens"] == 32 and res["delta_ppl_upper"] >= res["delta_ppl"]   # 2 windows x 16, paired bound
         assert evaluate.default_pasts(str(out)) == [128, 1024, 4096, 8192]
     assert evaluate.default_pasts(str(src)) == [128]
 
@@ -464,7 +466,7 @@ def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
     assert cli.main(["eval", str(tmp_path / "a.onnx"), "--ref", str(src), "--text", str(text), "--decode-score", "16",
                      "--windows", "4", "--peers", "none"]) == 0
     out = capsys.readouterr().out
-    assert "decode-mode" in out and "Δppl" in out
+    assert "decode-mode" in out and "Δppl" in out and "one-sided 95 % upper bound" in out
     rc, _ = _rewrite(src, tmp_path / "x.onnx", "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget", "1",
                      "--attn-tune", "off")
     models = {}

@@ -24,11 +24,12 @@ from .generate import EOS_TOKENS, generate
 from .io import ModelIO, feeds, load_tokenizer, run, tokenize
 from .profile import ProfileSummary, profile_summary
 from .shared_kv import SharedKV, SharedKVError
-from .quality import approximate_decode, approximate_from, decode_perplexity, embeddings, perplexity, sentences_from_text
+from .quality import (approximate_decode, approximate_from, decode_perplexity, embeddings, paired_delta, perplexity,
+                      sentences_from_text)
 from .weights import quantize_matmul_nbits, weight_bytes
 
 __all__ = [
-    "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "decode_perplexity", "approximate_decode", "approximate_from", "embeddings",
+    "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "decode_perplexity", "paired_delta", "approximate_decode", "approximate_from", "embeddings",
     "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary",
     "ProfileSummary", "SharedKV", "SharedKVError", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
 ]
