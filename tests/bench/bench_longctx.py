@@ -207,9 +207,12 @@ def run(a) -> dict:
             t0 = time.monotonic()
             d = runtime.decode_perplexity(s, runtime.ModelIO.from_session(s), ids, **dm)
             ref = ref or d
+            up = runtime.paired_delta(d["token_nll"], ref["token_nll"])[1]   # paired, same tokens
             res["quality"][n] = {"ppl": round(d["ppl"], 4), "delta_ppl": round(d["ppl"] / ref["ppl"] - 1, 4),
-                                 "tokens": d["tokens"], "loop": d["loop"], "novel": novel, **dm}
+                                 "delta_ppl_upper": round(up, 4), "tokens": d["tokens"], "loop": d["loop"],
+                                 "novel": novel, **dm}
             print(f"[{isa}] {n:20s} decode-mode ppl {d['ppl']:.4f}  Δppl {100 * (d['ppl'] / ref['ppl'] - 1):+.2f} % "
+                  f"(one-sided 95 % bound {100 * up:+.2f} %) "
                   f"({d['tokens']} tokens after {a.ppl_context}-token prefills, {novel}; "
                   f"{time.monotonic() - t0:.0f} s)", flush=True)
     return res
