@@ -164,9 +164,9 @@ def rotary_of(model: ir.Model):
     for g in model.graph:
         if g.op_type != "GroupQueryAttention" or not g.attributes.get_int("do_rotary", 0) or len(g.inputs) < 9:
             continue
-        cs = [v.const_value for v in g.inputs[7:9]] if all(v is not None for v in g.inputs[7:9]) else [None]
-        if all(c is not None for c in cs):
-            return (np.asarray(cs[0].numpy(), np.float32), np.asarray(cs[1].numpy(), np.float32),
+        cos, sin = (None if v is None else v.const_value for v in g.inputs[7:9])
+        if cos is not None and sin is not None:
+            return (np.asarray(cos.numpy(), np.float32), np.asarray(sin.numpy(), np.float32),
                     bool(g.attributes.get_int("rotary_interleaved", 0)))
     return None
 
