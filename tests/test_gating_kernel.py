@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,13 @@ from custom_ops.reference.gating import event_gated_matmul, state_size, stateful
 from conftest import requires_native  # noqa: E402
 
 pytestmark = requires_native
+
+
+def _seed(key) -> int:
+    """A seed per parameter set, the same in every process (hash() of strings is salted per process:
+    the inputs, and a rare near-tie of the kernel's and the reference's block selection, changed
+    from run to run)."""
+    return zlib.crc32(repr(key).encode())
 
 
 def gate_model(W, attrs, *, name="gate", xshape=None, with_state=None, w_const=True) -> bytes:
@@ -95,7 +103,7 @@ def _check_case(W, x, attrs, threads=1):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("M", [1, 3, 128])
 def test_stateless_modes_vs_reference(mode, M):
-    rng = np.random.default_rng(hash((mode, M)) % 2**32)
+    rng = np.random.default_rng(_seed((mode, M)))
     K, N = 70, 45  # K not divisible by 16
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.2
     x = relu_x(rng, (M, K))

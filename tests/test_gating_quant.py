@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,13 @@ from test_gating_kernel import relu_x, run  # noqa: E402  (the f32 op's feeds an
 # (weight_format, zero points)
 FORMATS = [("int8", False), ("int4", False), ("int4", True), ("int4k", False)]
 FMT_IDS = ["int8", "int4", "int4_zp", "int4k"]
+
+
+def _seed(key) -> int:
+    """A seed per parameter set, the same in every process (hash() of strings is salted per process:
+    the inputs, and a rare near-tie of the kernel's and the reference's block selection, changed
+    from run to run)."""
+    return zlib.crc32(repr(key).encode())
 
 
 def grp(fmt, group):
@@ -213,7 +221,7 @@ def _check(W, x, fmt, zp, group, attrs, threads=2):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("M", [1, 3, 128])
 def test_stateless_modes_vs_reference(fmt, zp, mode, M):
-    rng = np.random.default_rng(abs(hash((fmt, zp, mode, M))) % 2**32)
+    rng = np.random.default_rng(_seed((fmt, zp, mode, M)))
     K, N = 70, 45  # N: not a multiple of the group (16) nor of the int4 chunk
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.2
     _check(W, relu_x(rng, (M, K)), fmt, zp, 16, MODES[mode])
@@ -225,7 +233,7 @@ def test_stateless_modes_vs_reference(fmt, zp, mode, M):
 @pytest.mark.parametrize("group", [16, 32])
 def test_int4k_odd_shapes_vs_reference(mode, M, group):
     """int4k: odd K (a padded last pair), K and N not multiples of the group or the 32-output chunk."""
-    rng = np.random.default_rng(abs(hash((mode, M, group))) % 2**32)
+    rng = np.random.default_rng(_seed((mode, M, group)))
     K, N = 71, 77
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.2
     a = dict(MODES[mode])
@@ -326,7 +334,7 @@ def _stream(rng, T, K, change=0.15):
 @pytest.mark.parametrize("fmt,zp", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("mode", list(EVENT_MODES))
 def test_stateful_modes_vs_reference(fmt, zp, mode):
-    rng = np.random.default_rng(abs(hash((fmt, zp, mode))) % 2**32)
+    rng = np.random.default_rng(_seed((fmt, zp, mode)))
     K, N, B, T, P = 70, 45, 2, 12, 3
     W = rng.standard_normal((K, N)).astype(np.float32) * 0.2
     a = EVENT_MODES[mode]
