@@ -356,8 +356,7 @@ def test_paired_delta_upper_bound():
     """Δppl from paired per-token NLLs and its one-sided 95 % upper bound: equal NLLs give 0 and 0, a
     constant shift gives exp(shift) − 1 for both, noisy differences a bound above the mean that
     narrows as the sample grows."""
-    from custom_ops.runtime.quality import Z_UPPER
-    from rewriter.backends.packed_attention import paired_delta
+    from custom_ops.runtime.quality import Z_UPPER, paired_delta
 
     r = np.random.default_rng(0)
     ref = r.uniform(1, 5, 1000)
@@ -610,9 +609,11 @@ def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path, capsys):
 
 
 def test_fit_pq_book_and_rotary_helpers():
-    """fit_pq_book recovers well-separated centroids; keys rotated to other positions and back are
-    the same keys; the rotary pairing of pq_dims for half-split and interleaved layouts."""
-    from rewriter.backends.packed_attention import _rotate, fit_pq_book, pq_dims
+    """fit_pq_book recovers well-separated centroids; GroupQueryAttention's rotary (the reference's,
+    which fit_pq_book turns keys back and on with) with -sin undoes itself; the rotary pairing of
+    pq_dims for half-split and interleaved layouts."""
+    from custom_ops.reference.attn import rotary
+    from rewriter.backends.packed_attention import fit_pq_book, pq_dims
 
     r = np.random.default_rng(0)
     D = 16
@@ -624,11 +625,12 @@ def test_fit_pq_book_and_rotary_helpers():
         d = ((book[s][:, None] - true[s][None]) ** 2).sum(-1)
         assert d.min(0).max() < 0.1   # every true centroid found
     ang = r.uniform(0, 6.3, (5, 4)).astype(np.float32)
-    x = r.standard_normal((5, 12)).astype(np.float32)
+    x = r.standard_normal((1, 1, 5, 12)).astype(np.float32)
+    pos = np.arange(5)[None]
     for inter in (False, True):
-        y = _rotate(x, np.cos(ang), np.sin(ang), inter)
-        assert np.allclose(_rotate(y, np.cos(ang), np.sin(ang), inter, inverse=True), x, atol=1e-5)
-        assert np.allclose(y[:, 8:], x[:, 8:])                                  # dims past r unrotated
+        y = rotary(x, pos, np.cos(ang), np.sin(ang), inter)
+        assert np.allclose(rotary(y, pos, np.cos(ang), -np.sin(ang), inter), x, atol=1e-5)
+        assert np.allclose(y[..., 8:], x[..., 8:])                              # dims past r unrotated
     assert pq_dims(12, (np.zeros((1, 4)), None, False)) == [0, 4, 1, 5, 2, 6, 3, 7, 8, 9, 10, 11]
     assert pq_dims(8, (np.zeros((1, 4)), None, True)) == list(range(8))
     assert pq_dims(8, None) == list(range(8))

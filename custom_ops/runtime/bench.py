@@ -304,7 +304,7 @@ class OgRow:
             self.gens[p], self.used[p] = g, past.size
         self.used[p] += n
         g, out = self.gens[p], []
-        for _ in range(step_ids.shape[1]):
+        for _ in range(n):
             t0 = time.perf_counter()
             g.generate_next_token()
             out.append(time.perf_counter() - t0)

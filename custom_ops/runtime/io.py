@@ -382,8 +382,9 @@ def key_packing(model_path) -> dict[str, dict]:
         if n.op_type != "PackedAttention" or len(n.input) < 5 or not n.input[4].endswith(".key_bits"):
             continue
         a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        mode = a.get("mode", b"sign")
         out[n.input[4][: -len(".key_bits")]] = {
-            "mode": a.get("mode", b"sign").decode() if isinstance(a.get("mode"), bytes) else a.get("mode", "sign"),
+            "mode": mode.decode() if isinstance(mode, bytes) else mode,
             "eps": float(a.get("eps", 0.0)), "eps_heads": list(a.get("eps_heads", [])),
             "pq_book": list(a.get("pq_book", [])), "pq_dims": list(a.get("pq_dims", []))}
     return out

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from custom_ops import runtime
-from custom_ops.reference.attn import cache_bits_words, kv_row_words, n_words
+from custom_ops.reference.attn import cache_bits_words, kv_row_words, n_words, rotary as gqa_rotary
 from custom_ops.schema import DOMAIN
 
 from ..builders.attention import find_attention
@@ -181,23 +181,6 @@ def pq_dims(D: int, rotary) -> list[int]:
     return [d for p in pairs for d in p] + list(range(r, D))
 
 
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, inverse: bool = False) -> np.ndarray:
-    """x [N, D] rotated by the rows cos / sin [N, r/2] (GroupQueryAttention's rotary; inverse: back)."""
-    h = cos.shape[1]
-    if interleaved:
-        x1, x2 = x[:, 0:2 * h:2], x[:, 1:2 * h:2]
-    else:
-        x1, x2 = x[:, :h], x[:, h:2 * h]
-    s = -sin if inverse else sin
-    y1, y2 = x1 * cos - x2 * s, x2 * cos + x1 * s
-    out = x.copy()
-    if interleaved:
-        out[:, 0:2 * h:2], out[:, 1:2 * h:2] = y1, y2
-    else:
-        out[:, :h], out[:, h:2 * h] = y1, y2
-    return out
-
-
 def fit_pq_book(keys: np.ndarray, dims: list[int], rotary, n: int, seed: int) -> np.ndarray:
     """Centroids [D/4, 16, 4] of one layer's KV head from its calibration keys [T, D] (post-RoPE, at
     positions 0 .. T-1): with rotary, n keys drawn from them, each rotated back from its position and
@@ -216,9 +199,11 @@ def fit_pq_book(keys: np.ndarray, dims: list[int], rotary, n: int, seed: int) ->
         cos, sin, inter = rotary
         if T > cos.shape[0]:
             raise OrtleanError(f"calibration keys at {T} positions, rotary cache holds {cos.shape[0]}")
-        x = _rotate(x, cos[pick], sin[pick], inter, inverse=True)
+        # GroupQueryAttention's rotary (the op's reference): back by -angle at each key's position, on
+        # by +angle at a random one
+        x = gqa_rotary(x[None, None], pick[None], cos, -sin, inter)[0, 0]
         to = rng.integers(0, cos.shape[0], n)
-        x = _rotate(x, cos[to], sin[to], inter)
+        x = gqa_rotary(x[None, None], to[None], cos, sin, inter)[0, 0]
     book = np.zeros((D // 4, 16, 4), np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # an empty cluster keeps its seed (kmeans2 warns)
@@ -501,11 +486,6 @@ def _decode_nll(sess, ids: np.ndarray, context: int, score: int, state: dict | N
     return nll, state
 
 
-# a trial passes when the one-sided 95 % upper bound of its Δppl fits --quality-budget, not just its mean
-# (runtime.paired_delta over the paired per-token NLLs)
-paired_delta = runtime.paired_delta
-
-
 def quality_floor(context: int, checks: list[dict], budget: float) -> int:
     """The shortest context from which on the chosen setting is within the quality budget: ``context``
     (where it was chosen, so passing) lowered through ``checks`` ({"context", "delta_ppl"[,
@@ -596,7 +576,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
                 sess = custom_ops.session(modelfile.serialized(model), threads=threads)
                 res = [_decode_nll(sess, x, C, score, st) for x, st in zip(spans, states)]
                 states = [r[1] for r in res]
-                d, up = paired_delta(np.concatenate([r[0] for r in res]), nll_ref)
+                d, up = runtime.paired_delta(np.concatenate([r[0] for r in res]), nll_ref)
                 trials.append({"budget": b, "window": w, "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
                 if up <= qb:
                     passing.append((d, w))
@@ -641,7 +621,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
                 nr = np.concatenate([_decode_nll(s_ref, x, c, score, st, io_hint=ctx.io)[0]
                                      for x, st in zip(spans, ref_states)])
                 na = np.concatenate([_decode_nll(sess, x, c, score, st)[0] for x, st in zip(spans, states)])
-                d, up = paired_delta(na, nr)
+                d, up = runtime.paired_delta(na, nr)
                 checks.append({"context": int(c), "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
             del sess
             out["quality"]["shorter"] = checks
