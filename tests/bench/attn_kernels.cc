@@ -13,7 +13,8 @@
 // the keys (as a 0.125 budget selects; still per context key: x8 per selected key; ORTLEAN_SEL=4 in the
 // environment keeps a quarter instead), lut = lutscore
 // over 8 bytes of key bits (one array, in cache), lut_rows = lutscore + score finish over 20-byte
-// key-bits rows of every copy (as the op reads them), stream = a plain read of the rows.
+// key-bits rows of every copy (as the op reads them), lut_rows_nogamma = the same without the gamma words
+// (ScoreFinish gword -1, as pq codes are scored), stream = a plain read of the rows.
 // Medians of reps; copies > 1 cycles through that many row buffers (copies = 90: the 50 MB of a
 // 30-layer SmolLM2 int8 cache at T = 4096, from DRAM; hugepages = 1: madvise(MADV_HUGEPAGE)).
 #include <algorithm>
@@ -107,10 +108,10 @@ int main(int argc, char** argv) {
   std::vector<uint32_t> kbc(static_cast<size_t>(T * 5) * copies);
   for (size_t i = 0; i < kbc.size(); ++i) kbc[i] = i % 5 >= 2 ? 0x3f000000u : rng();
   std::vector<float> gs(static_cast<size_t>(T));
-  auto lutc = [&] {
+  auto lutc = [&](bool gamma) {
     cur = (cur + 1) % copies;
     ortlean::ScoreFinish f{};
-    f.two = 2; f.qs = 5; f.gword = 2; f.coef = 1e-3f; f.g = gs.data();
+    f.two = 2; f.qs = 5; f.gword = gamma ? 2 : -1; f.coef = 1e-3f; f.g = gs.data();
     ak.lutscore(kbc.data() + static_cast<size_t>(T * 5) * cur, 5, T, 8, qi.data(), lut.data(), core.data(), &f, nullptr);
     sink = sink + gs[T / 2];
   };
@@ -133,7 +134,8 @@ int main(int argc, char** argv) {
     std::vector<double> ns;
   };
   std::vector<Case> cs = {{"tile", tile, {}}, {"attend", [&] { attend(false); }, {}},
-                          {"attend_sel8", [&] { attend(true); }, {}}, {"lutscore", lut_, {}}, {"lut_rows", lutc, {}},
+                          {"attend_sel8", [&] { attend(true); }, {}}, {"lutscore", lut_, {}}, {"lut_rows", [&] { lutc(true); }, {}},
+                          {"lut_rows_nogamma", [&] { lutc(false); }, {}},
                           {"stream", stream, {}}};
   if (argc > 6)  // only the named case (for perf)
     cs.erase(std::remove_if(cs.begin(), cs.end(), [&](const Case& c) { return std::strcmp(c.name, argv[6]) != 0; }), cs.end());

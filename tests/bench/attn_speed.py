@@ -10,7 +10,7 @@ in the same process, interleaved, medians; also the 512-row prefill of the same 
 model: SmolLM2 decode tokens/s at a cache of --past tokens, dense vs rewritten
 (runtime.bench_sessions: interleaved rounds, medians).
 
-    python tests/bench/attn_speed.py decode [--pasts 128,4096] [--budgets 1,0.25,0.125] [--kv int8,int4]
+    python tests/bench/attn_speed.py decode [--pasts 128,4096] [--budgets 1,0.25,0.125] [--kv int8,int4] [--mode sign|pq]
                                             [--layers 30] [--threads 1] [--json FILE]
 
 decode: one decode step of attention alone on SmolLM2 shapes (9 query heads, 3 KV heads, head dim
@@ -241,6 +241,10 @@ def bench_decode(a) -> dict:
                                           kv_num_heads=Hkv, scale=D ** -0.5))
         return model(nodes, ins, outs, ms=True)
 
+    # --mode pq: PackedAttention scores pq key codes (random codebook: the speed does not depend on it)
+    pq_attrs = dict(mode="pq", pq_book=[float(x) for x in rng.standard_normal(Hkv * (D // 4) * 16 * 4)]) \
+        if a.mode == "pq" else {}
+
     def packed_model(kvq, budget):
         nodes, ins, outs = [], [vi("Q"), vi("K"), vi("V"), vi("seqlens_k", TP.INT32)], []
         for i in range(L):
@@ -249,7 +253,7 @@ def bench_decode(a) -> dict:
             nodes.append(helper.make_node("PackedAttention", ["Q", "K", "V", "", f"pb{i}", f"pkv{i}", "seqlens_k"],
                                           [f"y{i}", f"b{i}", f"kv{i}"], domain="ai.ortlean", name=f"pa{i}",
                                           scale=D ** -0.5, kv_quant=kvq, budget=float(budget), window=a.window,
-                                          min_context=a.min_context))
+                                          min_context=a.min_context, **pq_attrs))
         return model(nodes, ins, outs)
 
     res = {"threads": a.threads, "isa": custom_ops.isa(), "layers": L, "shape": dict(Hq=Hq, Hkv=Hkv, D=D),
@@ -321,7 +325,7 @@ def bench_decode(a) -> dict:
                     kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
                     kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
                     bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
-                    bits[..., -3] = np.float32(0.8).view(np.int32)        # gamma
+                    bits[..., -3] = np.float32(1.0 if a.mode == "pq" else 0.8).view(np.int32)  # gamma (pq: 1)
                     bits[..., -2:] = np.float32(0.01).view(np.int32)      # the row's K / V scales
                     kv, bits = place(kv, pool), place(bits, pool)
                     ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)
@@ -399,6 +403,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--hugepages", action="store_true",
                     help="decode: also time every row with its caches on 2 MiB pages (rows hp:...)")
+    ap.add_argument("--mode", choices=["sign", "pq"], default="sign",
+                    help="decode: PackedAttention's key codes (pq: a random codebook)")
     ap.add_argument("--lib-a", help="decode: also time PackedAttention on this build of libortlean_ops.so")
     a = ap.parse_args(argv)
     res = bench_op(a) if a.what == "op" else bench_model(a) if a.what == "model" else bench_decode(a)

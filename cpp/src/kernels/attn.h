@@ -32,7 +32,7 @@ struct KvAttend {
 // The float scores of the candidate selection from the integer popcount score (lutscore / score_finish).
 struct ScoreFinish {
   int32_t two, qs;      // score = two * core - qs (sign keys: 2, sum of qi; else 1, 0)
-  int64_t gword;        // the word of a key's row holding its scale gamma (float32 bits)
+  int64_t gword;        // the word of a key's row holding its scale gamma (float32 bits); < 0: gamma 1, not read
   float coef;           // times gamma * coef
   const float* mr;      // null, or the mask row: key t's value at mr[t * mst] added
   int64_t mst;
@@ -91,7 +91,7 @@ struct AttnKernels {
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* qi, int32_t* lut,
                    int32_t* out, const ScoreFinish* fin, const int32_t* tables);
   // f.g[t] = float(f.two * core[t] - f.qs) * gamma_t * f.coef (+ f.mr[t * f.mst] when f.mr), NaN -> -inf,
-  // t < T; gamma_t = the float32 bits of word f.gword of key t's row (kb + t * ldk)
+  // t < T; gamma_t = the float32 bits of word f.gword of key t's row (kb + t * ldk), 1 when f.gword < 0
   void (*score_finish)(const int32_t* core, int64_t T, const ScoreFinish& f, const uint32_t* kb, int64_t ldk);
   // Cache-mode attend task (KvAttend above): blocks of kKvAttendBlock rows; float rows: logits =
   // (q.k) * scale; int8 / int4 rows: logits = float(sum_d qi_d * code_d) * (qs * (kscale * scale)),

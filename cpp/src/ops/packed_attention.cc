@@ -973,7 +973,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         ScoreFinish fin{};
         fin.two = 1;
         fin.qs = 0;
-        fin.gword = c.fmt.gamma;
+        fin.gword = -1;  // pq rows' gamma is 1 (the reference's pq score has no gamma)
         fin.coef = (a / L) * p.scale;
         fin.mr = mr ? mr + lo * c.mst : nullptr;
         fin.mst = c.mst;
