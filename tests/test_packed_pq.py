@@ -151,6 +151,32 @@ def test_kernel_vs_reference_mask_zero_query_and_nan_key():
 
 
 @requires_native
+@pytest.mark.parametrize("scale", [-0.125, 0.0, 1e-39])
+def test_selection_order_at_edge_scales(scale):
+    """Without a mask the kernel selects on the integer core where float(core) * coef orders keys
+    alike; a negative scale reverses the order, and zero (or a denormal coef) ties keys that the core
+    would separate: those take the float scores, as the reference does."""
+    f, pa = pq_case(Hq=6, Hkv=3, P=900, seed=12)
+    attrs = dict(kv_quant="int8", scale=scale, budget=0.2, window=8, sinks=2, min_context=0, **pa)
+    assert_native_equals_reference(attrs, f)
+
+
+@requires_native
+def test_selection_with_few_distinct_codes():
+    """Every cached key one of two codewords: the k-th largest score's bucket is mostly ties, which the
+    order breaks by index."""
+    Hkv, D = 2, 32
+    book = book_for(Hkv, D, 9)
+    f, pa = pq_case(Hq=4, Hkv=Hkv, P=777, D=D, Dv=D, book=book, seed=13)
+    r = np.random.default_rng(13)
+    pick = r.integers(0, 2, (1, Hkv, 777))
+    words = pq_words(np.where(pick[..., None] == 1, 3, 0) * np.ones((1, 1, 1, D // 4), np.int64), D)
+    f["past_bits"][..., :words.shape[-1]] = words
+    attrs = dict(kv_quant="int8", scale=D ** -0.5, budget=0.3, window=5, sinks=1, min_context=0, **pa)
+    assert_native_equals_reference(attrs, f)
+
+
+@requires_native
 def test_codeword_keys_pick_the_exact_candidates():
     """Keys made of codewords (every subspace exactly a centroid) and fp32 rows: the pq score is the
     exact group score up to the tables' rounding (qbits 16), so the candidates, and Y, are the

@@ -37,6 +37,10 @@ struct ScoreFinish {
   const float* mr;      // null, or the mask row: key t's value at mr[t * mst] added
   int64_t mst;
   float* g;             // [T] out
+  // non-null: integer buckets instead of g, ids[t] = core[t] - ilo + 1 (two, qs, gword, coef, mr, g
+  // unused): pq scores whose order is that of the integer core (ops/packed_attention.cc select_kv)
+  uint16_t* ids = nullptr;
+  int32_t ilo = 0;
 };
 
 // Query levels of the integer q.k of quantized rows: qi = rint(q * (kQLevels / max|q|)) per head.
@@ -91,7 +95,8 @@ struct AttnKernels {
   void (*lutscore)(const uint32_t* kb, int64_t ldk, int64_t T, int64_t nbytes, const int32_t* qi, int32_t* lut,
                    int32_t* out, const ScoreFinish* fin, const int32_t* tables);
   // f.g[t] = float(f.two * core[t] - f.qs) * gamma_t * f.coef (+ f.mr[t * f.mst] when f.mr), NaN -> -inf,
-  // t < T; gamma_t = the float32 bits of word f.gword of key t's row (kb + t * ldk), 1 when f.gword < 0
+  // t < T; gamma_t = the float32 bits of word f.gword of key t's row (kb + t * ldk), 1 when f.gword < 0;
+  // with f.ids: f.ids[t] = core[t] - f.ilo + 1 instead (the caller keeps it within uint16)
   void (*score_finish)(const int32_t* core, int64_t T, const ScoreFinish& f, const uint32_t* kb, int64_t ldk);
   // Cache-mode attend task (KvAttend above): blocks of kKvAttendBlock rows; float rows: logits =
   // (q.k) * scale; int8 / int4 rows: logits = float(sum_d qi_d * code_d) * (qs * (kscale * scale)),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -244,6 +245,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
              std::to_string(d) + (d < static_cast<int64_t>(seen.size()) ? " twice" : ""));
       seen[static_cast<size_t>(d)] = 1;
     }
+    p.pq_book_t = PackedKeyFormat::transpose_book(p.pq_book);
   } else if (!p.pq_book.empty() || !p.pq_dims.empty()) {
     fail("attributes pq_book / pq_dims need mode pq, got mode " + mode);
   }
@@ -741,7 +743,8 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
         const int64_t t = p0 + m;
         uint32_t* br = c.bits + ((b * Hkv + hk) * Tc + t) * W;
         if (p.mode == KeyMode::Pq)
-          c.fmt.pack_pq(kx0, p.pq_book.data() + hk * c.D * kPqCodes, p.pq_dims.empty() ? nullptr : p.pq_dims.data(), br);
+          c.fmt.pack_pq(kx0, p.pq_book.data() + hk * c.D * kPqCodes, p.pq_dims.empty() ? nullptr : p.pq_dims.data(), br,
+                        p.pq_book_t.data() + hk * c.D * kPqCodes);
         else
           c.fmt.pack(kx0, 1, eps, br);
         c.kf.store(kx0, c.D, vx0, c.Dv, c.kv + ((b * Hkv + hk) * Tc + t) * R, br + c.fmt.words);
@@ -833,6 +836,30 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
   while (j < ns) out[o++] = base + ti[j++];
   return o;
 }
+
+// top_k on exact integer buckets (ids[i] in [1, nbk], a higher id a higher score; 1 <= k < n): the
+// histogram's bucket of the k-th largest holds equal scores only, so its first k - above keys by index
+// are the ties the order takes (no nth_element). cnt: nbk + 2 int32, tmp and ti: n int32 each.
+int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int nbk, int32_t* cnt,
+                  int32_t* tmp, int32_t* ti, int32_t base, int32_t* out) {
+  std::memset(cnt, 0, sizeof(int32_t) * static_cast<size_t>(nbk + 2));
+  for (int64_t i = 0; i < n; ++i) ++cnt[ids[i]];
+  int64_t above = 0;
+  int bsel = nbk;
+  for (; bsel > 0; --bsel) {
+    if (above + cnt[bsel] >= k) break;
+    above += cnt[bsel];
+  }
+  int64_t mt = 0;
+  const int64_t na = ak.split_ids(ids, n, bsel, base, out, ti, &mt);  // above the bucket -> out, in it -> ti
+  const int64_t ns = k - na;                                          // 1 <= ns <= mt: the first ties
+  std::memcpy(tmp, out, sizeof(int32_t) * static_cast<size_t>(na));
+  int64_t i = 0, j = 0, o = 0;
+  while (i < na && j < ns) out[o++] = tmp[i] < base + ti[j] ? tmp[i++] : base + ti[j++];
+  while (i < na) out[o++] = tmp[i++];
+  while (j < ns) out[o++] = base + ti[j++];
+  return o;
+}
 }  // namespace
 
 namespace {
@@ -842,6 +869,9 @@ struct ScoreTask {
 };
 struct SelectSched {  // per-call arrays (thread-local storage reused across calls)
   std::vector<float> g;  // the rows' group scores, at their candidate lists' offsets
+  // pq rows scored as integer buckets (irange[r] > 0: ids[t] in [1, irange[r]] at the row's offset, g unused)
+  std::vector<uint16_t> ids;
+  std::vector<int32_t> irange;
   std::vector<ScoreTask> tasks;
 };
 SelectSched& select_sched() {
@@ -850,6 +880,8 @@ SelectSched& select_sched() {
 }
 // keys per scoring task at least (a split costs a second table build and kernel call)
 constexpr int64_t kScoreMinChunk = 1024;
+// pq scores select by their integer core when its range (from the tables) has at most this many values
+constexpr int32_t kIntBuckets = 8192;
 }  // namespace
 
 // Per query row (b, hk, m): its context, and for decode rows that approximate, the candidate list:
@@ -890,6 +922,11 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
   // scoring is not 3 tasks (SmolLM2's KV heads) on 2 threads
   if (sc.g.size() < static_cast<size_t>(n_idx)) sc.g.resize(static_cast<size_t>(n_idx));
   float* gall = sc.g.data();
+  const bool int_ok = p.mode == KeyMode::Pq && !p.oracle && p.cand_block == 1;
+  if (int_ok && sc.ids.size() < static_cast<size_t>(n_idx)) sc.ids.resize(static_cast<size_t>(n_idx));
+  sc.irange.assign(static_cast<size_t>(rows), 0);  // written by a row's first scoring task only
+  uint16_t* idsall = sc.ids.data();
+  int32_t* irange = sc.irange.data();
   sc.tasks.clear();
   for (const int64_t r : approx_rows) {
     const int64_t nctx = c.n[static_cast<size_t>(r)];
@@ -978,6 +1015,22 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         fin.mr = mr ? mr + lo * c.mst : nullptr;
         fin.mst = c.mst;
         fin.g = g;
+        // Integer buckets: without a mask the score float(core) * coef orders keys as core does when coef
+        // is a positive normal float and no product overflows (|core| < 2^24: distinct cores give distinct
+        // products), so the selection can run on the core's exact values, bounded by the tables' extremes
+        int64_t tlo = 0, thi = 0;
+        for (int64_t s = 0; s < ns; ++s) {
+          const int32_t* ts = tabs + (s / 2) * 32 + (s % 2) * 16;
+          tlo += *std::min_element(ts, ts + kPqCodes);
+          thi += *std::max_element(ts, ts + kPqCodes);
+        }
+        const double tmax = std::max(std::fabs(static_cast<double>(tlo)), std::fabs(static_cast<double>(thi)));
+        if (int_ok && !mr && thi - tlo + 1 <= kIntBuckets && fin.coef >= FLT_MIN &&
+            tmax * static_cast<double>(fin.coef) < static_cast<double>(FLT_MAX)) {
+          fin.ids = idsall + c.off[static_cast<size_t>(r)] + t0;
+          fin.ilo = static_cast<int32_t>(tlo);
+          if (t0 == 0) irange[r] = static_cast<int32_t>(thi - tlo + 1);
+        }
         ak.lutscore(kb, W, nctx, nbytes, qi, lut, core, &fin, tabs);
       }
     } else {
@@ -1033,8 +1086,9 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     const int64_t r = approx_rows[i];
     const int64_t lo = c.lo[static_cast<size_t>(r)], nctx = c.n[static_cast<size_t>(r)];
     float* buf;
+    const int32_t nbk = irange[r];
     try {
-      buf = task_scratch().get(static_cast<size_t>(3 * nctx + 64));
+      buf = task_scratch().get(static_cast<size_t>(3 * nctx + 64 + (nbk ? nbk + 2 : 0)));
     } catch (...) {
       oom = true;
       return;
@@ -1072,6 +1126,10 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         for (int64_t t = t1 - 1; t >= t0; --t) out[--pos] = static_cast<int32_t>(lo + ns + t);
       }
       n += total;
+    } else if (k > 0 && nbk) {  // integer buckets (pq)
+      const uint16_t* ids = idsall + c.off[static_cast<size_t>(r)];
+      n += top_k_ids(ak, ids + ns, nr, k, nbk, reinterpret_cast<int32_t*>(tmp + nctx), reinterpret_cast<int32_t*>(tmp),
+                     core, static_cast<int32_t>(lo + ns), out + n);
     } else if (k > 0) {
       n += top_k(ak, g + ns, nr, k, tmp, core, static_cast<int32_t>(lo + ns), out + n);  // core: free here
     }

@@ -10,6 +10,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace ortlean {
 
@@ -69,23 +73,44 @@ struct PackedKeyFormat {
   // the nearest of the 16 centroids book[(s * 16 + c) * 4 + j] (squared distance in float32, j summed in
   // order; NaN counts as +inf; ties: the lower c; none finite: 0). The reference (custom_ops/reference/attn.py pq_encode) matches
   // this bit for bit: this file is compiled without FMA contraction.
-  void pack_pq(const float* k, const float* book, const int64_t* dims, uint32_t* row) const {
+  // bt (null: not used): the same centroids transposed, bt[(s * 4 + j) * 16 + c] = book[(s * 16 + c) * 4 + j]
+  // (transpose_book), for the distances of 4 centroids at a time: the same float operations per centroid
+  void pack_pq(const float* k, const float* book, const int64_t* dims, uint32_t* row, const float* bt = nullptr) const {
     std::memset(row, 0, sizeof(uint32_t) * static_cast<size_t>(words));
     const int64_t ns = D / kPqWidth;
     for (int64_t s = 0; s < ns; ++s) {
       float x[kPqWidth];
       for (int j = 0; j < kPqWidth; ++j) x[j] = k[dims ? dims[s * kPqWidth + j] : s * kPqWidth + j];
       const float* cb = book + s * kPqCodes * kPqWidth;
+      float dist[kPqCodes];
+#if defined(__SSE2__)
+      if (bt) {
+        const float* b = bt + s * kPqWidth * kPqCodes;
+        for (int c0 = 0; c0 < kPqCodes; c0 += 4) {
+          __m128 acc = _mm_setzero_ps();
+          for (int j = 0; j < kPqWidth; ++j) {
+            const __m128 e = _mm_sub_ps(_mm_set1_ps(x[j]), _mm_loadu_ps(b + j * kPqCodes + c0));
+            acc = j == 0 ? _mm_mul_ps(e, e) : _mm_add_ps(acc, _mm_mul_ps(e, e));
+          }
+          _mm_storeu_ps(dist + c0, acc);
+        }
+      } else
+#endif
+      {
+        for (int c = 0; c < kPqCodes; ++c) {
+          float acc = 0.0f;
+          for (int j = 0; j < kPqWidth; ++j) {
+            const float e = x[j] - cb[c * kPqWidth + j];
+            acc = j == 0 ? e * e : acc + e * e;
+          }
+          dist[c] = acc;
+        }
+      }
       float best = __builtin_inff();
       uint32_t code = 0;
       for (int c = 0; c < kPqCodes; ++c) {
-        float acc = 0.0f;
-        for (int j = 0; j < kPqWidth; ++j) {
-          const float e = x[j] - cb[c * kPqWidth + j];
-          acc = j == 0 ? e * e : acc + e * e;
-        }
-        if (acc < best) {  // NaN never is: NaN distances count as +inf
-          best = acc;
+        if (dist[c] < best) {  // NaN never is: NaN distances count as +inf
+          best = dist[c];
           code = static_cast<uint32_t>(c);
         }
       }
@@ -93,6 +118,16 @@ struct PackedKeyFormat {
     }
     const float one = 1.0f;
     std::memcpy(row + gamma, &one, 4);
+  }
+
+  // pack_pq's bt from n centroid groups of 16 x 4 (book [n][16][4] -> [n][4][16])
+  static std::vector<float> transpose_book(const std::vector<float>& book) {
+    std::vector<float> bt(book.size());
+    const size_t g = static_cast<size_t>(kPqCodes * kPqWidth);
+    for (size_t s = 0; s < book.size() / g; ++s)
+      for (int c = 0; c < kPqCodes; ++c)
+        for (int j = 0; j < kPqWidth; ++j) bt[s * g + j * kPqCodes + c] = book[s * g + c * kPqWidth + j];
+    return bt;
   }
 };
 
