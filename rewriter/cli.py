@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nbits", type=_nbits, default=[8, 4],
                    help="MatMulNBits comparison rows, comma list of bits (2, 4, 8), or 'none'")
     p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile")
+    p.add_argument("--huge-pages", choices=["on", "off"], default="on",
+                   help="decoders: after the warm-up round, every row's memory (weights and caches alike) on 2 MiB "
+                   "pages (Linux transparent huge pages, MADV_COLLAPSE; default on)")
     p.add_argument("--json", help="write results as JSON here")
 
     p = sub.add_parser("generate", help="greedy decode with the KV cache")
@@ -307,7 +310,7 @@ def cmd_bench(args) -> int:
     decode_past = args.decode_past or evaluate.default_pasts(args.model)
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=decode_past,
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
-                         llama=not args.no_llama, steps=args.steps)
+                         llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on")
     print(evaluate.format_bench(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -229,17 +229,20 @@ def _float_cache(path: str) -> bool:
 
 
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
-          nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16) -> dict:
+          nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
+          huge_pages: bool = True) -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
     at every ``decode_past`` length and thread count, plus llama.cpp's llama-bench on the package's
-    GGUF; encoders: ``runtime.bench_sessions``."""
+    GGUF; encoders: ``runtime.bench_sessions``. ``huge_pages``: the causal-LM rows' memory (weights
+    and caches of every row, the og generators' too) on 2 MiB pages after the warm-up round."""
     modelfile.load_model(model)  # both models named before any work
     modelfile.load_model(ref)
     pasts = [int(decode_past)] if isinstance(decode_past, int) else [int(p) for p in decode_past]
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
-        return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps)
+        return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
+                             huge_pages)
     decode_past = pasts[0]
     variants = {"dense": ref, "lean": model}
     for b in nbits:
@@ -271,7 +274,8 @@ def _profiles(variants: dict, threads: int) -> dict:
     return out
 
 
-def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps) -> dict:
+def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
+                  huge_pages=True) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -280,6 +284,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     malloc_note = rb.fix_malloc_threshold()  # the rows' sessions place their weights alike, not by build order
     if malloc_note:
         notes.append(malloc_note)
+    if huge_pages:
+        notes.append("every row's memory (weights, caches, og generators) moved to 2 MiB pages after the warm-up "
+                     "round (runtime.memory.huge_pages_for_process; --huge-pages off: left on 4 KiB pages)")
     variants = {"dense": ref, "lean": model}
     for b in nbits:
         try:
@@ -311,7 +318,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         res["table"][f"t{t}"] = rb.decode_table(
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
-            long_past_from=src, say=say)
+            long_past_from=src, say=say, huge_pages=huge_pages)
         del models
     if llama:
         name = peer_name(ref, peers)

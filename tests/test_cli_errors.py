@@ -142,6 +142,7 @@ BAD_FLAGS = [
     (["bench", "{good}", "--ref", "{good}", "--prefill", "0"], ["--prefill", "0"]),
     (["bench", "{good}", "--ref", "{good}", "--repeats", "0"], ["--repeats", "0"]),
     (["bench", "{good}", "--ref", "{good}", "--threads", "0"], ["--threads", "0"]),
+    (["bench", "{good}", "--ref", "{good}", "--huge-pages", "maybe"], ["--huge-pages", "maybe"]),
     (["generate", "{good}", "--prompt", "the", "--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["generate", "{good}", "--prompt", ""], ["--prompt"]),
     (["generate", "{good}", "--prompt", "the", "--tokenizer", "{out}/tok.json"], ["tok.json"]),

@@ -537,10 +537,11 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", str(tmp_path / "pa.onnx"), "--ref", str(tmp_path / "twin.onnx"), "--decode-past", "64,512",
                    "--threads", "1", "--repeats", "1", "--steps", "2", "--nbits", "none", "--peers", "none",
-                   "--no-llama", "--no-profile", "--json", str(out)])
+                   "--no-llama", "--no-profile", "--huge-pages", "off", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["pasts"] == [64, 510] and any("512 positions" in n for n in r["notes"])
+    assert not any("2 MiB pages" in n for n in r["notes"])  # --huge-pages off
     rows = r["table"]["t1"]
     assert {"dense", "lean", "dense | shared KV", "lean | shared KV"} <= set(rows)
     assert all(rows[k]["decode510"] > 0 for k in rows)

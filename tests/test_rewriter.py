@@ -326,6 +326,8 @@ def test_eval_bench_generate_cli_on_toy(toy_model, toy_text, tmp_path):
     assert code == 0, se
     b = json.loads((tmp_path / "b.json").read_text())
     assert set(b["table"]["t1"]) == {"dense", "lean"}   # no peers for a toy model (a note says so)
+    assert any("2 MiB pages" in n for n in b["notes"])  # --huge-pages on (default)
+    assert "MiB of the process's memory moved to 2 MiB pages" in se
     assert all(v["decode8"] > 0 and v["prefill"] > 0 for v in b["table"]["t1"].values())
     assert "ORT profile, lean" in so and "TTMatMul" in so
     code, so, se = run_cli("generate", out, "--prompt", "the sister", "--max-new-tokens", "4")

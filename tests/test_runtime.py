@@ -432,6 +432,47 @@ def test_huge_zeros_buffers():
     assert thp_mode() in ("always", "madvise", "never", "?")
 
 
+def test_huge_pages_for_process_collapses_resident_memory_only():
+    """runtime.memory.huge_pages_for_process: a resident 8 MiB anonymous buffer on 4 KiB pages ends on 2 MiB
+    pages with its contents unchanged; a mapping with one page touched is left alone (not populated); a
+    second call finds nothing to do."""
+    import mmap
+
+    from custom_ops.runtime import memory
+
+    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+
+    def guard():  # read-only 2 MiB between the buffers (adjacent anonymous mappings would merge into one; the
+        return mmap.mmap(-1, 2 << 20, flags=anon, prot=mmap.PROT_READ)  # kernel places >= 2 MiB ones in order)
+
+    guards = [guard()]
+    dense = mmap.mmap(-1, 10 << 20, flags=anon)
+    guards.append(guard())
+    sparse = mmap.mmap(-1, 16 << 20, flags=anon)
+    guards.append(guard())
+    d = np.frombuffer(dense, dtype=np.uint32)
+    d[:] = (np.arange(d.size, dtype=np.uint64) * 2654435761 % (1 << 32)).astype(np.uint32)
+    want = d.copy()
+    sp = np.frombuffer(sparse, dtype=np.uint8)
+    sp[5 << 20] = 1
+
+    def info(buf):
+        a = buf.ctypes.data
+        return next((rss, huge) for lo, hi, rss, huge in memory._anon_mappings() if lo <= a < hi)
+
+    n = memory.huge_pages_for_process()
+    assert n >= 0
+    np.testing.assert_array_equal(d, want)
+    rss, huge = info(sp)
+    assert rss < (4 << 20)  # one page touched: not populated by a collapse
+    if memory.thp_mode() in ("always", "madvise") and n > 0:
+        assert info(d)[1] >= (8 << 20)  # the aligned 2 MiB pages inside the 10 MiB
+        assert memory.huge_pages_for_process() < n
+    del d, sp
+    for m in (dense, sparse, *guards):
+        m.close()
+
+
 def test_huge_zeros_many_carves_one_mapping():
     """huge_zeros_many: arrays of the shapes and dtypes asked for, zeroed, 4 KiB-aligned and not
     overlapping (writing one leaves the others zero), from one 2 MiB-aligned mapping when THP is on;

@@ -392,7 +392,7 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
 def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, steps: int = 16, repeats: int = 5,
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
-                 say=None, own_past: int = 512) -> dict[str, dict]:
+                 say=None, own_past: int = 512, huge_pages: bool = True) -> dict[str, dict]:
     """Prefill and decode timing of several causal LMs in one process, interleaved.
 
     ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow`, plus
@@ -403,7 +403,9 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     Pasts ≤ ``own_past`` are each model's own cache; longer ones are built once by ``long_past_from`` (default
     the first model; a float ``.key`` / ``.value`` cache, prefilled in 512-token chunks) and given to
     every row (:func:`state_from_kv`: PackedAttention's quantized rows and key bits made from it as the
-    op stores them; values do not change the cost). Returns
+    op stores them; values do not change the cost). ``huge_pages``: after the warm-up round (every row's
+    buffers allocated), the process's resident memory, every row's weights alike, on 2 MiB pages
+    (:func:`memory.huge_pages_for_process`). Returns
     {row: {"prefill": ms, "decode<P>": ms}} (medians over rounds / over all steps)."""
     rng = np.random.default_rng(seed)
     hi = int(vocab or min((io.vocab_size or 100) for _, io in models.values()))
@@ -447,6 +449,12 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                     times[r][f"decode{p}"].extend(dts[p])
         if say:
             say(f"threads {threads}: round {rnd}/{repeats}")
+        if rnd == 0 and huge_pages:
+            from .memory import huge_pages_for_process
+
+            n = huge_pages_for_process()
+            if say:
+                say(f"{n >> 20} MiB of the process's memory moved to 2 MiB pages")
     return {r: {key: float(np.median(v)) * 1e3 for key, v in tt.items()} for r, tt in times.items()}
 
 

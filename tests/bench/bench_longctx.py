@@ -8,7 +8,7 @@ own choice, --attn-tune with the calibration novel).
                                              [--variants int8:1,int8:0.25,int8:0.25:k16,int8:0.125:w64,int8:0.25:w128:c,int8:0.125:w128:o,int8:auto]
                                              [--steps 8] [--rounds 3] [--sessions 1] [--ppl-context 4096]
                                              [--ppl-score 64] [--ppl-windows 1] [--extra NAME=MODEL,...]
-                                             [--json FILE]
+                                             [--huge-weights on|off] [--json FILE]
     python tests/bench/bench_longctx.py plot --json FILE [--quality-json FILE] [--png FILE]
 
 run: per past length, every model decodes 1 + --steps tokens after a cache of that many tokens (the
@@ -21,7 +21,9 @@ variant: KV-cache bytes per token (all layers) against GQA's fp32 cache, and dec
 held-out Persuasion (runtime.decode_perplexity: --ppl-context tokens of prefill through the model
 itself, then --ppl-score teacher-forced decode steps scored) against the GQA model.
 --extra: more models with the same interface in the same interleaved rounds (e.g. a build of another
-revision: before/after rows measured together).
+revision: before/after rows measured together). --huge-weights on (default): before each past's
+rounds every session's weights (ONNX Runtime's malloc'd initializers) are moved to 2 MiB pages, as the
+caches already are; off: on malloc's 4 KiB pages (stop 26 and earlier runs).
 plot: the quality/speed frontier (Δppl vs speedup at each past, one point per variant) to a PNG;
 --quality-json takes Δppl from other runs of the same variants (a speed-only run has none).
 Every line printed carries the ISA and thread count; --json writes everything.
@@ -108,6 +110,7 @@ def run(a) -> dict:
     import custom_ops
     from custom_ops import runtime
     from custom_ops.runtime import bench as rb
+    from custom_ops.runtime import memory
     from custom_ops.runtime.shared_kv import SharedKV
     from fastgraph_models import fused_model, quantized_model
     from rewriter.quantize import DEFAULTS
@@ -137,7 +140,8 @@ def run(a) -> dict:
     threads = [int(x) for x in a.threads.split(",")]
     isa = custom_ops.isa()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
-           "rounds": a.rounds, "sessions": a.sessions, "variants": list(paths), "decode": {},
+           "rounds": a.rounds, "sessions": a.sessions, "huge_weights": a.huge_weights, "variants": list(paths),
+           "decode": {},
            "kv_bytes_per_token": {}, "quality": {}, "pasts": pasts, "notes": [n for n in (malloc_note, note) if n]}
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 49000, size=max(pasts + [1]), dtype=np.int64)
@@ -166,6 +170,10 @@ def run(a) -> dict:
                 if key != ("gqa int4", 0):
                     kvs[key].fill(past, built if key[0] == "gqa int4" else rb.state_from_kv(ios[key], built))
             del built
+            if a.huge_weights == "on":   # every session's weights (and caches) alike on 2 MiB pages
+                n = memory.huge_pages_for_process()
+                print(f"[{isa}, {th} thr] past {past}: {n >> 20} MiB of the process's memory moved to 2 MiB pages",
+                      flush=True)
             times = {key: [] for key in keys}
             # interleaved rounds (rotating order); in each, a pause (settle: the other sessions' pools
             # stop spinning on the cores, which takes tens of ms), then a session's first step untimed
@@ -287,6 +295,9 @@ def main(argv=None) -> int:
                     help="the quality's text: the held-out novel (default) or the calibration one (what --attn-tune "
                          "sees; in-sample for pq codes and key scales)")
     ap.add_argument("--extra", default="", help="NAME=MODEL,... more models in the same rounds")
+    ap.add_argument("--huge-weights", choices=("on", "off"), default="on",
+                    help="before each past's rounds, the process's memory (every session's weights alike) on 2 MiB "
+                    "pages (runtime.memory.huge_pages_for_process); off: malloc's 4 KiB pages")
     ap.add_argument("--json")
     ap.add_argument("--quality-json", help="plot: take Δppl from these runs' JSON (comma-separated, later ones "
                     "win; same variant names)")
