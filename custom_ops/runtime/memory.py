@@ -76,7 +76,6 @@ def huge_zeros_many(specs, align: int = 4096) -> list[np.ndarray]:
     return [raw[o:o + n].view(dt).reshape(shape) for (shape, dt), o, n in zip(specs, offs, sizes)]
 
 
-
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
 
 

@@ -781,6 +781,16 @@ void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo
   }
 }
 
+// out[0:na) (ascending) merged with base + ti[0:ns) (ascending) into out; returns na + ns. tmp: na int32.
+int64_t merge_above_ties(int32_t* out, int64_t na, const int32_t* ti, int64_t ns, int32_t base, int32_t* tmp) {
+  std::memcpy(tmp, out, sizeof(int32_t) * static_cast<size_t>(na));
+  int64_t i = 0, j = 0, o = 0;
+  while (i < na && j < ns) out[o++] = tmp[i] < base + ti[j] ? tmp[i++] : base + ti[j++];
+  while (i < na) out[o++] = tmp[i++];
+  while (j < ns) out[o++] = base + ti[j++];
+  return o;
+}
+
 // The top k of x[0:n) by (value desc, index asc) (1 <= k < n; no NaN), written in index order as
 // base + i to out; returns k. A 2048-bucket histogram over [min, max] of the finite values (bucket
 // ids kept) finds the bucket of the k-th largest; one pass (split_ids) sends the keys of the buckets
@@ -827,14 +837,7 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
     const float v = x[ti[j]];
     if (v > thr || (v == thr && ties-- > 0)) ti[ns++] = ti[j];
   }
-  // merge out[0:na) with base + ti[0:ns) (both ascending)
-  int32_t* a = reinterpret_cast<int32_t*>(tmp);
-  std::memcpy(a, out, sizeof(int32_t) * static_cast<size_t>(na));
-  int64_t i = 0, j = 0, o = 0;
-  while (i < na && j < ns) out[o++] = a[i] < base + ti[j] ? a[i++] : base + ti[j++];
-  while (i < na) out[o++] = a[i++];
-  while (j < ns) out[o++] = base + ti[j++];
-  return o;
+  return merge_above_ties(out, na, ti, ns, base, reinterpret_cast<int32_t*>(tmp));
 }
 
 // top_k on exact integer buckets (ids[i] in [1, nbk], a higher id a higher score; 1 <= k < n): the
@@ -852,13 +855,7 @@ int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t
   }
   int64_t mt = 0;
   const int64_t na = ak.split_ids(ids, n, bsel, base, out, ti, &mt);  // above the bucket -> out, in it -> ti
-  const int64_t ns = k - na;                                          // 1 <= ns <= mt: the first ties
-  std::memcpy(tmp, out, sizeof(int32_t) * static_cast<size_t>(na));
-  int64_t i = 0, j = 0, o = 0;
-  while (i < na && j < ns) out[o++] = tmp[i] < base + ti[j] ? tmp[i++] : base + ti[j++];
-  while (i < na) out[o++] = tmp[i++];
-  while (j < ns) out[o++] = base + ti[j++];
-  return o;
+  return merge_above_ties(out, na, ti, k - na, base, tmp);           // 1 <= k - na <= mt: the first ties
 }
 }  // namespace
 
