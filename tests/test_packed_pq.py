@@ -177,6 +177,36 @@ def test_selection_with_few_distinct_codes():
 
 
 @requires_native
+def test_phase_times_metrics(monkeypatch):
+    """ORTLEAN_PHASE_TIMES=1 at kernel construction: each cache-mode call adds its phases' wall times
+    (time.*_us, non-negative, their sum within the total) and time.calls; the scoring takes time only
+    on a call that approximates. Without it the node has no time.* metrics."""
+    from test_packed_gqa import kv_model
+
+    f, pa = pq_case(Hq=6, Hkv=3, P=2000, seed=14)
+    attrs = dict(kv_quant="int8", scale=0.125, budget=0.25, window=16, min_context=64, **pa)
+    monkeypatch.setenv("ORTLEAN_PHASE_TIMES", "1")
+    s = custom_ops.session(kv_model(attrs, use=tuple(f), name="pa_timed"), threads=1)
+    exact = custom_ops.session(kv_model({**attrs, "budget": 0.0}, use=tuple(f), name="pa_timed_exact"), threads=1)
+    monkeypatch.delenv("ORTLEAN_PHASE_TIMES")
+    untimed = custom_ops.session(kv_model(attrs, use=tuple(f), name="pa_untimed"), threads=1)
+    custom_ops.reset_metrics()
+    for _ in range(3):
+        s.run(None, f)
+    exact.run(None, f)
+    untimed.run(None, f)
+    m = custom_ops.metrics()["pa_timed"]
+    phases = ("inputs", "store", "score", "select", "attend")
+    assert m["time.calls"] == 3
+    assert all(m[f"time.{k}_us"] >= 0 for k in phases) and m["time.score_us"] > 0 and m["time.attend_us"] > 0
+    assert sum(m[f"time.{k}_us"] for k in phases) <= m["time.total_us"] * 1.001 + 1e-3
+    m = custom_ops.metrics()
+    assert m["pa_timed_exact"]["time.calls"] == 1 and m["pa_timed_exact"]["time.score_us"] == 0
+    assert m["pa_timed_exact"]["time.attend_us"] > 0
+    assert not any(k.startswith("time.") for k in m["pa_untimed"])
+
+
+@requires_native
 def test_codeword_keys_pick_the_exact_candidates():
     """Keys made of codewords (every subspace exactly a centroid) and fp32 rows: the pq score is the
     exact group score up to the tables' rounding (qbits 16), so the candidates, and Y, are the

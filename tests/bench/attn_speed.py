@@ -25,6 +25,9 @@ other's with the same library, either way from run to run). Beside each: the byt
 PackedAttention: the key bits of the context when it approximates + the selected quantized rows)
 and the streaming bound — the time to read those bytes from the same buffers with a plain
 streaming loop (tests/bench/attn_stream.c, same threads, same run, interleaved) — and op/bound.
+--phases: each PackedAttention row also gets its phase times per op (the kernel's ORTLEAN_PHASE_TIMES
+metrics: reading the inputs, storing the new rows, scoring, selecting, attending; medians over the
+timed runs; wall time of each phase, so at 2 threads a phase includes waiting for its slowest task).
 """
 from __future__ import annotations
 
@@ -203,6 +206,8 @@ def _stream_time(lib, arrays, nbytes: int, threads: int) -> float:
 
 def bench_decode(a) -> dict:
     """One decode step of attention alone at each past length (module docstring)."""
+    if a.phases:  # read by each PackedAttention kernel at construction
+        os.environ["ORTLEAN_PHASE_TIMES"] = "1"
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto as TP, helper
@@ -346,6 +351,7 @@ def bench_decode(a) -> dict:
         names = list(runs)
         times = {n: [] for n in names}
         stream = {n: [] for n in names}
+        phases = {n: [] for n in names}  # --phases: the op's phase times (µs per layer op) of each timed run
         for r in range(a.repeats + 2):
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
@@ -359,9 +365,14 @@ def bench_decode(a) -> dict:
                     settle(a.threads)
                     s.run_with_iobinding(bnd)
                     _flush(lib, flush_buf)
+                own = a.phases and "packed" in n and "A:" not in n  # the --lib-a build keeps its own metrics
+                if own:
+                    custom_ops.reset_metrics()
                 t0 = time.perf_counter()
                 s.run_with_iobinding(bnd)
                 dt = time.perf_counter() - t0
+                if own and r >= 2:
+                    phases[n].append(_phase_times(custom_ops.metrics(), L))
                 # the bytes of every layer: GQA's two arrays (K, V), a packed layer's code rows and bits rows
                 if a.threads > 1:
                     _flush(lib, flush_buf)
@@ -379,9 +390,21 @@ def bench_decode(a) -> dict:
                       "GBps_stream": round(bytes_read[n] / sb / 1e9, 1)}
             print(f"past {past:5d} {n:24s} {t * 1e6:8.1f} us/op  x{g / t:5.2f} vs GQA  reads {bytes_read[n] / 1e3:8.1f} kB"
                   f"  stream {sb * 1e6:7.1f} us  op/stream {t / sb:5.2f}  [{res['isa']}, {a.threads} thr]", flush=True)
+            if phases[n]:
+                ph = {k: round(statistics.median(x[k] for x in phases[n]), 2) for k in phases[n][0]}
+                row[n]["phases_us"] = ph
+                print(f"           {'':24s} phases, us/op (medians): " + "  ".join(f"{k} {v:.1f}" for k, v in ph.items()),
+                      flush=True)
         res["pasts"][str(past)] = row
         del bufs, runs, arrays
     return res
+
+
+def _phase_times(m: dict, layers: int) -> dict:
+    """PackedAttention's phase times (ORTLEAN_PHASE_TIMES=1 metrics time.*_us summed over the nodes) per
+    layer op of one run."""
+    keys = ("inputs", "store", "score", "select", "attend", "total")
+    return {k: sum(v.get(f"time.{k}_us", 0.0) for v in m.values()) / layers for k in keys}
 
 
 def main(argv=None) -> int:
@@ -401,6 +424,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="op: timed runs; model: rounds of --steps decode steps")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--phases", action="store_true",
+                    help="decode: also PackedAttention's phase times per op (inputs, store, score, select, attend; "
+                    "the op's ORTLEAN_PHASE_TIMES metrics, medians over the timed runs)")
     ap.add_argument("--hugepages", action="store_true",
                     help="decode: also time every row with its caches on 2 MiB pages (rows hp:...)")
     ap.add_argument("--mode", choices=["sign", "pq"], default="sign",

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -268,6 +270,11 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   n->gauges({{&m_density_, "pack.density"}});
   n->counters({{&m_active_, "pack.active"}, {&m_calls_, "pack.calls"}, {&m_cands_, "pack.candidates"},
                {&m_keys_, "pack.keys"}, {&m_packed_, "pack.packed_keys"}});
+  const char* pt = std::getenv("ORTLEAN_PHASE_TIMES");
+  if (p.kv_bits && pt && std::string(pt) == "1")
+    n->counters({{&m_time_[0], "time.inputs_us"}, {&m_time_[1], "time.store_us"}, {&m_time_[2], "time.score_us"},
+                 {&m_time_[3], "time.select_us"}, {&m_time_[4], "time.attend_us"}, {&m_time_[5], "time.total_us"},
+                 {&m_time_[6], "time.calls"}});
 }
 
 // eps_heads / kscale against the KV heads and head dim of K when its static shape says them (else
@@ -607,6 +614,8 @@ struct KvCall {
   // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
   std::vector<int64_t> lo, hi, n, off;      // off: candidate list offset (or -1: the range)
   std::vector<int32_t> idx;  // candidate lists of the approximating rows (each row's context length apart)
+  bool timed = false;        // phase times on (PackedAttentionKernel::m_time_): scored = the end of the scoring
+  std::chrono::steady_clock::time_point scored{};
   const float* mask_row(int64_t b, int64_t h, int64_t m) const {
     return mask ? mask + b * msb + h * msh + m * msm : nullptr;
   }
@@ -976,22 +985,26 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     } else if (p.mode == KeyMode::Pq) {
       // tf[s][c] = group query . centroid c of subspace s (float32, j in order), quantized to +-L over the
       // largest |tf|; the score of a key is the sum of its codes' entries (lutscore with these tables)
+      // (from the transposed book: 16 centroids a vector, the same products and sums in the same order,
+      // and rounded by rint_small, not libm's nearbyint: this setup runs per scoring task, and a 2-thread
+      // pool splits a row's keys over two)
       const int64_t ns = D / kPqWidth;
-      const float* book = p.pq_book.data() + hk * D * kPqCodes;
+      const float* bt = p.pq_book_t.data() + hk * D * kPqCodes;  // [D / 4][4][16]
       const int64_t* dims = p.pq_dims.empty() ? nullptr : p.pq_dims.data();
-      float a = 0.0f;
-      bool finite = true;
       for (int64_t s = 0; s < ns; ++s) {
         float x[kPqWidth];
         for (int j = 0; j < kPqWidth; ++j) x[j] = qg[dims ? dims[s * kPqWidth + j] : s * kPqWidth + j];
-        for (int cc = 0; cc < kPqCodes; ++cc) {
-          const float* cb = book + (s * kPqCodes + cc) * kPqWidth;
-          float acc = x[0] * cb[0];
-          for (int j = 1; j < kPqWidth; ++j) acc = acc + x[j] * cb[j];
-          tf[s * kPqCodes + cc] = acc;
-          finite = finite && std::isfinite(acc);
-          a = std::max(a, std::fabs(acc));
-        }
+        const float* b = bt + s * kPqWidth * kPqCodes;
+        float* t = tf + s * kPqCodes;
+        for (int cc = 0; cc < kPqCodes; ++cc) t[cc] = x[0] * b[cc];
+        for (int j = 1; j < kPqWidth; ++j)
+          for (int cc = 0; cc < kPqCodes; ++cc) t[cc] = t[cc] + x[j] * b[j * kPqCodes + cc];
+      }
+      float a = 0.0f;
+      bool finite = true;
+      for (int64_t i = 0; i < ns * kPqCodes; ++i) {
+        finite = finite && std::isfinite(tf[i]);
+        a = std::max(a, std::fabs(tf[i]));
       }
       if (!(a > 0) || !finite) {  // no information (zero or non-finite query): all scores 0 (then the mask)
         std::fill(g, g + nctx, 0.0f);
@@ -1002,7 +1015,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         std::fill(tabs, tabs + nbytes * 32, 0);
         for (int64_t s = 0; s < ns; ++s)
           for (int cc = 0; cc < kPqCodes; ++cc)
-            tabs[(s / 2) * 32 + (s % 2) * 16 + cc] = static_cast<int32_t>(std::nearbyint(tf[s * kPqCodes + cc] * inv));
+            tabs[(s / 2) * 32 + (s % 2) * 16 + cc] = static_cast<int32_t>(rint_small(tf[s * kPqCodes + cc] * inv));
         const float* mr = c.mask_row(b, h0, m);
         ScoreFinish fin{};
         fin.two = 1;
@@ -1051,7 +1064,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
           int32_t v = 0;
           if (d < D) {
             const float x = qa[d] * inv;
-            v = std::isnan(x) ? 0 : static_cast<int32_t>(std::nearbyint(x));
+            v = std::isnan(x) ? 0 : static_cast<int32_t>(rint_small(x));  // |x| <= L
           }
           qi[d] = v;
           qsum += v;
@@ -1078,6 +1091,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     }
   };
   parallel_for(ctx, sc.tasks.size(), score_task);
+  if (c.timed) c.scored = std::chrono::steady_clock::now();
   if (oom) throw std::bad_alloc();
   auto select_task = [&](size_t i) noexcept {
     const int64_t r = approx_rows[i];
@@ -1497,10 +1511,17 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 }
 
 void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
+  using clock = std::chrono::steady_clock;
+  const bool timed = m_time_[0] != nullptr;
+  const clock::time_point t0 = timed ? clock::now() : clock::time_point{};
   KvCall c = read_kv_inputs(ctx);
+  const clock::time_point t1 = timed ? clock::now() : t0;
   store_kv(c, ctx);
+  const clock::time_point t2 = timed ? clock::now() : t0;
   metrics::add(m_calls_, 1.0);
+  c.timed = timed;
   select_kv(c, ctx);
+  const clock::time_point t3 = timed ? clock::now() : t0;
   metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));
   if (!prefill_gemm(c, ctx)) attend_kv(c, ctx);
   if (c.y_bsh) {  // staged [B, Hq, M, Dv] -> [B, M, Hq * Dv]
@@ -1509,6 +1530,20 @@ void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
         for (int64_t m = 0; m < c.M; ++m)
           std::memcpy(c.y_bsh + ((b * c.M + m) * c.Hq + h) * c.Dv, c.Y + ((b * c.Hq + h) * c.M + m) * c.Dv,
                       sizeof(float) * static_cast<size_t>(c.Dv));
+  }
+  if (timed) {
+    const clock::time_point t4 = clock::now();
+    const clock::time_point ts = c.scored == clock::time_point{} ? t2 : c.scored;  // no candidate rows: no scoring
+    auto us = [](clock::time_point a, clock::time_point b) {
+      return std::chrono::duration<double, std::micro>(b - a).count();
+    };
+    metrics::add(m_time_[0], us(t0, t1));
+    metrics::add(m_time_[1], us(t1, t2));
+    metrics::add(m_time_[2], us(t2, ts));
+    metrics::add(m_time_[3], us(ts, t3));
+    metrics::add(m_time_[4], us(t3, t4));
+    metrics::add(m_time_[5], us(t0, t4));
+    metrics::add(m_time_[6], 1.0);
   }
 }
 

@@ -111,6 +111,10 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   mutable PoolProbe pool_;  // one-thread sessions: attend tasks of kKvChunk keys (no split for balance)
   metrics::Value *m_density_ = nullptr, *m_active_ = nullptr, *m_calls_ = nullptr, *m_cands_ = nullptr,
                  *m_keys_ = nullptr, *m_packed_ = nullptr;
+  // cache mode, with ORTLEAN_PHASE_TIMES=1 in the environment at construction (null otherwise): wall
+  // time (µs) of each phase of compute_kv, summed over calls (time.inputs_us, time.store_us, time.score_us,
+  // time.select_us, time.attend_us, time.total_us; time.calls)
+  std::array<metrics::Value*, 7> m_time_{};
 };
 
 }  // namespace ortlean
