@@ -286,7 +286,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         notes.append(malloc_note)
     if huge_pages:
         notes.append("every row's memory (weights, caches, og generators) moved to 2 MiB pages after the warm-up "
-                     "round (runtime.memory.huge_pages_for_process; --huge-pages off: left on 4 KiB pages)")
+                     "round where the kernel's transparent huge pages allow (runtime.memory.huge_pages_for_process; "
+                     "--huge-pages off: left on 4 KiB pages)")
     variants = {"dense": ref, "lean": model}
     for b in nbits:
         try:

@@ -614,8 +614,7 @@ struct KvCall {
   // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
   std::vector<int64_t> lo, hi, n, off;      // off: candidate list offset (or -1: the range)
   std::vector<int32_t> idx;  // candidate lists of the approximating rows (each row's context length apart)
-  bool timed = false;        // phase times on (PackedAttentionKernel::m_time_): scored = the end of the scoring
-  std::chrono::steady_clock::time_point scored{};
+  std::chrono::steady_clock::time_point scored{};  // phase times on (m_time_): the end of the scoring
   const float* mask_row(int64_t b, int64_t h, int64_t m) const {
     return mask ? mask + b * msb + h * msh + m * msm : nullptr;
   }
@@ -752,8 +751,8 @@ void PackedAttentionKernel::store_kv(KvCall& c, Ort::KernelContext& ctx) const {
         const int64_t t = p0 + m;
         uint32_t* br = c.bits + ((b * Hkv + hk) * Tc + t) * W;
         if (p.mode == KeyMode::Pq)
-          c.fmt.pack_pq(kx0, p.pq_book.data() + hk * c.D * kPqCodes, p.pq_dims.empty() ? nullptr : p.pq_dims.data(), br,
-                        p.pq_book_t.data() + hk * c.D * kPqCodes);
+          c.fmt.pack_pq(kx0, p.pq_book_t.data() + hk * c.D * kPqCodes, p.pq_dims.empty() ? nullptr : p.pq_dims.data(),
+                        br);
         else
           c.fmt.pack(kx0, 1, eps, br);
         c.kf.store(kx0, c.D, vx0, c.Dv, c.kv + ((b * Hkv + hk) * Tc + t) * R, br + c.fmt.words);
@@ -788,6 +787,23 @@ void masked_scores(const KvCall& c, int64_t b, int64_t h0, int64_t m, int64_t lo
     const float v = g[t] + (mr ? mr[(lo + t) * c.mst] : 0.0f);
     g[t] = v == v ? v : -INFINITY;
   }
+}
+
+// The bucket of the k-th largest of ids[0:n) (bucket ids 0 .. top, a higher id a higher score; 1 <= k <= n)
+// by a histogram (cnt: top + 1 int32); the keys of the buckets above it go to above as base + i, those of
+// that bucket to at as i, both in index order (split_ids: may write 7 entries past either count). Returns
+// how many above (< k), *nat how many at.
+int64_t split_at_kth(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int top, int32_t* cnt,
+                     int32_t base, int32_t* above, int32_t* at, int64_t* nat) {
+  std::memset(cnt, 0, sizeof(int32_t) * static_cast<size_t>(top + 1));
+  for (int64_t i = 0; i < n; ++i) ++cnt[ids[i]];
+  int64_t higher = 0;
+  int bsel = top;
+  for (; bsel > 0; --bsel) {
+    if (higher + cnt[bsel] >= k) break;
+    higher += cnt[bsel];
+  }
+  return ak.split_ids(ids, n, bsel, base, above, at, nat);
 }
 
 // out[0:na) (ascending) merged with base + ti[0:ns) (ascending) into out; returns na + ns. tmp: na int32.
@@ -825,17 +841,10 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
   }
   uint16_t* bk = reinterpret_cast<uint16_t*>(tmp);  // bucket + 1: 0 for -inf, kB + 1 for +inf
   ak.bucket_ids(x, n, mn, sc, kB, bk);
-  int32_t cnt[kB + 2] = {0};
-  for (int64_t i = 0; i < n; ++i) ++cnt[bk[i]];
-  int64_t above = 0;
-  int bsel = kB + 1;
-  for (; bsel > 0; --bsel) {
-    if (above + cnt[bsel] >= k) break;
-    above += cnt[bsel];
-  }
+  int32_t cnt[kB + 2];
   int64_t mt = 0;
-  const int64_t na = ak.split_ids(bk, n, bsel, base, out, ti, &mt);  // above the bucket -> out, in it -> ti
-  const int64_t kk = k - above;  // 1 <= kk <= mt
+  const int64_t na = split_at_kth(ak, bk, n, k, kB + 1, cnt, base, out, ti, &mt);  // above -> out, at -> ti
+  const int64_t kk = k - na;  // 1 <= kk <= mt
   for (int64_t j = 0; j < mt; ++j) tmp[j] = x[ti[j]];
   std::nth_element(tmp, tmp + (kk - 1), tmp + mt, std::greater<float>());
   const float thr = tmp[kk - 1];
@@ -851,20 +860,12 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
 
 // top_k on exact integer buckets (ids[i] in [1, nbk], a higher id a higher score; 1 <= k < n): the
 // histogram's bucket of the k-th largest holds equal scores only, so its first k - above keys by index
-// are the ties the order takes (no nth_element). cnt: nbk + 2 int32, tmp and ti: n int32 each.
+// are the ties the order takes (no nth_element). cnt: nbk + 1 int32, tmp and ti: n int32 each.
 int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int nbk, int32_t* cnt,
                   int32_t* tmp, int32_t* ti, int32_t base, int32_t* out) {
-  std::memset(cnt, 0, sizeof(int32_t) * static_cast<size_t>(nbk + 2));
-  for (int64_t i = 0; i < n; ++i) ++cnt[ids[i]];
-  int64_t above = 0;
-  int bsel = nbk;
-  for (; bsel > 0; --bsel) {
-    if (above + cnt[bsel] >= k) break;
-    above += cnt[bsel];
-  }
   int64_t mt = 0;
-  const int64_t na = ak.split_ids(ids, n, bsel, base, out, ti, &mt);  // above the bucket -> out, in it -> ti
-  return merge_above_ties(out, na, ti, k - na, base, tmp);           // 1 <= k - na <= mt: the first ties
+  const int64_t na = split_at_kth(ak, ids, n, k, nbk, cnt, base, out, ti, &mt);  // above -> out, at -> ti
+  return merge_above_ties(out, na, ti, k - na, base, tmp);                      // 1 <= k - na <= mt: the first ties
 }
 }  // namespace
 
@@ -1091,7 +1092,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     }
   };
   parallel_for(ctx, sc.tasks.size(), score_task);
-  if (c.timed) c.scored = std::chrono::steady_clock::now();
+  if (m_time_[0]) c.scored = std::chrono::steady_clock::now();
   if (oom) throw std::bad_alloc();
   auto select_task = [&](size_t i) noexcept {
     const int64_t r = approx_rows[i];
@@ -1099,7 +1100,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     float* buf;
     const int32_t nbk = irange[r];
     try {
-      buf = task_scratch().get(static_cast<size_t>(3 * nctx + 64 + (nbk ? nbk + 2 : 0)));
+      buf = task_scratch().get(static_cast<size_t>(3 * nctx + 64 + (nbk ? nbk + 1 : 0)));
     } catch (...) {
       oom = true;
       return;
@@ -1519,7 +1520,6 @@ void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   store_kv(c, ctx);
   const clock::time_point t2 = timed ? clock::now() : t0;
   metrics::add(m_calls_, 1.0);
-  c.timed = timed;
   select_kv(c, ctx);
   const clock::time_point t3 = timed ? clock::now() : t0;
   metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));

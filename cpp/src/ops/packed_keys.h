@@ -11,9 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__SSE2__)
+
 #include <emmintrin.h>
-#endif
 
 namespace ortlean {
 
@@ -70,41 +69,28 @@ struct PackedKeyFormat {
   }
 
   // pq mode: subspace s of key k (element d at k[d]) is k[dims[4s + j]] (dims null: 4s + j), its code
-  // the nearest of the 16 centroids book[(s * 16 + c) * 4 + j] (squared distance in float32, j summed in
-  // order; NaN counts as +inf; ties: the lower c; none finite: 0). The reference (custom_ops/reference/attn.py pq_encode) matches
-  // this bit for bit: this file is compiled without FMA contraction.
-  // bt (null: not used): the same centroids transposed, bt[(s * 4 + j) * 16 + c] = book[(s * 16 + c) * 4 + j]
-  // (transpose_book), for the distances of 4 centroids at a time: the same float operations per centroid
-  void pack_pq(const float* k, const float* book, const int64_t* dims, uint32_t* row, const float* bt = nullptr) const {
+  // the nearest of the 16 centroids of subspace s, centroid c's element j at bt[(s * 4 + j) * 16 + c] (the
+  // node's book [D / 4][16][4] transposed: transpose_book; the 16 distances computed side by side)
+  // (squared distance in float32, j summed in order; NaN counts as +inf; ties: the lower c; none finite:
+  // 0). The reference (custom_ops/reference/attn.py pq_encode) matches this bit for bit: this file is
+  // compiled without FMA contraction.
+  void pack_pq(const float* k, const float* bt, const int64_t* dims, uint32_t* row) const {
     std::memset(row, 0, sizeof(uint32_t) * static_cast<size_t>(words));
     const int64_t ns = D / kPqWidth;
     for (int64_t s = 0; s < ns; ++s) {
       float x[kPqWidth];
       for (int j = 0; j < kPqWidth; ++j) x[j] = k[dims ? dims[s * kPqWidth + j] : s * kPqWidth + j];
-      const float* cb = book + s * kPqCodes * kPqWidth;
+      const float* b = bt + s * kPqWidth * kPqCodes;
       float dist[kPqCodes];
-#if defined(__SSE2__)
-      if (bt) {
-        const float* b = bt + s * kPqWidth * kPqCodes;
-        for (int c0 = 0; c0 < kPqCodes; c0 += 4) {
-          __m128 acc = _mm_setzero_ps();
-          for (int j = 0; j < kPqWidth; ++j) {
-            const __m128 e = _mm_sub_ps(_mm_set1_ps(x[j]), _mm_loadu_ps(b + j * kPqCodes + c0));
-            acc = j == 0 ? _mm_mul_ps(e, e) : _mm_add_ps(acc, _mm_mul_ps(e, e));
-          }
-          _mm_storeu_ps(dist + c0, acc);
+      // 4 centroids an SSE2 instruction (x86-64 only: cpp/CMakeLists.txt)
+      for (int c0 = 0; c0 < kPqCodes; c0 += 4) {
+        __m128 e = _mm_sub_ps(_mm_set1_ps(x[0]), _mm_loadu_ps(b + c0));
+        __m128 acc = _mm_mul_ps(e, e);
+        for (int j = 1; j < kPqWidth; ++j) {
+          e = _mm_sub_ps(_mm_set1_ps(x[j]), _mm_loadu_ps(b + j * kPqCodes + c0));
+          acc = _mm_add_ps(acc, _mm_mul_ps(e, e));
         }
-      } else
-#endif
-      {
-        for (int c = 0; c < kPqCodes; ++c) {
-          float acc = 0.0f;
-          for (int j = 0; j < kPqWidth; ++j) {
-            const float e = x[j] - cb[c * kPqWidth + j];
-            acc = j == 0 ? e * e : acc + e * e;
-          }
-          dist[c] = acc;
-        }
+        _mm_storeu_ps(dist + c0, acc);
       }
       float best = __builtin_inff();
       uint32_t code = 0;
