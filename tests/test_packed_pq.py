@@ -177,6 +177,28 @@ def test_selection_with_few_distinct_codes():
 
 
 @requires_native
+@pytest.mark.parametrize("pattern", ["random", "every8_a", "every8_b", "two_codewords"])
+def test_selection_through_a_sampled_threshold(pattern):
+    """Rows of 1,024 keys or more select among the keys above a threshold that a sample of every 8th
+    key gives (the whole row when fewer than k pass): random codes (the SmolLM2 shape at past 4096);
+    every 8th key one codeword and the others another, both ways round (the sample sees only the
+    higher, then too few keys pass and the whole row is taken; or only the lower); heavy ties."""
+    Hkv, D, P = 3, 64, 4096
+    book = book_for(Hkv, D, 17)
+    f, pa = pq_case(Hq=9, Hkv=Hkv, P=P, D=D, Dv=D, book=book, seed=17)
+    if pattern != "random":
+        t = np.arange(P)
+        if pattern == "two_codewords":
+            pick = np.random.default_rng(17).integers(0, 2, (1, Hkv, P))
+        else:
+            pick = np.broadcast_to(((t % 8 == 0) == (pattern == "every8_a")).astype(np.int64), (1, Hkv, P))
+        words = pq_words(np.where(pick[..., None] == 1, 3, 0) * np.ones((1, 1, 1, D // 4), np.int64), D)
+        f["past_bits"][..., :words.shape[-1]] = words
+    attrs = dict(kv_quant="int8", scale=D ** -0.5, budget=0.2, window=8, sinks=0, min_context=0, **pa)
+    assert_native_equals_reference(attrs, f)
+
+
+@requires_native
 def test_phase_times_metrics(monkeypatch):
     """ORTLEAN_PHASE_TIMES=1 at kernel construction: each cache-mode call adds its phases' wall times
     (time.*_us, non-negative, their sum within the total) and time.calls; the scoring takes time only
@@ -256,7 +278,8 @@ def test_gqa_layout_with_rotary(seqlens, P, S):
 
 
 def _isa_worker() -> None:
-    for shape in (dict(P=500), dict(Hq=10, Hkv=2, P=601, D=40, Dv=24)):
+    # P=1500: a row long enough for the sampled threshold (select_ge)
+    for shape in (dict(P=500), dict(Hq=10, Hkv=2, P=601, D=40, Dv=24), dict(P=1500)):
         f, pa = pq_case(seed=8, **shape)
         attrs = dict(kv_quant="int8", scale=0.125, budget=0.25, window=32, min_context=64, **pa)
         Y, bits, kv = run_native(attrs, f)

@@ -80,11 +80,15 @@ struct AttnKernels {
   void (*minmax_finite)(const float* x, int64_t n, float* lo, float* hi);
   // ids[i] = 0 for x[i] = -inf, nbk + 1 for +inf, else 1 + clamp(int((x[i] - mn) * sc), 0, nbk - 1)
   void (*bucket_ids)(const float* x, int64_t n, float mn, float sc, int nbk, uint16_t* ids);
-  // Top-k partition: i with ids[i] > bsel to above (as base + i), i with ids[i] == bsel to at (as i), both
-  // in index order; returns how many above, *nat how many at. May write up to 7 entries past either
-  // count, never past n entries.
+  // Top-k partition: i with ids[i] > bsel to above (as base + p_i), i with ids[i] == bsel to at (as p_i),
+  // both in index order, p_i = pos[i] (pos null: i); returns how many above, *nat how many at. May write
+  // up to 7 entries past either count, never past n entries.
   int64_t (*split_ids)(const uint16_t* ids, int64_t n, int bsel, int32_t base, int32_t* above, int32_t* at,
-                       int64_t* nat);
+                       int64_t* nat, const int32_t* pos);
+  // The keys whose id is at least thr, in index order: their indices i to pos and ids[i] - thr + 1 to val;
+  // returns how many, *top the largest val (0: none). May write up to 7 entries past the count, never past
+  // n entries.
+  int64_t (*select_ge)(const uint16_t* ids, int64_t n, int thr, int32_t* pos, uint16_t* val, int* top);
   // out[t] = sum over the set bits d of key t of qi[d], d < 8 * nbytes (the integer popcount score of a
   // quantized query); key t's plane words start at kb + t * ldk, bit d = bit d % 8 of byte d / 8. lut:
   // scratch of nbytes * 256 int32 (tables built from qi inside, as the path needs them). fin (null:
