@@ -46,6 +46,8 @@ bool has(CpuFeature f) {
   switch (f) {
     case CpuFeature::Popcnt: return __builtin_cpu_supports("popcnt");
     case CpuFeature::Avx512Vpopcntdq: return __builtin_cpu_supports("avx512vpopcntdq");
+    case CpuFeature::Avx512VpopcntdqVnni:
+      return __builtin_cpu_supports("avx512vpopcntdq") && __builtin_cpu_supports("avx512vnni");
     default: return true;
   }
 }

@@ -14,7 +14,8 @@ namespace ortlean {
 enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
 
 // CPU features a family may need beyond its ISA level's flags.
-enum class CpuFeature { None, Popcnt, Avx512Vpopcntdq };
+// Avx512VpopcntdqVnni: AVX512_VPOPCNTDQ and AVX512_VNNI both (PackedAttention's AVX-512 copy)
+enum class CpuFeature { None, Popcnt, Avx512Vpopcntdq, Avx512VpopcntdqVnni };
 
 Isa isa();  // the process ISA (decided on first call, then fixed for the process)
 const char* isa_name(Isa i);

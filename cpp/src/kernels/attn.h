@@ -112,7 +112,7 @@ struct AttnKernels {
   void (*quantize_query)(const float* q, int64_t ldq, int nq, int64_t D, int64_t D16, int16_t* q16, float* qs);
 };
 
-// kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ)
+// kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ and VNNI)
 extern const AttnKernels attn_kernels_scalar, attn_kernels_avx2, attn_kernels_avx512;
 
 }  // namespace ortlean

@@ -258,7 +258,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   const Isa cap = popcnt == "scalar" ? Isa::Scalar : popcnt == "avx2" ? Isa::Avx2 : Isa::Avx512;
   Isa level;
   ak_ = &pick(IsaTables<AttnKernels>{attn_kernels_scalar, attn_kernels_avx2, attn_kernels_avx512, CpuFeature::Popcnt,
-                                     CpuFeature::Avx512Vpopcntdq},
+                                     CpuFeature::Avx512VpopcntdqVnni},
               cap, &level);
   gemm_ = &gemm_kernels();
 
@@ -982,8 +982,10 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
   c.idx.resize(static_cast<size_t>(n_idx));
   SelectSched& sc = select_sched();
   // scores g of every approximating row's context (at off[r]), in tasks of a row's key range: one per
-  // row on a one-thread pool; on a wider pool a row's keys in pieces of >= kScoreMinChunk so the
-  // scoring is not 3 tasks (SmolLM2's KV heads) on 2 threads
+  // row, except on a wider pool with an odd number of rows, where the middle row's keys go in two
+  // pieces (of >= kScoreMinChunk): ORT hands the first half of the tasks to one thread and the second
+  // to the other, so SmolLM2's 3 KV heads run as 1.5 rows a thread with 4 table builds, not 6 (each
+  // piece builds its row's tables: ~0.5 us)
   if (sc.g.size() < static_cast<size_t>(n_idx)) sc.g.resize(static_cast<size_t>(n_idx));
   float* gall = sc.g.data();
   const bool int_ok = p.mode == KeyMode::Pq && !p.oracle && p.cand_block == 1;
@@ -992,9 +994,10 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
   uint16_t* idsall = sc.ids.data();
   int32_t* irange = sc.irange.data();
   sc.tasks.clear();
-  for (const int64_t r : approx_rows) {
-    const int64_t nctx = c.n[static_cast<size_t>(r)];
-    const int64_t pieces = pool_.width() == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(2, nctx / kScoreMinChunk));
+  const size_t mid = pool_.width() != 1 && approx_rows.size() % 2 ? approx_rows.size() / 2 : approx_rows.size();
+  for (size_t j = 0; j < approx_rows.size(); ++j) {
+    const int64_t r = approx_rows[j], nctx = c.n[static_cast<size_t>(r)];
+    const int64_t pieces = j == mid && nctx >= 2 * kScoreMinChunk ? 2 : 1;
     for (int64_t k = 0; k < pieces; ++k) sc.tasks.push_back({r, nctx * k / pieces, nctx * (k + 1) / pieces});
   }
   std::atomic<bool> oom{false};
