@@ -830,14 +830,20 @@ int64_t split_at_kth(const AttnKernels& ak, const uint16_t* ids, int64_t n, int6
   return ak.split_ids(ids, n, bsel, base, above, at, nat, pos);
 }
 
-// out[0:na) (ascending) merged with base + ti[0:ns) (ascending) into out; returns na + ns. tmp: na int32.
-int64_t merge_above_ties(int32_t* out, int64_t na, const int32_t* ti, int64_t ns, int32_t base, int32_t* tmp) {
-  std::memcpy(tmp, out, sizeof(int32_t) * static_cast<size_t>(na));
-  int64_t i = 0, j = 0, o = 0;
-  while (i < na && j < ns) out[o++] = tmp[i] < base + ti[j] ? tmp[i++] : base + ti[j++];
-  while (i < na) out[o++] = tmp[i++];
-  while (j < ns) out[o++] = base + ti[j++];
-  return o;
+// out[0:na) (ascending) merged with base + ti[0:ns) (ascending, none in out) into out (room for na + ns);
+// returns na + ns. The ties are few (the k-th largest's bucket): each goes in at its place found by
+// binary search, from the back, the entries above it moved up once (a merge loop over all na + ns
+// entries took ~0.3 us a row at past 4096).
+int64_t merge_above_ties(int32_t* out, int64_t na, const int32_t* ti, int64_t ns, int32_t base) {
+  int64_t end = na;  // out[0:end) not yet placed
+  for (int64_t j = ns - 1; j >= 0; --j) {
+    const int32_t v = base + ti[j];
+    const int64_t at = std::upper_bound(out, out + end, v) - out;
+    std::memmove(out + at + j + 1, out + at, sizeof(int32_t) * static_cast<size_t>(end - at));
+    out[at + j] = v;
+    end = at;
+  }
+  return na + ns;
 }
 
 // The top k of x[0:n) by (value desc, index asc) (1 <= k < n; no NaN), written in index order as
@@ -879,7 +885,7 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
     const float v = x[ti[j]];
     if (v > thr || (v == thr && ties-- > 0)) ti[ns++] = ti[j];
   }
-  return merge_above_ties(out, na, ti, ns, base, reinterpret_cast<int32_t*>(tmp));
+  return merge_above_ties(out, na, ti, ns, base);
 }
 
 // top_k on exact integer buckets (ids[i] in [1, nbk], a higher id a higher score; 1 <= k < n): the
@@ -917,12 +923,12 @@ int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t
       const int64_t c = ak.select_ge(ids, n, thr, pos, val, &vtop);
       if (c >= k) {
         const int64_t na = split_at_kth(ak, val, c, k, vtop, cnt, base, out, ti, &mt, pos);
-        return merge_above_ties(out, na, ti, k - na, base, tmp);
+        return merge_above_ties(out, na, ti, k - na, base);
       }
     }
   }
   const int64_t na = split_at_kth(ak, ids, n, k, nbk, cnt, base, out, ti, &mt);  // above -> out, at -> ti
-  return merge_above_ties(out, na, ti, k - na, base, tmp);                      // 1 <= k - na <= mt: the first ties
+  return merge_above_ties(out, na, ti, k - na, base);  // 1 <= k - na <= mt: the first ties
 }
 }  // namespace
 
