@@ -918,7 +918,7 @@ int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t
     }
     if (cb > 0) {  // cb == 0: every key would pass
       const int thr = cb << sh;
-      uint16_t* val = reinterpret_cast<uint16_t*>(tmp);  // tmp is free until the merge below
+      uint16_t* val = reinterpret_cast<uint16_t*>(tmp);  // tmp is free here
       int vtop = 0;
       const int64_t c = ak.select_ge(ids, n, thr, pos, val, &vtop);
       if (c >= k) {
