@@ -50,7 +50,11 @@ def _candidates() -> list[Path]:
 
 
 def library_path() -> str:
-    """Absolute path of the built custom-op library (ORTLEAN_LIBRARY overrides)."""
+    """Absolute path of the built custom-op library (ORTLEAN_LIBRARY overrides: when set, it must name
+    the file, or this raises: a silent fallback to another build would mislabel an A/B run)."""
+    env = os.environ.get("ORTLEAN_LIBRARY")
+    if env and not Path(env).is_file():
+        raise LibraryNotFoundError(f"ORTLEAN_LIBRARY={env}: no such file (unset it to use the installed library)")
     tried = []
     for c in _candidates():
         if c.is_file():

@@ -252,6 +252,9 @@ def test_library_path_missing_gives_clear_error(monkeypatch, tmp_path):
 
     import custom_ops as co
 
+    with pytest.raises(co.LibraryNotFoundError, match="ORTLEAN_LIBRARY=.*nope.so: no such file"):
+        co.library_path()  # an override naming no file is refused, not skipped for the installed build
+    monkeypatch.delenv("ORTLEAN_LIBRARY")
     monkeypatch.setattr(co, "_candidates", lambda: [tmp_path / "nope.so"])
     with pytest.raises(co.LibraryNotFoundError, match="pip install -e"):
         co.library_path()
