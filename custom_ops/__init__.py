@@ -28,9 +28,6 @@ class LibraryNotFoundError(RuntimeError):
 
 def _candidates() -> list[Path]:
     out: list[Path] = []
-    env = os.environ.get("ORTLEAN_LIBRARY")
-    if env:
-        out.append(Path(env))
     here = Path(__file__).resolve().parent
     out.append(here / LIB_NAME)
     # scikit-build-core editable installs put compiled files in site-packages/custom_ops
@@ -53,8 +50,10 @@ def library_path() -> str:
     """Absolute path of the built custom-op library (ORTLEAN_LIBRARY overrides: when set, it must name
     the file, or this raises: a silent fallback to another build would mislabel an A/B run)."""
     env = os.environ.get("ORTLEAN_LIBRARY")
-    if env and not Path(env).is_file():
-        raise LibraryNotFoundError(f"ORTLEAN_LIBRARY={env}: no such file (unset it to use the installed library)")
+    if env:
+        if not Path(env).is_file():
+            raise LibraryNotFoundError(f"ORTLEAN_LIBRARY={env}: no such file (unset it to use the installed library)")
+        return str(Path(env))
     tried = []
     for c in _candidates():
         if c.is_file():

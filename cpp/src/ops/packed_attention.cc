@@ -218,7 +218,8 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   at.read({{"min_candidates", &p.min_candidates}, {"sinks", &p.sinks}, {"window", &p.window},
            {"min_context", &p.min_context}, {"qbits", &p.qbits}, {"approx_prefill", &p.approx_prefill},
            {"eps_heads", &p.eps_heads}, {"kscale", &p.kscale}});
-  at.read({{"pq_book", &p.pq_book}, {"pq_dims", &p.pq_dims}});
+  std::vector<float> pq_book;  // kept only as pq_book_t, its transpose
+  at.read({{"pq_book", &pq_book}, {"pq_dims", &p.pq_dims}});
   std::string kvq;
   at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
   at.read({{"local_window", &p.local_window}, {"num_heads", &p.num_heads}, {"kv_num_heads", &p.kv_num_heads},
@@ -238,7 +239,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
                                                                                                : KeyMode::Sign;
   if (p.mode == KeyMode::Pq) {
     if (!p.kv_bits) fail("attribute mode pq needs kv_quant fp32 | int8 | int4");
-    if (p.pq_book.empty()) fail("attribute mode pq needs pq_book (KV heads x head dim x 16 centroid values)");
+    if (pq_book.empty()) fail("attribute mode pq needs pq_book (KV heads x head dim x 16 centroid values)");
     if (!p.kscale.empty()) fail("attribute kscale does not apply to mode pq (the centroids keep the magnitudes)");
     std::vector<char> seen(p.pq_dims.size(), 0);
     for (const int64_t d : p.pq_dims) {
@@ -247,8 +248,8 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
              std::to_string(d) + (d < static_cast<int64_t>(seen.size()) ? " twice" : ""));
       seen[static_cast<size_t>(d)] = 1;
     }
-    p.pq_book_t = PackedKeyFormat::transpose_book(p.pq_book);
-  } else if (!p.pq_book.empty() || !p.pq_dims.empty()) {
+    p.pq_book_t = PackedKeyFormat::transpose_book(pq_book);
+  } else if (!pq_book.empty() || !p.pq_dims.empty()) {
     fail("attributes pq_book / pq_dims need mode pq, got mode " + mode);
   }
   p.k_bhdt = layout == "bhdt";
@@ -280,7 +281,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
 // eps_heads / kscale against the KV heads and head dim of K when its static shape says them (else
 // at the first Run).
 void PackedAttentionKernel::check_list_lengths(const Ort::ConstKernelInfo& info) const {
-  if (p_.eps_heads.empty() && p_.kscale.empty() && p_.pq_book.empty()) return;
+  if (p_.eps_heads.empty() && p_.kscale.empty() && p_.pq_book_t.empty()) return;
   if (info.GetInputCount() < 2 || p_.num_heads > 0) return;  // no K, or GQA's layout: checked on the first Run()
   auto ti = info.GetInputTypeInfo(1);
   if (ti.GetONNXType() != ONNX_TYPE_TENSOR) return;
@@ -300,8 +301,8 @@ void PackedAttentionKernel::check_list_lengths(int64_t Hkv, int64_t D) const {
   if (p.mode == KeyMode::Pq && D > 0) {
     if (D % kPqWidth)
       fail("mode pq needs a head dim divisible by " + std::to_string(kPqWidth) + ", got " + std::to_string(D));
-    if (Hkv > 0 && static_cast<int64_t>(p.pq_book.size()) != Hkv * D * kPqCodes)
-      fail("attribute pq_book has " + std::to_string(p.pq_book.size()) +
+    if (Hkv > 0 && static_cast<int64_t>(p.pq_book_t.size()) != Hkv * D * kPqCodes)  // the attribute's count
+      fail("attribute pq_book has " + std::to_string(p.pq_book_t.size()) +
            " values, expected KV heads x head dim x 16 = " + std::to_string(Hkv * D * kPqCodes));
     if (!p.pq_dims.empty() && static_cast<int64_t>(p.pq_dims.size()) != D)
       fail("attribute pq_dims has " + std::to_string(p.pq_dims.size()) + " values, expected head dim " +

@@ -25,8 +25,8 @@ struct AttnParams {
   bool k_bhdt;                   // K is [B, Hkv, D, T]
   std::vector<float> kscale;     // [Hkv * D] per-channel key scale folded into q for the popcount score
   std::vector<float> eps_heads;  // per KV head (eps modes), empty = eps for all
-  std::vector<float> pq_book;    // pq mode: [Hkv][D / 4][16][4] centroids per KV head and subspace
-  std::vector<float> pq_book_t;  // the same, [Hkv][D / 4][4][16] (PackedKeyFormat::transpose_book)
+  std::vector<float> pq_book_t;  // pq mode: the pq_book attribute's centroids ([Hkv][D / 4][16][4]) transposed,
+                                 // [Hkv][D / 4][4][16] (PackedKeyFormat::transpose_book)
   std::vector<int64_t> pq_dims;  // pq mode: subspace s = dims pq_dims[4s .. 4s + 3] (empty: 4s .. 4s + 3)
   int kv_bits = 0;               // 0: K/V are the context; 32 / 8 / 4: cache rows (past_kv) of fp32 / int8 / int4
   int64_t local_window = -1;     // kv cache mode: the last w keys [pos - w + 1, pos] when > 0
