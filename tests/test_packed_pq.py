@@ -151,6 +151,34 @@ def test_kernel_vs_reference_mask_zero_query_and_nan_key():
 
 
 @requires_native
+def test_new_key_codes_at_ties_nan_centroids_and_overflow():
+    """The kernel's codes of new keys (branch-free minimum: the first lane equal to it) against the
+    reference's at equal nearest centroids (the lower one), a NaN component (its subspace's distances
+    NaN: code 0), distances that overflow to +inf for every centroid (code 0) or for all but one, and a
+    key on a centroid. (The node refuses a book with NaN: test_invalid_node_fails_with_name.)"""
+    D, Hkv = 16, 2
+    book = book_for(Hkv, D, seed=5)
+    book[0, 0, :, :] = 50.0
+    book[0, 0, 5] = book[0, 0, 9] = 0.0           # subspace 0 of head 0: centroids 5 and 9 tie at 0
+    book[1, 2, :, :] = 1e30                        # head 1 subspace 2: all but centroid 11 overflow
+    book[1, 2, 11] = 0.0
+    f, pa = pq_case(B=1, Hq=4, Hkv=Hkv, S=4, P=40, D=D, seed=3, book=book)
+    K = f["K"]
+    K[0, 0, :, 0:4] = 0.0                          # every new key of head 0: the tie
+    K[0, 0, 1, 5] = np.nan                         # NaN distances: code 0
+    K[0, 0, 2, 4:8] = book[0, 1, 7]                # exactly on centroid 7
+    K[0, 1, 0, 8:12] = 3e38                        # every distance of subspace 2 overflows: code 0
+    K[0, 1, 1, 8:12] = 0.0                         # only centroid 11 finite
+    attrs = dict(kv_quant="int8", scale=0.5, budget=0.3, window=4, sinks=1, min_context=0, **pa)
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_array_equal(bits[..., :2], br[..., :2])  # codes and gamma (D 16: one code word)
+    new = [pq_unpack(bits[0, h, 40 + m], D) for h in range(Hkv) for m in range(4)]
+    assert all(c[0] == 5 for c in new[:4])
+    assert new[1][1] == 0 and new[2][1] == 7 and new[4][2] == 0 and new[5][2] == 11
+
+
+@requires_native
 @pytest.mark.parametrize("scale", [-0.125, 0.0, 1e-39])
 def test_selection_order_at_edge_scales(scale):
     """Without a mask the kernel selects on the integer core where float(core) * coef orders keys
