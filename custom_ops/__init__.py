@@ -18,7 +18,7 @@ LIB_NAME = "libortlean_ops.so"
 
 __all__ = [
     "DOMAIN", "LibraryNotFoundError", "library_path", "load_library", "session_options",
-    "session", "metrics", "reset_metrics", "isa", "op_schema",
+    "session", "metrics", "reset_metrics", "isa", "op_isas", "isa_label", "op_schema",
 ]
 
 
@@ -171,6 +171,34 @@ def reset_metrics() -> None:
 def isa() -> str:
     """The kernel ISA path chosen at load time: scalar | avx2 | avx512."""
     return load_library().ortlean_isa().decode()
+
+
+def op_isas() -> dict[str, str]:
+    """{op type: the ISA level its kernels run at on this CPU}: isa(), lowered for an op whose copy at
+    that level needs a CPU feature the CPU lacks (PackedAttention's AVX-512 copy needs AVX512_VPOPCNTDQ
+    and AVX512_VNNI, its AVX2 copy POPCNT). A node's popcnt attribute may lower it further (its
+    pack.popcnt metric). Empty for a library older than this call."""
+    from custom_ops import schema
+
+    fn = getattr(load_library(), "ortlean_op_isa", None)
+    if fn is None:
+        return {}
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = [ctypes.c_char_p]
+    out = {}
+    for t in schema.op_types():
+        v = fn(t.encode())
+        if v is None:
+            raise RuntimeError(f"{library_path()}: op type {t} has no ISA (a library without it?)")
+        out[t] = v.decode()
+    return out
+
+
+def isa_label() -> str:
+    """isa() for figures' labels, with the op types that run lower named, e.g. "avx512
+    (PackedAttention avx2)": a figure's ISA is its kernels'."""
+    lower = {t: v for t, v in op_isas().items() if v != isa()}
+    return isa() + (f" ({', '.join(f'{t} {v}' for t, v in lower.items())})" if lower else "")
 
 
 def op_schema() -> dict[str, dict]:

@@ -201,7 +201,7 @@ def _version() -> int:
     try:
         import custom_ops
 
-        print(f"library {custom_ops.library_path()} (isa {custom_ops.isa()})")
+        print(f"library {custom_ops.library_path()} (isa {custom_ops.isa_label()})")
     except Exception as e:
         print(f"library: {e}")
     return 0

@@ -355,7 +355,13 @@ def _isa_line() -> str:
     except OSError:
         pass
     keep = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
-    return (f"CPU {cpu}, {os.cpu_count()} logical cores, ISA {' '.join(keep)}, onnxruntime {ort.__version__}, "
+    try:
+        import custom_ops
+
+        kernels = f"ortlean kernels {custom_ops.isa_label()}, "
+    except Exception as e:  # no library: the reference backend's rows say so themselves
+        kernels = f"ortlean kernels: {e}, "
+    return (f"CPU {cpu}, {os.cpu_count()} logical cores, ISA {' '.join(keep)}, {kernels}onnxruntime {ort.__version__}, "
             f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -232,7 +232,9 @@ def _isa_worker() -> None:
         (Yp,) = s2.run(None, {"Q": Qp, "K": K, "V": V})
         np.testing.assert_allclose(Yp, dense_attention(Qp, K, V, None, 0.125), atol=1e-5)
     got = custom_ops.metrics()["pa"]["pack.popcnt"]
-    print("ISA-OK", want, pop, got)
+    isas = custom_ops.op_isas()   # what benches label figures with (custom_ops.isa_label)
+    assert {t for t, v in isas.items() if v != want} <= {"PackedAttention"}, isas
+    print("ISA-OK", want, pop, got, isas["PackedAttention"], custom_ops.isa_label())
 
 
 @requires_native
@@ -242,8 +244,8 @@ def test_isa_and_popcount_paths(isa, pop, expect):
     flags = open("/proc/cpuinfo").read()
     if isa == "avx512" and "avx512f" not in flags or isa == "avx2" and "avx2" not in flags:
         pytest.skip(f"CPU lacks {isa}")
-    if expect is None:
-        expect = 2 if "avx512_vpopcntdq" in flags else 1
+    if expect is None:  # the AVX-512 copy needs VPOPCNTDQ and VNNI (else the AVX2 copy)
+        expect = 2 if "avx512_vpopcntdq" in flags and "avx512_vnni" in flags else 1
     env = dict(os.environ, ORTLEAN_ISA=isa, PA_POPCNT=pop,
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     code = ("import importlib.util; "
@@ -252,6 +254,10 @@ def test_isa_and_popcount_paths(isa, pop, expect):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"ISA-OK {isa} {pop} {expect}" in p.stdout, p.stdout
+    if pop == "auto":  # custom_ops.op_isas() names the copy the node runs, and the label says when it is lower
+        name = ("scalar", "avx2", "avx512")[expect]
+        label = isa if name == isa else f"{isa} (PackedAttention {name})"
+        assert f"ISA-OK {isa} {pop} {expect} {name} {label}\n" in p.stdout, p.stdout
 
 
 # --------------------------------------------------------------------------- graph pass

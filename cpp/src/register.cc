@@ -121,4 +121,16 @@ ORTLEAN_EXPORT const char* ortlean_op_schema_json(void) {
 
 ORTLEAN_EXPORT const char* ortlean_isa(void) { return ortlean::isa_name(); }
 
+// The ISA level an op type's kernels run at on this CPU (under ORTLEAN_ISA): the process level,
+// lowered for PackedAttention when the CPU lacks a feature its copy needs (its popcnt attribute may
+// lower a node further: the node's pack.popcnt metric). Null for an op type this library lacks.
+ORTLEAN_EXPORT const char* ortlean_op_isa(const char* op_type) {
+  using namespace ortlean;
+  if (!op_type) return nullptr;
+  if (!std::strcmp(op_type, "PackedAttention")) return isa_name(isa_level(kAttnAvx2Needs, kAttnAvx512Needs));
+  for (const OpEntry& e : kOps)
+    if (!std::strcmp(op_type, e.type)) return isa_name();
+  return nullptr;
+}
+
 ORTLEAN_EXPORT const char* ortlean_version(void) { return ORTLEAN_VERSION; }

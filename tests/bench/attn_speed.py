@@ -70,7 +70,7 @@ def bench_op(a) -> dict:
         modelfile.save_model_atomic(m, out)
         sessions[f"packed_{b}"] = custom_ops.session(str(out), threads=a.threads)
     r = np.random.default_rng(0)
-    res = {"threads": a.threads, "isa": custom_ops.isa(), "contexts": {}}
+    res = {"threads": a.threads, "isa": custom_ops.isa_label(), "contexts": {}}
     for T in [int(x) for x in a.contexts.split(",")]:
         for M in (1, 512):
             if M > 1 and T != 512 * (T // 512):
@@ -151,7 +151,7 @@ def bench_model(a) -> dict:
                 if r > 0:
                     times[n].append(dt)
     res = {"past": a.past, "budget": a.budget, "threads": a.threads, "steps": a.steps, "rounds": a.repeats,
-           "isa": custom_ops.isa(), "sessions": {}}
+           "isa": custom_ops.isa_label(), "sessions": {}}
     for n in names:
         med = statistics.median(times[n])
         res["sessions"][n] = {"median_ms": round(med * 1e3, 2), "p10_ms": round(float(np.percentile(times[n], 10)) * 1e3, 2),
@@ -261,7 +261,7 @@ def bench_decode(a) -> dict:
                                           min_context=a.min_context, **pq_attrs))
         return model(nodes, ins, outs)
 
-    res = {"threads": a.threads, "isa": custom_ops.isa(), "layers": L, "shape": dict(Hq=Hq, Hkv=Hkv, D=D),
+    res = {"threads": a.threads, "isa": custom_ops.isa_label(), "layers": L, "shape": dict(Hq=Hq, Hkv=Hkv, D=D),
            "window": a.window, "min_context": a.min_context, "thp": thp_mode(), "pasts": {}}
     so = ort.SessionOptions()
     so.intra_op_num_threads = a.threads

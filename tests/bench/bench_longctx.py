@@ -138,7 +138,7 @@ def run(a) -> dict:
     if note:
         print(f"[{custom_ops.isa()}] note: {note}", flush=True)
     threads = [int(x) for x in a.threads.split(",")]
-    isa = custom_ops.isa()
+    isa = custom_ops.isa_label()
     res = {"isa": isa, "model": "SmolLM2 int4 fused (fastgraph_models.quantized_model)", "steps": a.steps,
            "rounds": a.rounds, "sessions": a.sessions, "huge_weights": a.huge_weights, "variants": list(paths),
            "decode": {},

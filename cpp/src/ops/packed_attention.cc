@@ -258,8 +258,8 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   // popcount path: requested (auto | vpopcntdq | avx2 | scalar), clamped to the CPU and ORTLEAN_ISA
   const Isa cap = popcnt == "scalar" ? Isa::Scalar : popcnt == "avx2" ? Isa::Avx2 : Isa::Avx512;
   Isa level;
-  ak_ = &pick(IsaTables<AttnKernels>{attn_kernels_scalar, attn_kernels_avx2, attn_kernels_avx512, CpuFeature::Popcnt,
-                                     CpuFeature::Avx512VpopcntdqVnni},
+  ak_ = &pick(IsaTables<AttnKernels>{attn_kernels_scalar, attn_kernels_avx2, attn_kernels_avx512, kAttnAvx2Needs,
+                                     kAttnAvx512Needs},
               cap, &level);
   gemm_ = &gemm_kernels();
 

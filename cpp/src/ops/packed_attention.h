@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/attn.h"
+#include "isa.h"
 #include "kernels/gemm.h"
 #include "metrics.h"
 #include "op.h"
@@ -13,6 +14,12 @@
 #include "parallel.h"
 
 namespace ortlean {
+
+// The CPU features PackedAttention's kernel copies need beyond their ISA level: POPCNT (AVX2 copy),
+// AVX512_VPOPCNTDQ and AVX512_VNNI (AVX-512 copy). Without them a node runs the copy below (also what
+// ortlean_op_isa reports, so a figure's ISA label is the op's, not only the process's).
+inline constexpr CpuFeature kAttnAvx2Needs = CpuFeature::Popcnt;
+inline constexpr CpuFeature kAttnAvx512Needs = CpuFeature::Avx512VpopcntdqVnni;
 
 struct AttnCall;
 
