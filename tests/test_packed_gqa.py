@@ -224,6 +224,30 @@ def assert_native_equals_reference(attrs, feed):
 
 
 @requires_native
+@pytest.mark.parametrize("q", ["int8", "int4"])
+@pytest.mark.parametrize("D,Dv", [(24, 40), (64, 64), (8, 16)])
+def test_new_row_quantization_edges(q, D, Dv):
+    """New K / V rows quantized as the reference does (codes and scales bit for bit): rounding ties
+    (half to even), a row of zeros (scale 0), huge and denormal values, values beyond the level
+    range's rounding, head dims with 16 codes a step and a tail (24, 40, 8)."""
+    f = case(B=1, Hq=4, Hkv=2, S=4, P=30, D=D, Dv=Dv, q=q, seed=31)
+    L = 127.0 if q == "int8" else 7.0
+    for name, n in (("K", D), ("V", Dv)):
+        x = f[name]
+        # scale 1 exactly (max |x| = L at d 0), the rest k + 0.5 (half to even) and beyond +-L
+        x[0, 0, 0] = np.where(np.arange(n) == 0, -L, (np.arange(n) - n / 2) + 0.5).astype(np.float32)
+        x[0, 0, 1] = 0.0                                             # scale 0, codes 0
+        x[0, 1, 0] = np.float32(3e38) * np.sign(np.arange(n) % 3 - 1).astype(np.float32)
+        x[0, 1, 0, 1] = np.float32(1e-45)                            # denormal beside huge values
+        x[0, 1, 1] = np.float32(1e-44) * (np.arange(n) % 5)          # all denormal
+    attrs = dict(kv_quant=q, scale=float(D) ** -0.5, budget=0.5, window=4, sinks=1, min_context=0)
+    Yr, br, kr = run_ref(attrs, f)
+    Y, bits, kv = run_native(attrs, f)
+    np.testing.assert_array_equal(kv, kr)
+    np.testing.assert_array_equal(bits, br)
+
+
+@requires_native
 @pytest.mark.parametrize("P,D,q", [(1500, 64, "int8"), (1500, 64, "int4"), (300, 1032, "int8"), (2700, 64, "int8")])
 def test_long_candidate_lists_with_mask(P, D, q):
     """Candidate lists longer than the attend kernel's blocks (128 rows; D 1032: fewer, the scratch
