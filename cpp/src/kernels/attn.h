@@ -80,11 +80,16 @@ struct AttnKernels {
   void (*minmax_finite)(const float* x, int64_t n, float* lo, float* hi);
   // ids[i] = 0 for x[i] = -inf, nbk + 1 for +inf, else 1 + clamp(int((x[i] - mn) * sc), 0, nbk - 1)
   void (*bucket_ids)(const float* x, int64_t n, float mn, float sc, int nbk, uint16_t* ids);
-  // Top-k partition: i with ids[i] > bsel to above (as base + p_i), i with ids[i] == bsel to at (as p_i),
-  // both in index order, p_i = pos[i] (pos null: i); returns how many above, *nat how many at. May write
-  // up to 7 entries past either count, never past n entries.
+  // Top-k partition: i with ids[i] > bsel to above (as base + i), i with ids[i] == bsel to at (as i),
+  // both in index order; returns how many above, *nat how many at. May write up to 7 entries past either
+  // count, never past n entries.
   int64_t (*split_ids)(const uint16_t* ids, int64_t n, int bsel, int32_t base, int32_t* above, int32_t* at,
-                       int64_t* nat, const int32_t* pos);
+                       int64_t* nat);
+  // Top-k take: i with ids[i] > bsel and the first `need` i with ids[i] == bsel (need >= 0), in index
+  // order, to out as base + p_i, p_i = pos[i] (pos null: i); returns how many. May write up to 7
+  // entries past the count, never past n entries.
+  int64_t (*take_ids)(const uint16_t* ids, int64_t n, int bsel, int64_t need, int32_t base, int32_t* out,
+                      const int32_t* pos);
   // The keys whose id is at least thr, in index order: their indices i to pos and ids[i] - thr + 1 to val;
   // returns how many, *top the largest val (0: none). May write up to 7 entries past the count, never past
   // n entries.

@@ -840,19 +840,27 @@ void histogram(const uint16_t* ids, int64_t n, int64_t st, int sh, int top, int3
 }
 
 // The bucket of the k-th largest of ids[0:n) (bucket ids 0 .. top, a higher id a higher score; 1 <= k <= n)
-// by a histogram (cnt: top + 1 int32); the keys of the buckets above it go to above as base + p_i, those of
-// that bucket to at as p_i, both in index order, p_i = pos[i] (pos null: i) (split_ids: may write 7 entries
-// past either count). Returns how many above (< k), *nat how many at.
-int64_t split_at_kth(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int top, int32_t* cnt,
-                     int32_t base, int32_t* above, int32_t* at, int64_t* nat, const int32_t* pos = nullptr) {
+// by a histogram (cnt: top + 1 int32); *higher: how many keys are in the buckets above it (< k).
+int kth_bucket(const uint16_t* ids, int64_t n, int64_t k, int top, int32_t* cnt, int64_t* higher) {
   histogram(ids, n, 1, 0, top, cnt);
-  int64_t higher = 0;
+  int64_t h = 0;
   int bsel = top;
   for (; bsel > 0; --bsel) {
-    if (higher + cnt[bsel] >= k) break;
-    higher += cnt[bsel];
+    if (h + cnt[bsel] >= k) break;
+    h += cnt[bsel];
   }
-  return ak.split_ids(ids, n, bsel, base, above, at, nat, pos);
+  *higher = h;
+  return bsel;
+}
+
+// kth_bucket, then the keys of the buckets above it to above as base + i, those of that bucket to at as
+// i, both in index order (split_ids: may write 7 entries past either count). Returns how many above
+// (< k), *nat how many at.
+int64_t split_at_kth(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int top, int32_t* cnt,
+                     int32_t base, int32_t* above, int32_t* at, int64_t* nat) {
+  int64_t higher;
+  const int bsel = kth_bucket(ids, n, k, top, cnt, &higher);
+  return ak.split_ids(ids, n, bsel, base, above, at, nat);
 }
 
 // out[0:na) (ascending) merged with base + ti[0:ns) (ascending, none in out) into out (room for na + ns);
@@ -915,7 +923,9 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
 
 // top_k on exact integer buckets (ids[i] in [1, nbk], a higher id a higher score; 1 <= k < n): the
 // histogram's bucket of the k-th largest holds equal scores only, so its first k - above keys by index
-// are the ties the order takes (no nth_element). cnt: nbk + 1 int32, tmp, ti and pos: n int32 each.
+// are the ties the order takes (no nth_element), taken in the same pass as the keys above it (take_ids;
+// a split into two lists and their merge was ~1/5 of the selection, perf in the model at past 4096).
+// cnt: nbk + 1 int32, tmp and pos: n int32 each.
 // A long row first narrows the keys by a sample (kSampleStride): every kSampleStride-th id in a coarse
 // histogram gives a threshold that about kSampleSigmas standard deviations more keys than k pass;
 // select_ge keeps the keys at or above it (in index order), and the exact histogram runs over those
@@ -924,9 +934,17 @@ int64_t top_k(const AttnKernels& ak, const float* x, int64_t n, int64_t k, float
 // whole row. The histogram's increments were ~3/4 of the selection (perf, past 4096).
 constexpr int64_t kSampleStride = 8, kSampleMinKeys = 1024;
 constexpr double kSampleSigmas = 4.0;
+// kth_bucket, then the keys above it and its first k - higher (index order) as base + p_i (p_i = pos[i],
+// pos null: i) to out, in index order: the top k; returns k.
+int64_t take_kth(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int top, int32_t* cnt,
+                 int32_t base, int32_t* out, const int32_t* pos = nullptr) {
+  int64_t higher;
+  const int bsel = kth_bucket(ids, n, k, top, cnt, &higher);
+  return ak.take_ids(ids, n, bsel, k - higher, base, out, pos);  // 1 <= k - higher <= cnt[bsel]
+}
+
 int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t k, int nbk, int32_t* cnt,
-                  int32_t* tmp, int32_t* ti, int32_t* pos, int32_t base, int32_t* out) {
-  int64_t mt = 0;
+                  int32_t* tmp, int32_t* pos, int32_t base, int32_t* out) {
   if (n >= kSampleMinKeys) {
     int sh = 0;
     while ((nbk >> sh) >= 256) ++sh;
@@ -946,14 +964,10 @@ int64_t top_k_ids(const AttnKernels& ak, const uint16_t* ids, int64_t n, int64_t
       uint16_t* val = reinterpret_cast<uint16_t*>(tmp);  // tmp is free here
       int vtop = 0;
       const int64_t c = ak.select_ge(ids, n, thr, pos, val, &vtop);
-      if (c >= k) {
-        const int64_t na = split_at_kth(ak, val, c, k, vtop, cnt, base, out, ti, &mt, pos);
-        return merge_above_ties(out, na, ti, k - na, base);
-      }
+      if (c >= k) return take_kth(ak, val, c, k, vtop, cnt, base, out, pos);
     }
   }
-  const int64_t na = split_at_kth(ak, ids, n, k, nbk, cnt, base, out, ti, &mt);  // above -> out, at -> ti
-  return merge_above_ties(out, na, ti, k - na, base);  // 1 <= k - na <= mt: the first ties
+  return take_kth(ak, ids, n, k, nbk, cnt, base, out);
 }
 }  // namespace
 
@@ -1232,7 +1246,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
     } else if (k > 0 && nbk) {  // integer buckets (pq)
       const uint16_t* ids = idsall + c.off[static_cast<size_t>(r)];
       n += top_k_ids(ak, ids + ns, nr, k, nbk, reinterpret_cast<int32_t*>(tmp + nctx), reinterpret_cast<int32_t*>(tmp),
-                     core, core1, static_cast<int32_t>(lo + ns), out + n);
+                     core1, static_cast<int32_t>(lo + ns), out + n);
     } else if (k > 0) {
       n += top_k(ak, g + ns, nr, k, tmp, core, static_cast<int32_t>(lo + ns), out + n);  // core: free here
     }
