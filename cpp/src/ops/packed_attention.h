@@ -5,8 +5,8 @@
 #include <array>
 #include <vector>
 
-#include "kernels/attn.h"
 #include "isa.h"
+#include "kernels/attn.h"
 #include "kernels/gemm.h"
 #include "metrics.h"
 #include "op.h"
