@@ -241,7 +241,8 @@ def test_new_row_quantization_edges(q, D, Dv):
         x[0, 1, 0, 1] = np.float32(1e-45)                            # denormal beside huge values
         x[0, 1, 1] = np.float32(1e-44) * (np.arange(n) % 5)          # all denormal
     attrs = dict(kv_quant=q, scale=float(D) ** -0.5, budget=0.5, window=4, sinks=1, min_context=0)
-    Yr, br, kr = run_ref(attrs, f)
+    with np.errstate(over="ignore", invalid="ignore"):  # huge keys: the reference's logits overflow
+        Yr, br, kr = run_ref(attrs, f)
     Y, bits, kv = run_native(attrs, f)
     np.testing.assert_array_equal(kv, kr)
     np.testing.assert_array_equal(bits, br)

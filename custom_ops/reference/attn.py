@@ -119,11 +119,12 @@ def pq_encode(K: np.ndarray, book: np.ndarray, dims: np.ndarray) -> np.ndarray:
     """K [..., T, D] of one KV head, book [D/4, 16, 4] → codes [..., T, D/4] (module docstring)."""
     K = np.asarray(K, np.float32)
     x = K[..., dims].reshape(K.shape[:-1] + (K.shape[-1] // PQ_WIDTH, 1, PQ_WIDTH))   # [..., S, 1, 4]
-    e = x - book                                                   # [..., S, 16, 4] float32
-    sq = e * e
-    d2 = sq[..., 0]
-    for j in range(1, PQ_WIDTH):
-        d2 = d2 + sq[..., j]
+    with np.errstate(over="ignore", invalid="ignore"):             # overflow: +inf distances
+        e = x - book                                               # [..., S, 16, 4] float32
+        sq = e * e
+        d2 = sq[..., 0]
+        for j in range(1, PQ_WIDTH):
+            d2 = d2 + sq[..., j]
     d2 = np.where(np.isnan(d2), np.float32(np.inf), d2)
     return d2.argmin(-1)
 
@@ -364,9 +365,10 @@ def quantize_rows(x: np.ndarray, kv_quant: str) -> tuple[np.ndarray, np.ndarray]
         return x, np.ones(x.shape[:-1], np.float32)
     L = np.float32(KV_LEVELS[kv_quant])
     a = np.abs(x).max(-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(a > 0, L / a, np.float32(0)).astype(np.float32)
-    codes = np.clip(np.rint(x * inv[..., None]), -L, L).astype(np.int8)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(a > 0, L / a, np.float32(0)).astype(np.float32)   # a denormal: L / a may be inf
+        q = np.clip(np.rint(x * inv[..., None]), -L, L)
+    codes = np.where(np.isnan(q), np.float32(0), q).astype(np.int8)       # NaN (0 * inf, NaN x): code 0
     return codes, (a / L).astype(np.float32)
 
 
