@@ -197,8 +197,9 @@ def op_isas() -> dict[str, str]:
 def isa_label() -> str:
     """isa() for figures' labels, with the op types that run lower named, e.g. "avx512
     (PackedAttention avx2)": a figure's ISA is its kernels'."""
-    lower = {t: v for t, v in op_isas().items() if v != isa()}
-    return isa() + (f" ({', '.join(f'{t} {v}' for t, v in lower.items())})" if lower else "")
+    base = isa()
+    lower = {t: v for t, v in op_isas().items() if v != base}
+    return base + (f" ({', '.join(f'{t} {v}' for t, v in lower.items())})" if lower else "")
 
 
 def op_schema() -> dict[str, dict]:

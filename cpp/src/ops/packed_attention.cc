@@ -543,9 +543,11 @@ void PackedAttentionKernel::Compute(Ort::KernelContext& ctx) const {
 
 // Round half to even (np.rint) of |v| < 2^22 (NaN stays NaN) without a libm call: the generic x86-64
 // build has no SSE4.1 round, and nearbyintf per element was a visible share of a short decode step.
-inline float rint_small(float v) {
-  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: the sum rounds to an integer (ties to even)
-  return (v + kMagic) - kMagic;
+constexpr float kRintMagic = 12582912.0f;  // 1.5 * 2^23: the sum rounds to an integer (ties to even)
+inline float rint_small(float v) { return (v + kRintMagic) - kRintMagic; }
+inline __m128 rint_small4(__m128 v) {  // rint_small on four lanes (the same adds)
+  const __m128 m = _mm_set1_ps(kRintMagic);
+  return _mm_sub_ps(_mm_add_ps(v, m), m);
 }
 
 // One cached key row (int32 words): K codes, V codes (custom_ops/reference/attn.py); the row's K scale
@@ -578,16 +580,14 @@ struct KvRowFormat {
     const __m128 absm = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
     __m128 am = _mm_setzero_ps();
     for (; d0 + 4 <= n; d0 += 4) am = _mm_max_ps(_mm_and_ps(_mm_loadu_ps(x + d0), absm), am);  // NaN: am kept
-    am = _mm_max_ps(am, _mm_shuffle_ps(am, am, _MM_SHUFFLE(2, 3, 0, 1)));
-    am = _mm_max_ps(am, _mm_shuffle_ps(am, am, _MM_SHUFFLE(1, 0, 3, 2)));
-    a = _mm_cvtss_f32(am);
+    a = _mm_cvtss_f32(fold_max4(am));
     for (int64_t d = d0; d < n; ++d) a = std::max(a, std::fabs(x[d]));
     const float inv = a > 0 ? L / a : 0.0f;
     int64_t dq = 0;
     if (bits == 8) {
-      const __m128 vinv = _mm_set1_ps(inv), magic = _mm_set1_ps(12582912.0f), hi = _mm_set1_ps(L), lo = _mm_set1_ps(-L);
+      const __m128 vinv = _mm_set1_ps(inv), hi = _mm_set1_ps(L), lo = _mm_set1_ps(-L);
       auto q4 = [&](int64_t d) {
-        __m128 v = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(_mm_loadu_ps(x + d), vinv), magic), magic);  // rint_small
+        __m128 v = rint_small4(_mm_mul_ps(_mm_loadu_ps(x + d), vinv));
         v = _mm_max_ps(lo, _mm_min_ps(hi, v));  // clamps; NaN passes both (second operand)
         return _mm_and_si128(_mm_cvtps_epi32(v), _mm_castps_si128(_mm_cmpord_ps(v, v)));  // NaN -> 0
       };
@@ -1115,9 +1115,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
           am = _mm_max_ps(am, av);
         }
       }
-      am = _mm_max_ps(am, _mm_shuffle_ps(am, am, _MM_SHUFFLE(2, 3, 0, 1)));
-      am = _mm_max_ps(am, _mm_shuffle_ps(am, am, _MM_SHUFFLE(1, 0, 3, 2)));
-      const float a = _mm_cvtss_f32(am);  // max |tf| (used only when every tf is finite)
+      const float a = _mm_cvtss_f32(fold_max4(am));  // max |tf| (used only when every tf is finite)
       const bool finite = _mm_movemask_ps(fin4) == 0xF;
       if (!(a > 0) || !finite) {  // no information (zero or non-finite query): all scores 0 (then the mask)
         std::fill(g, g + nctx, 0.0f);
@@ -1128,23 +1126,19 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         std::fill(tabs, tabs + nbytes * 32, 0);
         // the integer tables (rint_small, 4 a step) and the sums of their minima / maxima (the range of a
         // key's score)
-        const __m128 vinv = _mm_set1_ps(inv), magic = _mm_set1_ps(12582912.0f);
+        const __m128 vinv = _mm_set1_ps(inv);
         int64_t tlo = 0, thi = 0;
         for (int64_t s = 0; s < ns; ++s) {
           int32_t* ts = tabs + (s / 2) * 32 + (s % 2) * 16;
           __m128 mn = vinf, mx = _mm_set1_ps(-INFINITY);
           for (int c4 = 0; c4 < kPqCodes; c4 += 4) {
-            const __m128 v = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(_mm_loadu_ps(tf + s * kPqCodes + c4), vinv), magic), magic);
+            const __m128 v = rint_small4(_mm_mul_ps(_mm_loadu_ps(tf + s * kPqCodes + c4), vinv));
             mn = _mm_min_ps(mn, v);
             mx = _mm_max_ps(mx, v);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(ts + c4), _mm_cvttps_epi32(v));  // integral: exact
           }
-          mn = _mm_min_ps(mn, _mm_shuffle_ps(mn, mn, _MM_SHUFFLE(2, 3, 0, 1)));
-          mn = _mm_min_ps(mn, _mm_shuffle_ps(mn, mn, _MM_SHUFFLE(1, 0, 3, 2)));
-          mx = _mm_max_ps(mx, _mm_shuffle_ps(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
-          mx = _mm_max_ps(mx, _mm_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
-          tlo += static_cast<int64_t>(_mm_cvtss_f32(mn));
-          thi += static_cast<int64_t>(_mm_cvtss_f32(mx));
+          tlo += static_cast<int64_t>(_mm_cvtss_f32(fold_min4(mn)));
+          thi += static_cast<int64_t>(_mm_cvtss_f32(fold_max4(mx)));
         }
         const float* mr = c.mask_row(b, h0, m);
         ScoreFinish fin{};

@@ -20,6 +20,17 @@ enum class KeyMode { Sign = 0, Ternary = 1, Binary = 2, Pq = 3 };
 
 constexpr int kPqWidth = 4, kPqCodes = 16;  // pq mode: dims per subspace, centroids per subspace
 
+// Every lane the minimum / maximum of v's four lanes (SSE2; _mm_min_ps / _mm_max_ps semantics, the
+// shuffled copy the second operand).
+inline __m128 fold_min4(__m128 v) {
+  v = _mm_min_ps(v, _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_min_ps(v, _mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+}
+inline __m128 fold_max4(__m128 v) {
+  v = _mm_max_ps(v, _mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_max_ps(v, _mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+}
+
 struct PackedKeyFormat {
   KeyMode mode;
   int64_t D;       // head dim
@@ -98,9 +109,7 @@ struct PackedKeyFormat {
         const __m128 ord = _mm_cmpord_ps(acc, acc);
         d4[q] = _mm_or_ps(_mm_and_ps(ord, acc), _mm_andnot_ps(ord, inf));
       }
-      __m128 mn = _mm_min_ps(_mm_min_ps(d4[0], d4[1]), _mm_min_ps(d4[2], d4[3]));
-      mn = _mm_min_ps(mn, _mm_shuffle_ps(mn, mn, _MM_SHUFFLE(2, 3, 0, 1)));
-      mn = _mm_min_ps(mn, _mm_shuffle_ps(mn, mn, _MM_SHUFFLE(1, 0, 3, 2)));
+      const __m128 mn = fold_min4(_mm_min_ps(_mm_min_ps(d4[0], d4[1]), _mm_min_ps(d4[2], d4[3])));
       unsigned eq = 0;
       for (int q = 0; q < kPqCodes / 4; ++q)
         eq |= static_cast<unsigned>(_mm_movemask_ps(_mm_cmpeq_ps(d4[q], mn))) << (4 * q);
