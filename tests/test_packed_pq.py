@@ -20,7 +20,7 @@ for p in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(p))
 
 import custom_ops  # noqa: E402
-from custom_ops.reference.attn import (pack_cache, pack_keys, pq_encode, pq_params, pq_tables,  # noqa: E402
+from custom_ops.reference.attn import (n_words, pack_cache, pack_keys, pq_encode, pq_params, pq_tables,  # noqa: E402
                                        pq_unpack, pq_words)
 
 from conftest import requires_native  # noqa: E402
@@ -70,10 +70,10 @@ def test_reference_codes_are_nearest_centroids_and_roundtrip():
     zn = z.copy()
     zn[0, 0] = np.nan
     assert pq_encode(zn, b2, np.arange(D))[0, 0] == 0
-    # the gamma word is 1; the key-bits row has the sign mode's width
+    # no gamma word: the key-bits row is the codes alone, one word less than sign bits'
     bits = pack_keys(K[None, None], "pq", pq=(book[None], dims))
-    assert bits.shape[-1] == pack_keys(K[None, None], "sign").shape[-1]
-    assert (bits[..., -1].view(np.float32) == 1.0).all()
+    assert bits.shape[-1] == n_words(D, "pq") == pack_keys(K[None, None], "sign").shape[-1] - 1 == (D + 31) // 32
+    np.testing.assert_array_equal(bits[0, 0], pq_words(pq_encode(K, book, dims), D).view(np.int32))
 
 
 def test_reference_tables():
@@ -145,7 +145,7 @@ def test_kernel_vs_reference_mask_zero_query_and_nan_key():
     attrs = dict(kv_quant="int8", scale=0.125, budget=0.15, window=8, sinks=2, min_candidates=4, min_context=16, **pa)
     Yr, br, kr = run_ref(attrs, f)
     Y, bits, kv = run_native(attrs, f)
-    np.testing.assert_array_equal(bits[..., :3], br[..., :3])  # codes and gamma (the NaN row's int8 scale aside)
+    np.testing.assert_array_equal(bits[..., :2], br[..., :2])  # codes (the NaN row's int8 scale aside)
     assert (pq_unpack(bits[0, 1, 500], 64)[1] == 0)
     np.testing.assert_allclose(Y[1], Yr[1], atol=2e-5, rtol=1e-4)  # batch row 1: no NaN key
 
@@ -173,7 +173,7 @@ def test_new_key_codes_at_ties_nan_centroids_and_overflow():
     with np.errstate(over="ignore", invalid="ignore"):  # huge keys: the reference's logits overflow
         Yr, br, kr = run_ref(attrs, f)
     Y, bits, kv = run_native(attrs, f)
-    np.testing.assert_array_equal(bits[..., :2], br[..., :2])  # codes and gamma (D 16: one code word)
+    np.testing.assert_array_equal(bits[..., :1], br[..., :1])  # codes (D 16: one word)
     new = [pq_unpack(bits[0, h, 40 + m], D) for h in range(Hkv) for m in range(4)]
     assert all(c[0] == 5 for c in new[:4])
     assert new[1][1] == 0 and new[2][1] == 7 and new[4][2] == 0 and new[5][2] == 11
@@ -355,3 +355,15 @@ def test_book_and_dims_lengths_checked_at_run():
                         (dict(pa, pq_dims=list(range(8))), "pq_dims has 8 values")):
         with pytest.raises(Exception, match=needle):
             run_native(dict(kv_quant="int8", budget=0.5, **bad), f)
+
+
+@requires_native
+def test_key_bits_rows_of_the_old_width_fail_with_a_hint():
+    """pq key-bits rows are the codes and the K / V scales (no gamma word): a cache of
+    the old width (one word more) is refused by name with the fix, not read as shifted rows."""
+    f, pa = pq_case(Hq=4, Hkv=2, P=20, D=64)
+    assert f["past_bits"].shape[-1] == n_words(64, "pq") + 2 == 4
+    old = dict(f, past_bits=np.concatenate([f["past_bits"][..., :2], np.ones_like(f["past_bits"][..., :1]),
+                                            f["past_bits"][..., 2:]], -1))
+    with pytest.raises(Exception, match=r"past_bits \[1, 2, 20, 5\] must be .*no longer carry a gamma word"):
+        run_native(dict(kv_quant="int8", budget=0.5, **pa), old)

@@ -17,8 +17,9 @@ Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1):
           code s is bits 4 (s % 8) .. 4 (s % 8) + 3 of word s // 8 (planes = 1, the same words as sign)
   (eps: the attribute, or eps_heads[kv head] when given)
   bit d of plane p is bit d % 32 of word p * ceil(D/32) + d // 32; the last word holds gamma
-  (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none),
-  pq → 1.
+  (float32 bits): sign → mean |k|, ternary/binary → mean |k_d| over the set bits (eps if none).
+  pq rows have no gamma word (its score has no key scale): n_words(D, "pq") = ceil(D/32), so a
+  cache-mode pq row of D = 64 is 16 bytes with its K / V scales, four to a cache line.
 
 Approximate score of a query row q (only used to pick candidates, never as the output), after
 q ← q * kscale[kv head] when the per-channel key scale kscale [Hkv * D] is given (calibrated mean
@@ -99,7 +100,8 @@ _SCHEMA = _schema("PackedAttention")
 
 
 def n_words(D: int, mode: str = "sign") -> int:
-    return MODES[mode] * ((D + 31) // 32) + 1
+    """int32 words per packed key: the bit planes (pq: the codes), then gamma (not in pq mode)."""
+    return MODES[mode] * ((D + 31) // 32) + (mode != "pq")
 
 
 def pq_params(book, dims, Hkv: int, D: int) -> tuple[np.ndarray, np.ndarray]:
@@ -173,8 +175,7 @@ def pack_keys(K: np.ndarray, mode: str = "sign", eps: float = 0.0, eps_heads=Non
             raise ValueError("mode pq needs its codebook (pq_book)")
         book, dims = pq
         codes = np.stack([pq_encode(K[:, h], book[h], dims) for h in range(K.shape[1])], 1)
-        one = np.ones(K.shape[:-1] + (1,), np.float32).view(np.uint32)
-        return np.concatenate([pq_words(codes, K.shape[-1]), one], -1).view(np.int32)
+        return np.ascontiguousarray(pq_words(codes, K.shape[-1])).view(np.int32)
     if eps_heads is not None and len(eps_heads) and mode != "sign":
         return np.concatenate([pack_keys(K[:, h:h + 1], mode, float(e)) for h, e in enumerate(eps_heads)], 1)
     D = K.shape[-1]
@@ -531,7 +532,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                         else:
                             codes = pq_unpack(bits[b, hk, ctx, :W0], D)
                             s_ = np.take_along_axis(tb[0], codes.T, 1).sum(0)
-                            ap = s_.astype(np.float32) * np.float32(1) * np.float32(tb[1] * scale)
+                            ap = s_.astype(np.float32) * np.float32(tb[1] * scale)
                     else:
                         qa = qg if ks_all is None else qg * ks_all[hk]
                         s_, coef = approx_int(qa, bits[b, hk, ctx, :W0], D, mode, qbits)

@@ -317,7 +317,7 @@ def bench_decode(a) -> dict:
             bufs.append(gq)
             for (tag, kvq, budget), s in packed.items():
                 name = f"{pre}{tag}packed_{kvq}_b{budget:g}"
-                R, W = kv_row_words(D, D, kvq), cache_bits_words(D, "sign")
+                R, W = kv_row_words(D, D, kvq), cache_bits_words(D, a.mode)
                 bnd = s.io_binding()
                 bnd.bind_cpu_input("Q", rng.standard_normal((1, Hq, 1, D), dtype=np.float32))
                 bnd.bind_cpu_input("K", rng.standard_normal((1, Hkv, 1, D), dtype=np.float32))
@@ -330,7 +330,8 @@ def bench_decode(a) -> dict:
                     kv = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, R), dtype=np.int64).astype(np.int32)
                     kv.view(np.uint8).reshape(1, Hkv, cap, R * 4)[..., :] &= 0x3F  # small codes, finite scales
                     bits = rng.integers(-2**31, 2**31 - 1, size=(1, Hkv, cap, W), dtype=np.int64).astype(np.int32)
-                    bits[..., -3] = np.float32(1.0 if a.mode == "pq" else 0.8).view(np.int32)  # gamma (pq: 1)
+                    if a.mode != "pq":  # gamma (pq rows have none)
+                        bits[..., -3] = np.float32(0.8).view(np.int32)
                     bits[..., -2:] = np.float32(0.01).view(np.int32)      # the row's K / V scales
                     kv, bits = place(kv, pool), place(bits, pool)
                     ov_kv, ov_b = ort.OrtValue.ortvalue_from_numpy(kv), ort.OrtValue.ortvalue_from_numpy(bits)

@@ -688,7 +688,10 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
       const auto ps = pv.GetTensorTypeAndShapeInfo().GetShape();
       if (ps.size() != 4 || ps[0] != B || ps[1] != Hkv || ps[2] != c.P || ps[3] != W)
         fail("past_bits " + shape_str(ps) + " must be [B, Hkv, P, W] = [" + std::to_string(B) + ", " +
-             std::to_string(Hkv) + ", " + std::to_string(c.P) + ", " + std::to_string(W) + "] (P of past_kv)");
+             std::to_string(Hkv) + ", " + std::to_string(c.P) + ", " + std::to_string(W) + "] (P of past_kv)" +
+             (p_.mode == KeyMode::Pq && ps.size() == 4 && ps[3] == W + 1
+                  ? std::string("; pq key-bits rows no longer carry a gamma word: rewrite the model again")
+                  : std::string()));
       if (c.P) c.past_bits = reinterpret_cast<const uint32_t*>(pv.GetTensorData<int32_t>());
     }
   }
@@ -1144,7 +1147,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
         ScoreFinish fin{};
         fin.two = 1;
         fin.qs = 0;
-        fin.gword = -1;  // pq rows' gamma is 1 (the reference's pq score has no gamma)
+        fin.gword = -1;  // pq rows have no gamma word (the reference's pq score has no key scale)
         fin.coef = (a / L) * p.scale;
         fin.mr = mr ? mr + lo * c.mst : nullptr;
         fin.mst = c.mst;

@@ -5,7 +5,8 @@
 //                               ternary: 2 planes, k > eps / k < -eps)
 //                              (pq: the nibble codes, subspace s at bits 4 (s % 8) of word s / 8)
 //   gamma [1]:                 float32 bits of the key's scale (mean |k| over the set bits, or
-//                              over all d in sign mode; eps when no bit is set; 1 in pq mode)
+//                              over all d in sign mode; eps when no bit is set). pq rows have no gamma
+//                              word (their score has no key scale): nw words, a 16-byte row at D = 64
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -36,14 +37,15 @@ struct PackedKeyFormat {
   int64_t D;       // head dim
   int planes;      // 2 for ternary, else 1
   int64_t nw;      // words per plane, ceil(D / 32)
-  int64_t words;   // per key: planes * nw + 1
-  int64_t gamma;   // index of the gamma word
+  int64_t words;   // per key: planes * nw + 1 (pq: nw)
+  int64_t gamma;   // index of the gamma word (pq: -1, none)
 
   PackedKeyFormat(KeyMode m, int64_t d)
-      : mode(m), D(d), planes(m == KeyMode::Ternary ? 2 : 1), nw((d + 31) / 32), words(planes * nw + 1),
-        gamma(planes * nw) {}
+      : mode(m), D(d), planes(m == KeyMode::Ternary ? 2 : 1), nw((d + 31) / 32),
+        words(planes * nw + (m == KeyMode::Pq ? 0 : 1)), gamma(m == KeyMode::Pq ? -1 : planes * nw) {}
 
   float gamma_of(const uint32_t* row) const {
+    if (gamma < 0) return 1.0f;
     float g;
     std::memcpy(&g, row + gamma, 4);
     return g;
@@ -116,8 +118,6 @@ struct PackedKeyFormat {
       const uint32_t code = static_cast<uint32_t>(__builtin_ctz(eq));
       row[s / 8] |= code << (4 * (s % 8));
     }
-    const float one = 1.0f;
-    std::memcpy(row + gamma, &one, 4);
   }
 
   // pack_pq's bt from n centroid groups of 16 x 4 (book [n][16][4] -> [n][4][16])
