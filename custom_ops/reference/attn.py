@@ -6,7 +6,7 @@ Q [B, Hq, M, D]; K [B, Hkv, T, D] (k_layout "bhtd") or [B, Hkv, D, T] ("bhdt"); 
 query head h reads KV head h // (Hq / Hkv) (GQA repeat); mask additive float, broadcastable to
 [B, Hq, M, T] (rank 4, each dim 1 or full); past_bits int32 [B, Hkv, P, W] (P = T - new tokens).
 
-Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1):
+Key bits (one row of W int32 words per key, W = planes * ceil(D / 32) + 1, pq: ceil(D / 32)):
   sign    plane 0 bit d = k_d > 0                                  (planes = 1)
   ternary plane 0 bit d = k_d > eps, plane 1 bit d = k_d < -eps      (planes = 2)
   binary  plane 0 bit d = |k_d| > eps                               (planes = 1)

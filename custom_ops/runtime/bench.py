@@ -354,7 +354,7 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
     def same_format(name: str) -> bool:  # a PackedAttention state: its layer's .kv rows of the same width
         stem, _, kind = name.rpartition(".")
         if kind in ("kv", "key_bits") and io.key_packing.get(stem, {}).get("mode", "sign") == "pq":
-            return False  # pq codes have sign bits' width: another model's key bits are never this codebook's
+            return False  # another model's key bits are never this codebook's codes
         probe = f"{stem}.kv" if kind in ("kv", "key_bits") else name
         want = io.state_shapes.get(probe, [None])[-1]
         return probe in built and (not isinstance(want, int) or built[probe].shape[-1] == want)
