@@ -169,6 +169,8 @@ KERNEL_CASES = [
     # fused row kernels: heads in groups of 3 (rep 5, 7), int4 dims 8 mod 16, key blocks not of 4 / 32
     (1, 10, 2, 1, 2500, 40, 24, "int4", dict(budget=0.2, window=16, min_context=64)),
     (1, 14, 2, 1, 1501, 24, 56, "int8", dict(budget=1.0)),
+    # groups of 3 heads over int8 keys of D 128 (AVX-512: 4 x 32-code steps, then reduce12), 4k + 3 keys
+    (1, 6, 2, 1, 503, 128, 96, "int8", dict(budget=0.3, window=8, min_context=0)),
     # candidates in blocks (cand_block): the rest not a multiple of the block (a short last block),
     # a budget not a multiple of it, blocks of 1 key's worth of budget, int4 / fp32 rows, rep 1
     (1, 9, 3, 1, 1000, 64, 64, "int8", dict(budget=0.25, window=61, sinks=3, min_context=64, cand_block=16)),

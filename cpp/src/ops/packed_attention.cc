@@ -689,7 +689,7 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
       if (ps.size() != 4 || ps[0] != B || ps[1] != Hkv || ps[2] != c.P || ps[3] != W)
         fail("past_bits " + shape_str(ps) + " must be [B, Hkv, P, W] = [" + std::to_string(B) + ", " +
              std::to_string(Hkv) + ", " + std::to_string(c.P) + ", " + std::to_string(W) + "] (P of past_kv)" +
-             (p_.mode == KeyMode::Pq && ps.size() == 4 && ps[3] == W + 1
+             (p.mode == KeyMode::Pq && ps.size() == 4 && ps[3] == W + 1
                   ? std::string("; pq key-bits rows no longer carry a gamma word: rewrite the model again")
                   : std::string()));
       if (c.P) c.past_bits = reinterpret_cast<const uint32_t*>(pv.GetTensorData<int32_t>());
