@@ -28,6 +28,13 @@ streaming loop (tests/bench/attn_stream.c, same threads, same run, interleaved) 
 --phases: each PackedAttention row also gets its phase times per op (the kernel's ORTLEAN_PHASE_TIMES
 metrics: reading the inputs, storing the new rows, scoring, selecting, attending; medians over the
 timed runs; wall time of each phase, so at 2 threads a phase includes waiting for its slowest task).
+
+    python tests/bench/attn_speed.py memory [--threads 2] [--mib 512] [--repeats 30]
+
+memory: the machine's sustained read bandwidth (the bound's streaming loop over a buffer far larger
+than the last-level cache) with 1 .. --threads threads, and per CPU (pinned in turn) its single-thread
+read bandwidth and dependent-load latency: whether a second thread can add bandwidth to a
+memory-bound phase at all.
 """
 from __future__ import annotations
 
@@ -160,6 +167,68 @@ def bench_model(a) -> dict:
     res["speedup_p10"] = round(res["sessions"]["dense"]["p10_ms"] / res["sessions"]["lean"]["p10_ms"], 3)
     res["metrics_layer0"] = custom_ops.metrics().get("/ortlean/layers.0/PackedAttention")
     print(json.dumps(res, indent=1))
+    return res
+
+
+def bench_memory(a) -> dict:
+    """This machine's memory, for reading the decode rows' op/stream: the sustained read bandwidth of a
+    buffer far larger than the last-level cache with 1 .. --threads threads (the streaming loop of the
+    bound), and the latency of dependent loads (a random cycle over the buffer's cache lines), each on
+    every CPU the process may run on (pinned in turn). Buffer on 2 MiB pages where the kernel allows."""
+    import ctypes
+
+    import numpy as np
+
+    from custom_ops.runtime.memory import huge_zeros_many, thp_mode
+
+    lib = _stream_lib(Path(tempfile.mkdtemp(prefix="ortlean-mem-")))
+    lib.chase.restype = ctypes.c_uint64
+    lib.chase.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+    nbytes = a.mib << 20
+    (buf,) = huge_zeros_many([((nbytes // 8,), np.uint64)])
+    lines = nbytes // 64
+    perm = np.random.default_rng(0).permutation(lines).astype(np.uint64)
+    words = buf.reshape(lines, 8)
+    words[perm, 0] = np.roll(perm, -1) * np.uint64(8)  # line perm[i] -> word of line perm[i + 1]
+    if lib.chase(buf.ctypes.data, int(perm[0]) * 8, 1) != int(perm[1]) * 8:
+        raise SystemExit("memory bench: the chase cycle is not the permutation written")
+    ptrs = (ctypes.c_void_p * 1)(buf.ctypes.data)
+    cpus = sorted(os.sched_getaffinity(0))
+    res = {"mib": a.mib, "thp": thp_mode(), "cpus": cpus, "read_GBps": {}, "read_GBps_per_cpu": {},
+           "latency_ns_per_cpu": {}}
+
+    def read_gbps(threads: int) -> float:
+        ts = []
+        for _ in range(a.repeats):
+            if threads == 1:
+                t0 = time.perf_counter()
+                lib.stream_read(ptrs, 1, 0, nbytes // 8)
+                ts.append(time.perf_counter() - t0)
+            else:
+                ts.append(lib.stream_read_mt(ptrs, 1, nbytes // 8, threads) * 1e-9)
+        return round(nbytes / statistics.median(ts) / 1e9, 1)
+
+    steps = 2_000_000
+    try:
+        for cpu in cpus:
+            os.sched_setaffinity(0, {cpu})
+            res["read_GBps_per_cpu"][str(cpu)] = read_gbps(1)
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                lib.chase(buf.ctypes.data, int(perm[0]) * 8, steps)
+                ts.append(time.perf_counter() - t0)
+            res["latency_ns_per_cpu"][str(cpu)] = round(statistics.median(ts) / steps * 1e9, 1)
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    for t in range(1, a.threads + 1):
+        res["read_GBps"][str(t)] = read_gbps(t)
+    print(f"memory: {a.mib} MiB buffer (THP {res['thp']}), medians of {a.repeats} reads")
+    for t, g in res["read_GBps"].items():
+        print(f"  read, {t} thread{'s' if t != '1' else ''} (unpinned): {g:6.1f} GB/s")
+    for cpu in cpus:
+        print(f"  cpu {cpu}: read {res['read_GBps_per_cpu'][str(cpu)]:6.1f} GB/s, dependent-load latency "
+              f"{res['latency_ns_per_cpu'][str(cpu)]:6.1f} ns")
     return res
 
 
@@ -410,7 +479,8 @@ def _phase_times(m: dict, layers: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["op", "model", "decode"])
+    ap.add_argument("what", choices=["op", "model", "decode", "memory"])
+    ap.add_argument("--mib", type=int, default=512, help="memory: the buffer's size (MiB)")
     ap.add_argument("--pasts", default="128,4096")
     ap.add_argument("--kv", default="int8,int4")
     ap.add_argument("--layers", type=int, default=30)
@@ -434,7 +504,7 @@ def main(argv=None) -> int:
                     help="decode: PackedAttention's key codes (pq: a random codebook)")
     ap.add_argument("--lib-a", help="decode: also time PackedAttention on this build of libortlean_ops.so")
     a = ap.parse_args(argv)
-    res = bench_op(a) if a.what == "op" else bench_model(a) if a.what == "model" else bench_decode(a)
+    res = {"op": bench_op, "model": bench_model, "decode": bench_decode, "memory": bench_memory}[a.what](a)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

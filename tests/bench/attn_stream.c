@@ -78,3 +78,12 @@ uint64_t stream_read_mt(const uint64_t* const* bufs, int n, size_t words, int th
   }
   return end - t0;
 }
+
+/* Dependent loads: `steps` reads where each read's word holds the index of the next one (a random
+   cycle over a buffer's cache lines, written by the caller): the memory latency, not hidden by any
+   prefetcher or by overlap. Returns the last index (kept live). */
+uint64_t chase(const uint64_t* buf, uint64_t start, size_t steps) {
+  uint64_t i = start;
+  for (size_t s = 0; s < steps; ++s) i = buf[i];
+  return i;
+}
