@@ -100,13 +100,15 @@ def _anon_mappings():
     return out
 
 
-def huge_pages_for_process(min_resident: float = 0.75) -> int:
+def huge_pages_for_process(min_resident: float = 0.75, ranges: list | None = None) -> int:
     """Puts the process's resident anonymous memory on 2 MiB pages: every private writable anonymous
     mapping (and the heap) at least ``min_resident`` resident, with at least 2 MiB not yet on huge
-    pages, gets MADV_HUGEPAGE (later faults in it take huge pages) and MADV_COLLAPSE on its 2 MiB-aligned
-    part (Linux 6.1+: the resident 4 KiB pages copied into huge ones now; sparse mappings such as thread
-    stacks are left alone, collapsing them would populate them). Returns the bytes collapsed: 0 where
-    transparent huge pages are off or unsupported. Advisory: results never depend on it."""
+    pages beyond what its unaligned ends could hold, gets MADV_HUGEPAGE (later faults in it take huge
+    pages) and MADV_COLLAPSE on its 2 MiB-aligned part (Linux 6.1+: the resident 4 KiB pages copied
+    into huge ones now; sparse mappings such as thread stacks are left alone, collapsing them would
+    populate them; a mapping already collapsed is not taken again for the 4 KiB pages of its ends).
+    Returns the bytes collapsed: 0 where transparent huge pages are off or unsupported; ``ranges``, when
+    given, gets each collapsed [start, end). Advisory: results never depend on it."""
     if thp_mode() not in ("always", "madvise"):
         return 0
     try:
@@ -120,9 +122,11 @@ def huge_pages_for_process(min_resident: float = 0.75) -> int:
     done = 0
     for lo, hi, rss, huge in maps:
         a, b = (lo + _HUGE - 1) // _HUGE * _HUGE, hi // _HUGE * _HUGE
-        if b - a < _HUGE or rss < min_resident * (hi - lo) or rss - huge < _HUGE:
+        if b - a < _HUGE or rss < min_resident * (hi - lo) or rss - huge - (a - lo) - (hi - b) < _HUGE:
             continue
         libc.madvise(a, b - a, _MADV_HUGEPAGE)
         if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
             done += b - a
+            if ranges is not None:
+                ranges.append((a, b))
     return done
