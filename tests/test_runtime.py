@@ -499,7 +499,7 @@ def test_huge_pages_for_process_skips_a_mapping_whose_4k_pages_are_its_ends():
     lo, hi = o - 3 * half, o + 23 * half
     for off in (lo - half, hi):
         assert libc.mprotect(base + off, half, mmap.PROT_READ) == 0
-    assert libc.madvise(base + lo, hi - lo, 14) == 0  # MADV_HUGEPAGE
+    assert libc.madvise(base + lo, hi - lo, memory._MADV_HUGEPAGE) == 0
     raw[lo:hi] = 3
     m = next(x for x in memory._anon_mappings() if x[0] <= base + o < x[1])
     if m[0] != base + lo or m[1] != base + hi or m[3] < 10 * mib:
