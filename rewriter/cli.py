@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp rows")
     p.add_argument("--nbits", type=_nbits, default=[8, 4],
                    help="MatMulNBits comparison rows, comma list of bits (2, 4, 8), or 'none'")
-    p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile")
+    p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile (causal LMs: of decode "
+                   "steps after the longest past, dense and lean, at every thread count)")
     p.add_argument("--huge-pages", choices=["on", "off"], default="on",
                    help="decoders: after the warm-up round, every row's memory (weights and caches alike) on 2 MiB "
                    "pages (Linux transparent huge pages, MADV_COLLAPSE; default on)")

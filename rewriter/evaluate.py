@@ -334,9 +334,52 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             res["llama_cpp"] = {"rows": rows, "command": note}
             if not rows:
                 notes.append(note)
-    if profile:
+    if profile and all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean")):
+        say(f"ORT profile of decode steps after {max(pasts)} tokens")
+        res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages)
+    elif profile:  # no KV cache to decode with: the profile of a 16-token run
         res["profile"] = _profiles(variants, max(threads))
     return res
+
+
+def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool) -> dict:
+    """ORT's per-node profile of decode steps after ``past`` tokens, dense and lean, at every thread
+    count (runtime.decode_profile: the model's own cache, the shared-KV loop where the graph allows;
+    4 warm-up and 16 measured steps, the past lowered to fit them in the models' positions)."""
+    warmup, steps = 4, 16
+    cap = min([m for m in (max_positions(str(variants[k])) for k in ("dense", "lean")) if m] or [1 << 30])
+    past = max(1, min(int(past), cap - warmup - steps))
+    out = {"past": past}
+    for t in threads:
+        row = out[f"t{t}"] = {}
+        for k in ("dense", "lean"):
+            prof = runtime.decode_profile(variants[k], lambda p, so=None: _profiled_session(p, so, t), past=past,
+                                          steps=steps, warmup=warmup, huge_pages=huge_pages)
+            row[k] = {"rows": list(prof), "top_nodes": prof.top_nodes, "step_ms": prof.step_ms,
+                      "node_ms": prof.total_ms, "attention_ms": prof.attention_ms, "loop": prof.loop}
+    return out
+
+
+def _format_decode_profile(dp: dict) -> list[str]:
+    """The decode profile's lines: per thread count and model, the step and its slowest op types; then
+    what the dense step would be without its attention nodes (the most any attention kernel can gain)."""
+    lines = []
+    for t, row in dp.items():
+        if not t.startswith("t"):
+            continue
+        for k, prof in row.items():
+            ops = ", ".join(f"{r['op_type']} {r['total_ms']:.2f} ms ({r['pct']:.0f}%)" for r in prof["rows"][:5])
+            lines.append(f"ORT profile, {k}, decode after {dp['past']} tokens, {t} ({prof['loop']} loop, profiler on): "
+                         f"{prof['step_ms']:.2f} ms/step; {ops}")
+        d, lean = row.get("dense"), row.get("lean")
+        if d and d["attention_ms"] > 0 and d["step_ms"] > d["attention_ms"]:
+            rest = d["step_ms"] - d["attention_ms"]
+            msg = (f"ORT profile, {t}: dense without its attention nodes {rest:.2f} ms/step, so no attention kernel "
+                   f"can make this model more than {d['step_ms'] / rest:.2f}x as fast after {dp['past']} tokens")
+            if lean and lean["step_ms"] > 0:
+                msg += f" (lean measured here: {d['step_ms'] / lean['step_ms']:.2f}x)"
+            lines.append(msg)
+    return lines
 
 
 def _isa_line() -> str:
@@ -406,6 +449,8 @@ def format_table(r: dict) -> str:
         lines.append(f"note: {n}")
     for k, prof in (r.get("profile") or {}).items():
         lines.append(f"ORT profile, {k}: " + ", ".join(f"{row['op_type']} {row['pct']:.0f}%" for row in prof["rows"][:6]))
+    if r.get("decode_profile"):
+        lines += _format_decode_profile(r["decode_profile"])
     return "\n".join(lines)
 
 

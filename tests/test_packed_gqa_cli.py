@@ -527,7 +527,9 @@ def test_sliding_window_family_exact_and_int8(sliding, tmp_path):
 
 def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     """`ortlean bench PACKED --ref GQA_TWIN --decode-past ...`: plain and shared-KV rows for both;
-    a past at the model's position limit runs at limit − steps (said in a note)."""
+    a past at the model's position limit runs at limit − steps (said in a note); the ORT profile is of
+    decode steps after the longest past, in the shared-KV loop, with the attention nodes' share and
+    the attention-free bound of the dense step."""
     from rewriter import cli
 
     src = tiny["llama"] / "model.onnx"
@@ -537,15 +539,26 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", str(tmp_path / "pa.onnx"), "--ref", str(tmp_path / "twin.onnx"), "--decode-past", "64,512",
                    "--threads", "1", "--repeats", "1", "--steps", "2", "--nbits", "none", "--peers", "none",
-                   "--no-llama", "--no-profile", "--huge-pages", "off", "--json", str(out)])
+                   "--no-llama", "--huge-pages", "off", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["pasts"] == [64, 510] and any("512 positions" in n for n in r["notes"])
+    dp = r["decode_profile"]
+    assert dp["past"] == 512 - 20 and set(dp) == {"past", "t1"}  # 4 warm-up + 16 profiled steps fit
+    for k in ("dense", "lean"):  # the twin's attention: PackedAttention's exact path (--weights int4's --attn-exact)
+        prof = dp["t1"][k]
+        ops = {x["op_type"]: x for x in prof["rows"]}
+        att = ops["PackedAttention"]
+        assert prof["loop"] == "shared KV" and att["count"] == att["calls"] >= 1
+        assert prof["attention_ms"] == pytest.approx(att["total_ms"])
+        assert 0 < prof["attention_ms"] < prof["node_ms"] <= prof["step_ms"]
     assert not any("2 MiB pages" in n for n in r["notes"])  # --huge-pages off
     rows = r["table"]["t1"]
     assert {"dense", "lean", "dense | shared KV", "lean | shared KV"} <= set(rows)
     assert all(rows[k]["decode510"] > 0 for k in rows)
-    assert "dec P510 t1" in capsys.readouterr().out
+    so = capsys.readouterr().out
+    assert "dec P510 t1" in so and "ORT profile, lean, decode after 492 tokens, t1 (shared KV loop" in so
+    assert "no attention kernel can make this model more than" in so
 
 
 # --------------------------------------------------------------------------- pq key codes

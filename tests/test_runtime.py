@@ -369,6 +369,20 @@ def test_profile_summary(causal):
     assert seen["so"].enable_profiling and rows2.runs == 1
 
 
+def test_decode_profile_plain_loop(causal, encoder):
+    """decode_profile on a graph that concatenates its cache: the plain loop (shared KV refused at the
+    first step), only the last `steps` runs measured (one call of each node per run), no attention node."""
+    p, _ = causal
+    rows = runtime.decode_profile(str(p), past=12, steps=3, warmup=2, huge_pages=False)
+    ops = {r["op_type"]: r for r in rows}
+    assert rows.loop == "plain" and rows.past == 12 and rows.runs == 3
+    assert ops["MatMul"]["calls"] == ops["MatMul"]["count"] == 2 and ops["Concat"]["calls"] == 2 * L
+    assert rows.attention_ms == 0 and 0 < rows.total_ms <= rows.step_ms
+    assert sum(r["pct"] for r in rows) == pytest.approx(100.0, abs=1e-6)
+    with pytest.raises(ValueError, match="causal LM"):
+        runtime.decode_profile(str(encoder[0]), past=4)
+
+
 def test_weight_bytes(causal, tmp_path):
     p, _ = causal
     m = onnx.load(str(p))

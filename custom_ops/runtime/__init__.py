@@ -8,7 +8,7 @@ inputs and outputs:
 - ``quality``: ``perplexity``, sentence ``embeddings``, ``sentences_from_text``;
 - ``generate``: greedy decoding with the KV cache;
 - ``bench``: whole-model prefill/decode timing (``bench_sessions``) and interleaved op timing;
-- ``profile``: ONNX Runtime's per-node profile, summarised;
+- ``profile``: ONNX Runtime's per-node profile, summarised (``decode_profile``: of decode steps after a past);
 - ``weights``: stored weight bytes, ORT's own MatMulNBits quantization (the int8/int4 baseline);
 - ``shared_kv``: the decode loop for GroupQueryAttention graphs with one K/V buffer per layer (IOBinding).
 
@@ -22,7 +22,7 @@ inputs and outputs:
 from .bench import bench_sessions, time_cpu, time_sessions
 from .generate import EOS_TOKENS, generate
 from .io import ModelIO, feeds, load_tokenizer, run, tokenize
-from .profile import ProfileSummary, profile_summary
+from .profile import ATTENTION_OPS, ProfileSummary, decode_profile, profile_summary
 from .shared_kv import SharedKV, SharedKVError
 from .quality import (approximate_decode, approximate_from, decode_perplexity, embeddings, paired_delta, perplexity,
                       sentences_from_text)
@@ -30,6 +30,6 @@ from .weights import quantize_matmul_nbits, weight_bytes
 
 __all__ = [
     "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "decode_perplexity", "paired_delta", "approximate_decode", "approximate_from", "embeddings",
-    "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary",
+    "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary", "decode_profile", "ATTENTION_OPS",
     "ProfileSummary", "SharedKV", "SharedKVError", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
 ]

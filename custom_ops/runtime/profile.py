@@ -17,11 +17,13 @@ from .io import feeds as make_feeds
 class ProfileSummary(list):
     """Rows per op type (dicts: op_type, count, calls, total_ms, mean_ms, pct), slowest first;
     ``.top_nodes`` holds the slowest nodes (name, op_type, calls, total_ms, pct);
-    ``.runs`` the number of measured runs (times are per run); ``.total_ms`` their sum."""
+    ``.runs`` the number of measured runs (times are per run); ``.total_ms`` their sum;
+    ``.step_ms`` the measured runs' mean wall time (``model_run``, profiler on)."""
 
     top_nodes: list[dict]
     runs: int
     total_ms: float
+    step_ms: float
 
 
 def _default_factory(model_path, so=None):
@@ -58,10 +60,19 @@ def profile_summary(model_path, session_factory: Callable | None = None, feeds=N
         if keep_trace:
             Path(keep_trace).write_text(json.dumps(trace))
         del sess
+    return _summarise(trace, warmup, top)
+
+
+def _summarise(trace, skip: int, top: int, last: int | None = None) -> ProfileSummary:
+    """Node kernel times inside the measured ``model_run`` spans: all but the first ``skip`` runs,
+    or (``last``) the last ``last`` runs."""
     events = trace if isinstance(trace, list) else trace.get("traceEvents", [])
     model_runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
                         key=lambda e: e["ts"])
-    measured = model_runs[warmup:] if len(model_runs) > warmup else model_runs
+    if last is not None:
+        measured = model_runs[-last:] if last else []
+    else:
+        measured = model_runs[skip:] if len(model_runs) > skip else model_runs
     spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in measured]
 
     def in_measured(ts):
@@ -97,6 +108,74 @@ def profile_summary(model_path, session_factory: Callable | None = None, feeds=N
         for n, v in sorted(by_node.items(), key=lambda kv: -kv[1]["us"])[:top]]
     rows.runs = nruns
     rows.total_ms = total_us / 1e3 / nruns
+    rows.step_ms = sum(b - a for a, b in spans) / 1e3 / nruns if spans else 0.0
     return rows
 
 
+# op types whose node is a whole attention (the rest of a decode step does not depend on the past)
+ATTENTION_OPS = ("GroupQueryAttention", "PackedAttention", "MultiHeadAttention", "Attention")
+
+
+def decode_profile(model_path, session_factory: Callable | None = None, past: int = 128, steps: int = 16,
+                   warmup: int = 4, seed: int = 0, huge_pages: bool = True, top: int = 15) -> ProfileSummary:
+    """Per-op-type time of single-token decode steps of a causal LM after a past of ``past`` tokens.
+
+    The cache is the model's own: its prefill of ``past`` random tokens in 512-token chunks
+    (``bench.chunked_state``). The steps run with one shared K/V buffer per layer
+    (``shared_kv.SharedKV``) where the graph allows it, else in the plain loop (presents fed back,
+    the past growing by one per step). ``warmup`` steps are not measured; ``huge_pages``: the
+    process's memory on 2 MiB pages before them (``memory.huge_pages_for_process``, as ``ortlean
+    bench`` does). Besides :func:`profile_summary`'s fields, ``.step_ms`` is the measured steps' mean
+    ``model_run`` time as the profiler saw it, ``.loop`` "shared KV" or "plain", ``.past`` the past,
+    and ``.attention_ms`` the time of the attention nodes (:data:`ATTENTION_OPS`) per step."""
+    import onnxruntime as ort
+
+    from .bench import chunked_state
+    from .io import run
+    from .shared_kv import SharedKV, SharedKVError
+
+    factory = session_factory or _default_factory
+    so = ort.SessionOptions()
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory(prefix="ortlean-prof-") as d:
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(d, "ort_profile")
+        sess = factory(str(model_path), so=so)
+        io = ModelIO.from_session(sess, str(model_path))
+        if io.kind != "causal-lm" or not io.past_to_present:
+            raise ValueError(f"{model_path}: decode profile needs a causal LM with a KV cache (kind {io.kind})")
+        hi = int(io.vocab_size or 100)
+        lo = 100 if hi > 1000 else 0
+        ids = rng.integers(lo, hi, (1, past + warmup + steps))
+        state = chunked_state(sess, io, ids[:, :past])
+        try:
+            kv = SharedKV(sess, io, max_len=past + warmup + steps)
+            kv.fill(past, state)
+            loop = "shared KV"
+        except SharedKVError:
+            kv, loop = None, "plain"
+        if huge_pages:
+            from .memory import huge_pages_for_process
+
+            huge_pages_for_process()
+        plen = past
+        for s in range(warmup + steps):
+            tok = ids[:, past + s: past + s + 1]
+            if kv is not None:
+                try:
+                    kv.step(tok)
+                    continue
+                except Exception:  # the first step: a graph that concatenates its cache; the plain loop instead
+                    if s:
+                        raise
+                    kv, loop = None, "plain"
+            state = io.next_state(run(sess, io, make_feeds(io, tok, state, plen)))
+            plen += 1
+        trace_path = sess.end_profiling()
+        with open(trace_path) as fh:
+            trace = json.load(fh)
+        del sess
+    rows = _summarise(trace, 0, top, last=steps)
+    rows.loop, rows.past = loop, int(past)
+    rows.attention_ms = sum(r["total_ms"] for r in rows if r["op_type"] in ATTENTION_OPS)
+    return rows
