@@ -360,24 +360,32 @@ def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool) -> di
     return out
 
 
-def _format_decode_profile(dp: dict) -> list[str]:
+def _format_decode_profile(dp: dict, r: dict) -> list[str]:
     """The decode profile's lines: per thread count and model, the step and its slowest op types; then
-    what the dense step would be without its attention nodes (the most any attention kernel can gain)."""
+    the most any attention kernel can gain: the dense step of the table (profiler off, the longest
+    past) without the time of its attention nodes in the profile."""
     lines = []
+    past = max(r["pasts"])
     for t, row in dp.items():
         if not t.startswith("t"):
             continue
         for k, prof in row.items():
-            ops = ", ".join(f"{r['op_type']} {r['total_ms']:.2f} ms ({r['pct']:.0f}%)" for r in prof["rows"][:5])
+            ops = ", ".join(f"{x['op_type']} {x['total_ms']:.2f} ms ({x['pct']:.0f}%)" for x in prof["rows"][:5])
             lines.append(f"ORT profile, {k}, decode after {dp['past']} tokens, {t} ({prof['loop']} loop, profiler on): "
                          f"{prof['step_ms']:.2f} ms/step; {ops}")
-        d, lean = row.get("dense"), row.get("lean")
-        if d and d["attention_ms"] > 0 and d["step_ms"] > d["attention_ms"]:
-            rest = d["step_ms"] - d["attention_ms"]
-            msg = (f"ORT profile, {t}: dense without its attention nodes {rest:.2f} ms/step, so no attention kernel "
-                   f"can make this model more than {d['step_ms'] / rest:.2f}x as fast after {dp['past']} tokens")
-            if lean and lean["step_ms"] > 0:
-                msg += f" (lean measured here: {d['step_ms'] / lean['step_ms']:.2f}x)"
+        tab = r["table"].get(t, {})
+        kd, kl = (("dense | shared KV", "lean | shared KV") if "dense | shared KV" in tab and "lean | shared KV" in tab
+                  else ("dense", "lean"))
+        step = tab.get(kd, {}).get(f"decode{past}")
+        att = row.get("dense", {}).get("attention_ms", 0.0)
+        if step and 0 < att < step:
+            msg = (f"ORT profile, {t}: the dense model's attention nodes take {att:.2f} ms (profile) of its {step:.2f} "
+                   f"ms step after {past} tokens ({kd} row, profiler off); without them the step would be "
+                   f"{step - att:.2f} ms, so no attention kernel can make this model more than {step / (step - att):.2f}x "
+                   "as fast")
+            lean = tab.get(kl, {}).get(f"decode{past}")
+            if lean:
+                msg += f" ({kl} measured: {step / lean:.2f}x)"
             lines.append(msg)
     return lines
 
@@ -450,7 +458,7 @@ def format_table(r: dict) -> str:
     for k, prof in (r.get("profile") or {}).items():
         lines.append(f"ORT profile, {k}: " + ", ".join(f"{row['op_type']} {row['pct']:.0f}%" for row in prof["rows"][:6]))
     if r.get("decode_profile"):
-        lines += _format_decode_profile(r["decode_profile"])
+        lines += _format_decode_profile(r["decode_profile"], r)
     return "\n".join(lines)
 
 

@@ -558,7 +558,7 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert all(rows[k]["decode510"] > 0 for k in rows)
     so = capsys.readouterr().out
     assert "dec P510 t1" in so and "ORT profile, lean, decode after 492 tokens, t1 (shared KV loop" in so
-    assert "no attention kernel can make this model more than" in so
+    assert "no attention kernel can make this model more than" in so and "(lean | shared KV measured: " in so
 
 
 # --------------------------------------------------------------------------- pq key codes
