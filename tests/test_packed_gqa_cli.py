@@ -545,6 +545,7 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert r["pasts"] == [64, 510] and any("512 positions" in n for n in r["notes"])
     dp = r["decode_profile"]
     assert dp["past"] == 512 - 20 and set(dp) == {"past", "t1"}  # 4 warm-up + 16 profiled steps fit
+    assert dp["t1"]["short_step"]["row"] == "dense | shared KV" and dp["t1"]["short_step"]["ms"] > 0
     for k in ("dense", "lean"):  # the twin's attention: PackedAttention's exact path (--weights int4's --attn-exact)
         prof = dp["t1"][k]
         ops = {x["op_type"]: x for x in prof["rows"]}
@@ -558,6 +559,7 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert all(rows[k]["decode510"] > 0 for k in rows)
     so = capsys.readouterr().out
     assert "dec P510 t1" in so and "ORT profile, lean, decode after 492 tokens, t1 (shared KV loop" in so
+    assert "attention-free bound, t1: the dense step (dense | shared KV, profiler off)" in so
     assert "no attention kernel can make this model more than" in so and "(lean | shared KV measured: " in so
 
 
