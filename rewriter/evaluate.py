@@ -335,22 +335,24 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             if not rows:
                 notes.append(note)
     if profile and all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean")):
-        say(f"ORT profile of decode steps after {max(pasts)} tokens")
-        res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages)
+        res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages, say)
     elif profile:  # no KV cache to decode with: the profile of a 16-token run
         res["profile"] = _profiles(variants, max(threads))
     return res
 
 
-def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool) -> dict:
+def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool, say=print) -> dict:
     """ORT's per-node profile of decode steps after ``past`` tokens, dense and lean, at every thread
     count (runtime.decode_profile: the model's own cache, the shared-KV loop where the graph allows;
-    4 warm-up and 16 measured steps, the past lowered to fit them in the models' positions)."""
+    4 warm-up and 16 measured steps, the past lowered to fit them in the models' positions); and, profiler
+    off, both models' decode step after 1 token (runtime.bench.decode_table), the attention-free estimate's
+    reference."""
+    from custom_ops.runtime import bench as rb
+
     warmup, steps = 4, 16
     cap = min([m for m in (max_positions(str(variants[k])) for k in ("dense", "lean")) if m] or [1 << 30])
     past = max(1, min(int(past), cap - warmup - steps))
-    from custom_ops.runtime import bench as rb
-
+    say(f"ORT profile of decode steps after {past} tokens; every model's step after 1 token")
     out = {"past": past}
     for t in threads:
         row = out[f"t{t}"] = {}
@@ -371,9 +373,9 @@ def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool) -> di
 
 def _format_decode_profile(dp: dict, r: dict) -> list[str]:
     """The decode profile's lines: per thread count and model, the step and its slowest op types
-    (profiler on: it adds to every node's time); then about the most any attention kernel can gain,
-    profiler off: the table's dense step after the longest past over the fastest step (dense or lean)
-    after 1 token, where attention costs next to nothing."""
+    (profiler on: it adds to every node's time); then about the most any attention kernel can gain at
+    each past, profiler off: the table's dense step there over the fastest step (dense or lean) after 1
+    token, where attention costs next to nothing, beside the lean model's measured ratio."""
     lines = []
     past = max(r["pasts"])
     for t, row in dp.items():
@@ -387,16 +389,17 @@ def _format_decode_profile(dp: dict, r: dict) -> list[str]:
         tab, short = r["table"].get(t, {}), row.get("short_step") or {}
         kd = "dense | shared KV" if "dense | shared KV" in tab and "dense | shared KV" in short else "dense"
         kl = kd.replace("dense", "lean", 1)
-        step, x1 = tab.get(kd, {}).get(f"decode{past}"), min(short.values(), default=0.0)
-        if step and x1 > 0:
+        x1 = min(short.values(), default=0.0)
+        parts = []
+        for p in r["pasts"]:
+            step, lean = tab.get(kd, {}).get(f"decode{p}"), tab.get(kl, {}).get(f"decode{p}")
+            if step and x1 > 0:
+                parts.append(f"P{p} {step / x1:.2f}x" + (f" (measured {step / lean:.2f}x)" if lean else ""))
+        if parts:
             fast = min(short, key=short.get)
-            msg = (f"attention-free estimate, {t}: the dense step ({kd}, profiler off) takes {step:.2f} ms after {past} "
-                   f"tokens, the fastest step after 1 token ({fast}) {x1:.2f} ms: an attention that cost nothing would "
-                   f"make this model about {step / x1:.2f}x as fast after {past} tokens")
-            lean = tab.get(kl, {}).get(f"decode{past}")
-            if lean:
-                msg += f" ({kl} measured: {step / lean:.2f}x)"
-            lines.append(msg)
+            lines.append(f"attention-free estimate, {t} (profiler off): {kd}'s step over the fastest step after 1 token "
+                         f"({fast}, {x1:.2f} ms), about what an attention that cost nothing would reach, and {kl}'s "
+                         "measured ratio: " + ", ".join(parts))
     return lines
 
 
