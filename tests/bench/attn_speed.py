@@ -34,7 +34,9 @@ timed runs; wall time of each phase, so at 2 threads a phase includes waiting fo
 memory: the machine's sustained read bandwidth (the bound's streaming loop over a buffer far larger
 than the last-level cache) with 1 .. --threads threads, and per CPU (pinned in turn) its single-thread
 read bandwidth and dependent-load latency: whether a second thread can add bandwidth to a
-memory-bound phase at all.
+memory-bound phase at all. And the fastest a gather of the op's candidate rows can go: a bare C loop
+reading random 128-byte rows (768 of each 4,096-row region, ascending, as budget 0.1875 at past 4,096
+selects) with software prefetch 0-128 rows ahead, in ns per row and against streaming the same bytes.
 """
 from __future__ import annotations
 
@@ -215,13 +217,65 @@ def bench_memory(a) -> dict:
         os.sched_setaffinity(0, set(cpus))
     for t in range(1, a.threads + 1):
         res["read_GBps"][str(t)] = read_gbps(t)
+    res["gather"] = _gather_rows(lib, buf, a.repeats, res["read_GBps"]["1"])
     print(f"memory: {a.mib} MiB buffer (THP {res['thp']}), medians of {a.repeats} reads")
     for t, g in res["read_GBps"].items():
         print(f"  read, {t} thread{'s' if t != '1' else ''} (unpinned): {g:6.1f} GB/s")
     for cpu in cpus:
         print(f"  cpu {cpu}: read {res['read_GBps_per_cpu'][str(cpu)]:6.1f} GB/s, dependent-load latency "
               f"{res['latency_ns_per_cpu'][str(cpu)]:6.1f} ns")
+    g = res["gather"]
+    print(f"  gather, 1 thread (unpinned): {g['rows']} random {g['row_bytes']}-byte rows, {g['per_region']} of each "
+          f"region's {g['region_rows']} in ascending order ({g['regions']} regions: the op's candidate rows of "
+          f"{g['regions']} KV heads at past {g['region_rows']}, budget {g['per_region'] / g['region_rows']:.4g}; "
+          "fresh regions every pass)")
+    for ahead, r in g["ahead"].items():
+        print(f"    prefetch {ahead:>2} rows ahead: {r['ns_per_row']:5.2f} ns/row = {r['GBps']:5.1f} GB/s of row bytes, "
+              f"{r['vs_stream']:.2f}x the time to stream those bytes at {res['read_GBps']['1']} GB/s")
     return res
+
+
+def _gather_rows(lib, buf, repeats: int, stream_gbps: float, region_rows: int = 4096, per_region: int = 768,
+                 row_bytes: int = 128, regions: int = 30) -> dict:
+    """The fastest a gather of PackedAttention's candidate rows can go on one thread: ``regions`` regions
+    of ``region_rows`` rows (a KV head's cache), ``per_region`` random rows of each in ascending order
+    (the op's candidate list), read whole with software prefetch 0 / 8 / 16 / 32 / 64 / 128 rows ahead (32: the kernel's
+    distance, kPfList); medians of up to 4 passes after an untimed one. Every pass takes fresh regions
+    of the buffer, so no row is cached."""
+    import ctypes
+
+    import numpy as np
+
+    lib.gather_rows.restype = ctypes.c_uint64
+    lib.gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+    rng = np.random.default_rng(1)
+    span = region_rows * row_bytes
+    slots = buf.nbytes // span
+    aheads = (0, 8, 16, 32, 64, 128)
+    passes = 1 + min(repeats, 4)  # the first untimed
+    if slots < regions * passes * len(aheads):
+        raise SystemExit(f"memory bench: --mib too small for {passes * len(aheads)} gather passes of fresh regions")
+    order = rng.permutation(slots)
+    out = {"rows": regions * per_region, "row_bytes": row_bytes, "region_rows": region_rows,
+           "per_region": per_region, "regions": regions, "ahead": {}}
+    k = 0
+    for ahead in aheads:
+        ts = []
+        for rep in range(passes):
+            starts = order[k * regions:(k + 1) * regions].astype(np.uint64) * np.uint64(span)
+            k += 1
+            rows = np.sort(np.stack([rng.choice(region_rows, per_region, replace=False) for _ in range(regions)]), axis=1)
+            offs = (starts[:, None] + rows.astype(np.uint64) * np.uint64(row_bytes)).reshape(-1)
+            offs = np.ascontiguousarray(offs)
+            t0 = time.perf_counter()
+            lib.gather_rows(buf.ctypes.data, offs.ctypes.data, offs.size, row_bytes, ahead)
+            if rep:
+                ts.append(time.perf_counter() - t0)
+        t = statistics.median(ts)
+        nbytes = offs.size * row_bytes
+        out["ahead"][str(ahead)] = {"ns_per_row": round(t / offs.size * 1e9, 2), "GBps": round(nbytes / t / 1e9, 1),
+                                    "vs_stream": round((t / offs.size * 1e9) / (row_bytes / stream_gbps), 2)}
+    return out
 
 
 def _stream_lib(tmp: Path):

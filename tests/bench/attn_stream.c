@@ -87,3 +87,23 @@ uint64_t chase(const uint64_t* buf, uint64_t start, size_t steps) {
   for (size_t s = 0; s < steps; ++s) i = buf[i];
   return i;
 }
+
+/* A gather of n rows of row_bytes bytes (a multiple of 32) at base + offs[i], in the order given, each
+   read whole (4 xor accumulators), with the rows `ahead` places later prefetched line by line (0: no
+   software prefetch), as PackedAttention's attend reads its candidate rows. Returns the xor (kept
+   live). */
+uint64_t gather_rows(const uint8_t* base, const uint64_t* offs, size_t n, size_t row_bytes, size_t ahead) {
+  uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  const size_t words = row_bytes / 8;
+  for (size_t i = 0; i < n; ++i) {
+    if (ahead && i + ahead < n) {
+      const uint8_t* q = base + offs[i + ahead];
+      for (size_t l = 0; l < row_bytes; l += 64) __builtin_prefetch(q + l, 0, 3);
+    }
+    const uint64_t* p = (const uint64_t*)(base + offs[i]);
+    for (size_t w = 0; w + 4 <= words; w += 4) {
+      a0 ^= p[w]; a1 ^= p[w + 1]; a2 ^= p[w + 2]; a3 ^= p[w + 3];
+    }
+  }
+  return a0 ^ a1 ^ a2 ^ a3;
+}
