@@ -16,16 +16,9 @@ pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    import ctypes
-
     import attn_speed
 
-    lib = attn_speed._stream_lib(tmp_path_factory.mktemp("stream"))
-    lib.gather_rows.restype = ctypes.c_uint64
-    lib.gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
-    lib.chase.restype = ctypes.c_uint64
-    lib.chase.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-    return lib
+    return attn_speed._stream_lib(tmp_path_factory.mktemp("stream"))  # every helper's ctypes signature set
 
 
 def _xor(words: np.ndarray) -> int:

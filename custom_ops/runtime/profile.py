@@ -121,18 +121,17 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
     """Per-op-type time of single-token decode steps of a causal LM after a past of ``past`` tokens.
 
     The cache is the model's own: its prefill of ``past`` random tokens in 512-token chunks
-    (``bench.chunked_state``). The steps run with one shared K/V buffer per layer
-    (``shared_kv.SharedKV``) where the graph allows it, else in the plain loop (presents fed back,
-    the past growing by one per step). ``warmup`` steps are not measured; ``huge_pages``: the
+    (``bench.chunked_state``). The steps are driven as ``ortlean bench`` drives its rows: one shared
+    K/V buffer per layer (``bench.SharedRow``) where the graph allows it (a probe step first), else the
+    plain loop (``bench.LoopRow``: presents fed back, the past growing by one per step). ``warmup``
+    steps are not measured; ``huge_pages``: the
     process's memory on 2 MiB pages before them (``memory.huge_pages_for_process``, as ``ortlean
     bench`` does). Besides :func:`profile_summary`'s fields, ``.step_ms`` is the measured steps' mean
     ``model_run`` time as the profiler saw it, ``.loop`` "shared KV" or "plain", ``.past`` the past,
     and ``.attention_ms`` the time of the attention nodes (:data:`ATTENTION_OPS`) per step."""
     import onnxruntime as ort
 
-    from .bench import chunked_state
-    from .io import run
-    from .shared_kv import SharedKV, SharedKVError
+    from .bench import LoopRow, SharedRow, chunked_state
 
     factory = session_factory or _default_factory
     so = ort.SessionOptions()
@@ -147,30 +146,18 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
         hi = int(io.vocab_size or 100)
         lo = 100 if hi > 1000 else 0
         ids = rng.integers(lo, hi, (1, past + warmup + steps))
-        state = chunked_state(sess, io, ids[:, :past])
-        try:
-            kv = SharedKV(sess, io, max_len=past + warmup + steps)
-            kv.fill(past, state)
-            loop = "shared KV"
-        except SharedKVError:
-            kv, loop = None, "plain"
+        states = {past: chunked_state(sess, io, ids[:, :past])}
+        step_ids = ids[:, past:]
+        try:  # the bench's drivers; a graph that concatenates its cache fails its first shared-KV step
+            row, loop = SharedRow(sess, io, states, warmup + steps, 1), "shared KV"
+            row.decode(past, step_ids[:, :1])
+        except Exception:
+            row, loop = LoopRow(sess, io, states), "plain"
         if huge_pages:
             from .memory import huge_pages_for_process
 
             huge_pages_for_process()
-        plen = past
-        for s in range(warmup + steps):
-            tok = ids[:, past + s: past + s + 1]
-            if kv is not None:
-                try:
-                    kv.step(tok)
-                    continue
-                except Exception:  # the first step: a graph that concatenates its cache; the plain loop instead
-                    if s:
-                        raise
-                    kv, loop = None, "plain"
-            state = io.next_state(run(sess, io, make_feeds(io, tok, state, plen)))
-            plen += 1
+        row.decode(past, step_ids)  # each driver starts again from the same past
         trace_path = sess.end_profiling()
         with open(trace_path) as fh:
             trace = json.load(fh)

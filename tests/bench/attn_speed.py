@@ -177,15 +177,11 @@ def bench_memory(a) -> dict:
     buffer far larger than the last-level cache with 1 .. --threads threads (the streaming loop of the
     bound), and the latency of dependent loads (a random cycle over the buffer's cache lines), each on
     every CPU the process may run on (pinned in turn). Buffer on 2 MiB pages where the kernel allows."""
-    import ctypes
-
     import numpy as np
 
     from custom_ops.runtime.memory import huge_zeros_many, thp_mode
 
     lib = _stream_lib(Path(tempfile.mkdtemp(prefix="ortlean-mem-")))
-    lib.chase.restype = ctypes.c_uint64
-    lib.chase.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
     nbytes = a.mib << 20
     (buf,) = huge_zeros_many([((nbytes // 8,), np.uint64)])
     lines = nbytes // 64
@@ -242,12 +238,8 @@ def _gather_rows(lib, buf, repeats: int, stream_gbps: float, region_rows: int = 
     (the op's candidate list), read whole with software prefetch 0 / 8 / 16 / 32 / 64 / 128 rows ahead (32: the kernel's
     distance, kPfList); medians of up to 4 passes after an untimed one. Every pass takes fresh regions
     of the buffer, so no row is cached."""
-    import ctypes
-
     import numpy as np
 
-    lib.gather_rows.restype = ctypes.c_uint64
-    lib.gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
     rng = np.random.default_rng(1)
     span = region_rows * row_bytes
     slots = buf.nbytes // span
@@ -294,6 +286,10 @@ def _stream_lib(tmp: Path):
     lib.stream_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
     lib.stream_read_mt.restype = ctypes.c_uint64
     lib.stream_read_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    lib.chase.restype = ctypes.c_uint64
+    lib.chase.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+    lib.gather_rows.restype = ctypes.c_uint64
+    lib.gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
     return lib
 
 
