@@ -214,3 +214,112 @@ def test_quality_guard_on_external_data(tmp_path, protos, calib):
     assert rc == 0 and out.is_file()
     assert any(n.op_type == "EventGatedMatMul" for n in onnx.load(str(out)).graph.node)
     assert digest(src.parent) == before
+
+
+# ------------------------------------------------------------------------------- Constant values in external data
+# optimum saves a model over 2 GB with `onnx.save(..., convert_attribute=True, size_threshold=100)`:
+# a Constant node's `value` attribute tensor (Qwen2.5-1.5B's rotary inv_freq, 256 bytes) goes to the
+# external data file too. Issue 35: the fusion pass (ORT's optimizer reading it) and the save path
+# (the output pointing at the input's data file) both failed on it.
+def _constant_in_external_data(d: Path, weight: str = "onnx::MatMul_0g") -> Path:
+    """toy's plain decoder with one weight as a Constant node instead of an initializer, saved like
+    optimum saves a large export (one data file, attribute tensors converted too)."""
+    proto = onnx.load(str(toy.build(Path(__import__("tempfile").mkdtemp()) / "m.onnx", tokenizer=False)))
+    init = next(t for t in proto.graph.initializer if t.name == weight)
+    proto.graph.initializer.remove(init)
+    const = onnx.helper.make_node("Constant", [], [weight], name="Constant_big", value=init)
+    proto.graph.node.insert(0, const)
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / "model.onnx"
+    onnx.save(proto, str(p), save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx_data",
+              size_threshold=1024, convert_attribute=True)
+    toy.write_tokenizer(d / "tokenizer.json")
+    saved = onnx.load(str(p), load_external_data=False)
+    node = next(n for n in saved.graph.node if n.name == "Constant_big")
+    assert node.attribute[0].t.data_location == onnx.TensorProto.EXTERNAL
+    return p
+
+
+def _attr_external(path: Path) -> list[str]:
+    proto = onnx.load(str(path), load_external_data=False)
+    return [n.name for _, n in modelfile._proto_nodes(proto.graph) if any(
+        a.type == onnx.AttributeProto.TENSOR and a.t.data_location == onnx.TensorProto.EXTERNAL for a in n.attribute)]
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["inline", "external"])
+def test_save_carries_constant_values_in_external_data(tmp_path, monkeypatch, large):
+    src = _constant_in_external_data(tmp_path / "in")
+    before = digest(src.parent)
+    model = modelfile.load_model(src)
+    (what, owner, t), = [x for x in modelfile.external_tensors(model) if not isinstance(x[1], ir.Value)]
+    assert "Constant_big" in what and isinstance(t, ir.ExternalTensor)
+    expect = np.array(t.numpy())
+    monkeypatch.setattr(modelfile, "EXTERNAL_DATA_THRESHOLD", 0 if large else 1 << 40)
+    out = tmp_path / "out" / "m.onnx"
+    modelfile.save_model_atomic(model, out, input_path=src, check=lambda p: modelfile.check(p, out))
+    # the loaded model is unchanged: the attribute still holds the memory-mapped tensor
+    assert model.graph.node("Constant_big").attributes["value"].value is t
+    assert (out.parent / "m.onnx.data").exists() == large
+    assert _attr_external(out) == []                   # the value is inline in the output
+    node = next(n for n in onnx.load(str(out)).graph.node if n.name == "Constant_big")
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(node.attribute[0].t), expect)
+    ref = custom_ops.session(str(src), threads=1)
+    got = custom_ops.session(str(out), threads=1)
+    feeds = {"input_ids": np.array([[3, 5, 7, 9]], np.int64)}
+    for a, b in zip(got.run(None, feeds), ref.run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
+    # the in-memory form (calibration, quality trials) runs too
+    mem = custom_ops.session(modelfile.serialized(model), threads=1)
+    for a, b in zip(mem.run(None, feeds), ref.run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
+    assert digest(src.parent) == before
+
+
+def test_load_names_a_constant_whose_external_data_is_missing(tmp_path):
+    src = _constant_in_external_data(tmp_path / "in")
+    node = next(n for n in onnx.load(str(src), load_external_data=False).graph.node if n.name == "Constant_big")
+    info = {e.key: int(e.value) for e in node.attribute[0].t.external_data if e.key in ("offset", "length")}
+    with open(src.parent / "model.onnx_data", "r+b") as fh:   # cut inside the Constant's bytes only
+        fh.truncate(info["offset"] + info["length"] - 4)
+    with pytest.raises(modelfile.OrtleanError, match=r"Constant_big.*truncated|truncated.*Constant_big"):
+        modelfile.load_model(src)
+    proto = onnx.load(str(src), load_external_data=False)   # the Constant's bytes in a file that is not there
+    node = next(n for n in proto.graph.node if n.name == "Constant_big")
+    next(e for e in node.attribute[0].t.external_data if e.key == "location").value = "gone.data"
+    onnx.save(proto, str(src))
+    with pytest.raises(modelfile.OrtleanError, match="'gone.data' of attribute 'value' of node 'Constant_big'"):
+        modelfile.load_model(src)
+
+
+@requires_native
+@pytest.mark.parametrize("fuse", ["auto", "off"])
+def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, fuse):
+    """The tiny Qwen2 optimum export re-saved as optimum saves a large one (its rotary inv_freq
+    Constant then lives in model.onnx_data): `rewrite --weights int4` (fusion: ORT's optimizer
+    reads that Constant) and `--fuse=off` (the save path) give the model the single-file export's
+    rewrite gives."""
+    import tiny_hf
+
+    d = tiny_hf.models()["qwen2"]
+    single = onnx.load(str(d / "model.onnx"))
+    src = tmp_path / "in" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save(single, str(src), save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx_data",
+              size_threshold=64, convert_attribute=True)
+    assert _attr_external(src), "no Constant value went to external data"
+    before = digest(src.parent)
+    outs = {}
+    for name, path in (("single", d / "model.onnx"), ("external", src)):
+        out = tmp_path / name / "model.lean.onnx"
+        rc = cli.main(["rewrite", str(path), "-o", str(out), "--weights", "int4", f"--fuse={fuse}",
+                       "--quality-budget=off", "-q"])
+        assert rc == 0, name
+        outs[name] = out
+    assert digest(src.parent) == before
+    assert _attr_external(outs["external"]) == []
+    ops = {n.op_type for n in onnx.load(str(outs["external"])).graph.node}
+    assert "MatMulNBits" in ops and (("GroupQueryAttention" in ops or "PackedAttention" in ops) == (fuse == "auto"))
+    sessions = [custom_ops.session(str(outs[k]), threads=1) for k in ("single", "external")]
+    feeds = _feeds(sessions[0], T=6)
+    for a, b in zip(*(s.run(None, feeds) for s in sessions)):
+        np.testing.assert_array_equal(a, b)

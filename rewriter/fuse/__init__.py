@@ -42,6 +42,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ..errors import OrtleanError
+from ..kit import modelfile
 from . import rules
 
 __all__ = ["FuseError", "FuseReport", "fuse_decoder", "is_fused", "FUSED_OPS"]
@@ -121,23 +122,19 @@ def _ort_normalization_and_rotary(model: ir.Model) -> tuple[ir.Model, dict]:
     opts.enable_skip_layer_norm = True   # includes SkipSimplifiedLayerNormalization
     opts.enable_rotary_embeddings = True
     weights = _weights_as_inputs(model)
-    # the other initializers go in with their data in memory: ORT's shape inference resolves
-    # external-data paths against the working directory
-    external = {n: v.const_value for n, v in model.graph.initializers.items()
-                if n not in weights and isinstance(v.const_value, ir.ExternalTensor)}
     for name, v in weights.items():          # the input model is restored below
         del model.graph.initializers[name]
         model.graph.inputs.append(v)
-    for name, t in external.items():
-        model.graph.initializers[name].const_value = ir.tensor(t.numpy(), name=name)
     try:
-        proto = ir.serde.serialize_model(model)
+        # the other tensors in external data (initializers and Constant nodes' values) go in with
+        # their data inline: ORT's shape inference resolves external-data paths against the
+        # working directory
+        with modelfile.external_inlined(model):
+            proto = ir.serde.serialize_model(model)
     finally:
         for name, v in weights.items():
             model.graph.inputs.remove(v)
             model.graph.initializers[name] = v
-        for name, t in external.items():
-            model.graph.initializers[name].const_value = t
     quiet = [logging.getLogger(n) for n in ("onnxruntime.transformers", "fusion_base", "onnx_model",
                                             "onnx_model_bert", "optimizer", "fusion_utils")]
     levels = [lg.level for lg in quiet]

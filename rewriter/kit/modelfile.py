@@ -34,35 +34,114 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise OrtleanError(f"{p}: not a readable ONNX model ({type(e).__name__}: {e})") from None
     if not proto.HasField("graph") or len(proto.graph.node) == 0 or len(proto.opset_import) == 0:
         raise OrtleanError(f"{p}: not an ONNX model (no graph, nodes or opset imports)")
-    for t in proto.graph.initializer:
+    for what, t in _proto_tensors(proto.graph):
         if t.data_location == onnx.TensorProto.EXTERNAL:
             info = dict((e.key, e.value) for e in t.external_data)
             loc = info.get("location", "")
             f = p.parent / loc
             if not f.is_file():
-                raise OrtleanError(f"{p}: external data file {loc!r} of initializer {t.name!r} is missing")
+                raise OrtleanError(f"{p}: external data file {loc!r} of {what} is missing")
             try:
                 end = int(info.get("offset", 0)) + int(info["length"]) if "length" in info else None
             except ValueError:
-                raise OrtleanError(f"{p}: initializer {t.name!r}: bad external data offset/length {info}") from None
+                raise OrtleanError(f"{p}: {what}: bad external data offset/length {info}") from None
             if end is not None and end > f.stat().st_size:
-                raise OrtleanError(f"{p}: external data file {loc!r} ends at byte {f.stat().st_size}, initializer "
-                                   f"{t.name!r} needs bytes up to {end} (truncated?)")
+                raise OrtleanError(f"{p}: external data file {loc!r} ends at byte {f.stat().st_size}, {what} "
+                                   f"needs bytes up to {end} (truncated?)")
     try:
         model = ir.serde.deserialize_model(proto)
-        ir.external_data.set_base_dir(model.graph, p.parent)
+        ir.external_data.set_base_dir(model.graph, p.parent)   # initializers and attribute tensors
     except Exception as e:
         raise OrtleanError(f"{p}: corrupt ONNX model ({type(e).__name__}: {e})") from None
     # onnx-ir refuses, when it first reads a tensor, external data outside the model's directory
     # (a path or a symlink leading out) or hard-linked: ask it now, while the error can name the file
-    for v in model.graph.initializers.values():
-        t = v.const_value
-        if isinstance(t, ir.ExternalTensor) and hasattr(t, "_check_path_containment"):
+    for what, owner, t in external_tensors(model):
+        if hasattr(t, "_check_path_containment"):
             try:
                 t._check_path_containment()
             except ValueError as e:
-                raise OrtleanError(f"{p}: external data of initializer {t.name!r} refused: {e}") from None
+                raise OrtleanError(f"{p}: external data of {what} refused: {e}") from None
     return model
+
+
+def _proto_tensors(graph: onnx.GraphProto):
+    """(description, TensorProto) of every tensor a graph proto holds: initializers and node
+    attribute tensors (a Constant's ``value``, ``TENSORS`` attributes), subgraphs included."""
+    for t in graph.initializer:
+        yield f"initializer {t.name!r}", t
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield f"attribute {a.name!r} of node {n.name!r} ({n.op_type})", a.t
+            elif a.type == onnx.AttributeProto.TENSORS:
+                for t in a.tensors:
+                    yield f"attribute {a.name!r} of node {n.name!r} ({n.op_type})", t
+            elif a.type == onnx.AttributeProto.GRAPH:
+                yield from _proto_tensors(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _proto_tensors(g)
+
+
+def _proto_nodes(graph: onnx.GraphProto):
+    """(graph, node) of every node of a graph proto, subgraphs included."""
+    for n in graph.node:
+        yield graph, n
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                      a.graphs if a.type == onnx.AttributeProto.GRAPHS else []):
+                yield from _proto_nodes(g)
+
+
+def external_tensors(model: ir.Model):
+    """(description, owner, tensor) of every tensor of ``model`` whose data is in an external data
+    file, subgraphs included: ``owner`` is the initializer's ``ir.Value``, or ``(node, attribute
+    name, index)`` for a node attribute tensor (a Constant's ``value``: optimum writes large
+    constants to external data too; ``index`` into a TENSORS attribute, else None)."""
+    for g in model.graphs():
+        for v in g.initializers.values():
+            if isinstance(v.const_value, ir.ExternalTensor):
+                yield f"initializer {v.name!r}", v, v.const_value
+        for n in g:
+            for a in n.attributes.values():
+                if a.is_ref():
+                    continue
+                what = f"attribute {a.name!r} of node {n.name!r} ({n.op_type})"
+                if a.type == ir.AttributeType.TENSOR and isinstance(a.value, ir.ExternalTensor):
+                    yield what, (n, a.name, None), a.value
+                elif a.type == ir.AttributeType.TENSORS and a.value is not None:
+                    for i, t in enumerate(a.value):
+                        if isinstance(t, ir.ExternalTensor):
+                            yield what, (n, a.name, i), t
+
+
+@contextlib.contextmanager
+def replaced_tensors(model: ir.Model, new_tensor, select=None):
+    """Within the block, every external tensor of ``model`` (``external_tensors``) for which
+    ``select(owner, tensor)`` is true (all when None) is ``new_tensor(tensor)`` instead; the
+    model's own tensors (and attributes) are put back after."""
+    saved = []
+    for _, owner, t in list(external_tensors(model)):
+        if select is not None and not select(owner, t):
+            continue
+        if isinstance(owner, ir.Value):
+            saved.append((owner, None, owner.const_value))
+            owner.const_value = new_tensor(t)
+        else:
+            node, name, i = owner
+            attr = node.attributes[name]
+            value = new_tensor(t) if i is None else tuple(new_tensor(x) if j == i else x for j, x in enumerate(attr.value))
+            if not any(s[0] is node and s[1] == name for s in saved):
+                saved.append((node, name, attr))
+            node.attributes[name] = ir.Attr(name, attr.type, value, doc_string=attr.doc_string)
+    try:
+        yield model
+    finally:
+        for owner, name, old in reversed(saved):
+            if name is None:
+                owner.const_value = old
+            else:
+                owner.attributes[name] = old
 
 
 def _lazy_bytes(t: ir.ExternalTensor) -> ir.LazyTensor:
@@ -73,23 +152,14 @@ def _lazy_bytes(t: ir.ExternalTensor) -> ir.LazyTensor:
     return ir.LazyTensor(lambda: t, dtype=t.dtype, shape=t.shape, name=t.name, doc_string=t.doc_string)
 
 
-@contextlib.contextmanager
 def external_inlined(model: ir.Model, max_bytes: int | None = None):
-    """Within the block, every initializer (all graphs) whose data is in an input's external data
-    file (and has at most `max_bytes`) serializes inline; the model's tensors are restored after,
-    so untouched initializers stay memory-mapped, never loaded into the model."""
-    swapped = []
-    for g in model.graphs():
-        for v in g.initializers.values():
-            t = v.const_value
-            if isinstance(t, ir.ExternalTensor) and (max_bytes is None or t.nbytes <= max_bytes):
-                swapped.append((v, t))
-                v.const_value = _lazy_bytes(t)
-    try:
-        yield model
-    finally:
-        for v, t in swapped:
-            v.const_value = t
+    """Within the block, every tensor (all graphs) whose data is in an input's external data file
+    serializes inline: the initializers of at most `max_bytes` (all when None) and every node
+    attribute tensor (a Constant's ``value``: the saver writes only initializers to the output's
+    external data). The model's tensors are restored after, so untouched tensors stay
+    memory-mapped, never loaded into the model."""
+    return replaced_tensors(model, _lazy_bytes, lambda owner, t: not isinstance(owner, ir.Value)
+                            or max_bytes is None or t.nbytes <= max_bytes)
 
 
 def serialized(model: ir.Model) -> bytes:
@@ -157,7 +227,7 @@ def _external_locations(path: Path) -> set[str]:
     except Exception:
         return set()
     locs = set()
-    for t in proto.graph.initializer:
+    for _, t in _proto_tensors(proto.graph):
         if t.data_location == onnx.TensorProto.EXTERNAL:
             for e in t.external_data:
                 if e.key == "location":
