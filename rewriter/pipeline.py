@@ -49,6 +49,7 @@ def run(cfg: RewriteConfig) -> dict:
     chosen: list[tuple] = []        # (cand, backend, plan)
     fallback: dict[str, tuple] = {}  # layer → (cand, pinned backend, plan) if the guard drops its plan
     quality = None
+    refused = None               # why nothing is written although layers were planned (the budget)
     order: dict[str, int] = {}
     if weight:
         order, records, todo = _candidates(model, cfg, weight, inp)
@@ -86,17 +87,25 @@ def run(cfg: RewriteConfig) -> dict:
         # end-to-end quality guard: per-layer gaps compound; keep the largest set of rewritten layers
         # (lowest gap first) whose whole-model loss on held-out calibration text meets the budget
         if chosen and cfg.quality_budget is not None:
-            if not cfg.calib_text and all(_pinned(b) for _, b, _ in chosen):
-                quality = {"skipped": "no --calib-text: the end-to-end check of the quantized model did not run"}
-            else:
+            if not cfg.calib_text:   # only pinned plans get here without it (the others calibrate)
+                lossy = sorted({p.decision for _, _, p in chosen})
+                raise OrtleanError(f"{', '.join(lossy)} changes the model's outputs, and --quality-budget "
+                                   f"{cfg.quality_budget} is checked on held-out text: give --calib-text FILE "
+                                   "(or --quality-budget off to write the model unmeasured)")
+            try:
                 chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress,
                                                  fallback)
+            except BudgetRefused as e:
+                refused = str(e)
+                quality, chosen = e.quality, []
         for c, b, plan in chosen:
             b.emit(model.graph, c, plan, ctx)
+    if refused:
+        passes = []      # nothing is written: the graph passes need not run
     graph_records += _graph_passes(passes, "post", model, ctx)
 
     rewritten = sum(1 for r in graph_records if r.get("backend") != "dense")   # by the graph passes
-    emitted = len(chosen) + rewritten
+    emitted = 0 if refused else len(chosen) + rewritten
     written = []
     if emitted:
         model.opset_imports.setdefault(DOMAIN, 1)
@@ -116,6 +125,7 @@ def run(cfg: RewriteConfig) -> dict:
         "params_before": int(sum(r.params_before for r in recs)),
         "params_after": int(sum(r.params_after for r in recs)),
         "quality": quality,
+        "refused": refused,
         "graph_passes": graph_records,
         "config": {"backends": {k: report.config_dict(v) for k, v in cfg.backends.items()}, "calib_text": cfg.calib_text,
                    "calib_tokens": cfg.calib_tokens, "include": cfg.include, "exclude": cfg.exclude,
@@ -196,12 +206,22 @@ def _pinned(b) -> bool:
     return bool(getattr(b, "pinned", False))
 
 
+class BudgetRefused(OrtleanError):
+    """The rewrite's pinned weights alone cost more than --quality-budget: nothing is written (exit 3)."""
+
+    def __init__(self, message: str, quality: dict):
+        super().__init__(message)
+        self.quality = quality
+
+
 def _quality_guard(chosen: list, records: dict, quality, budget: float, progress: bool, fallback: dict | None = None):
-    """Keep the k lowest-gap plans for the largest k whose end-to-end loss (quality.loss) is
-    within `budget`; the others go back to dense — or to their `fallback` plan (the pinned
-    --weights backend), which is in every trial — with the reason in their record. Pinned plans
-    are always kept, and with them the budget is over the quantized baseline (every plan replaced by
-    its fallback: the model at the precision asked for), not over the fp32 model (issue 11)."""
+    """Keep the k lowest-gap plans for the largest k whose end-to-end loss (quality.loss, against the
+    source weights) is within `budget`; the others go back to dense — or to their `fallback` plan
+    (the pinned --weights backend), which is in every trial — with the reason in their record.
+    The budget covers every change the rewrite makes, weight quantization included (issue 34): the
+    pinned plans are always in the trials, and when they alone (every other plan at its fallback,
+    k = 0) cost more than the budget, nothing is written (:class:`BudgetRefused`) — the user may lift
+    the budget explicitly."""
     from tqdm.auto import tqdm
 
     fallback = fallback or {}
@@ -220,22 +240,26 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
             bar.update(1)
         return tried[k]
 
-    # with pinned plans (--weights int8|int4) the budget is spent against the quantized baseline:
-    # the model with every layer at the precision asked for (k = 0: all fallbacks + pinned)
-    base = loss(0) if pinned else 0.0
-
-    def over(k: int) -> float:
-        return relative_loss(loss(k), base)
-
-    n = len(order)  # loss grows with k: all of them, else the largest k by bisection
-    k = n if over(n) <= budget else largest_passing(lambda k: over(k) <= budget, 0, n - 1)
-    bar.close()
     probe = quality.probe
-    final = over(k)
-    above = [relative_loss(v, base) for kk, v in tried.items() if kk > k] or [final]
-    ref = " over the quantized baseline" if pinned else ""
-    why = (f"kept dense: end-to-end quality budget ({probe.metric}{ref} {min(above):+.4f} with more layers > {budget}; "
-           f"the {k} lowest-gap layers give {final:+.4f})")
+    weights_by = sorted({t[2].decision for t in pinned} | {fallback[t[0].name][2].decision for t in order
+                                                           if t[0].name in fallback})
+    alone = loss(0) if (pinned or any(t[0].name in fallback for t in order)) else None
+    if alone is not None and alone > budget:
+        bar.close()
+        res = {"metric": probe.metric, "budget": budget, "kept": 0, "planned": len(order), "loss": alone,
+               "weights_alone": alone, "weights_by": weights_by, "refused": True,
+               "trials": {"0": alone}, "probe": probe.unit, "probe_size": probe.size}
+        raise BudgetRefused(
+            f"the weights alone ({', '.join(weights_by)}) cost {probe.metric} {alone:+.4f} against the source "
+            f"weights on held-out calibration text ({probe.size} {probe.unit}), over --quality-budget {budget}: "
+            f"nothing written (to write them anyway, lift the budget: --quality-budget {_lift(alone)})", res)
+    n = len(order)  # loss grows with k: all of them, else the largest k by bisection
+    k = n if loss(n) <= budget else largest_passing(lambda k: loss(k) <= budget, 0, n - 1)
+    bar.close()
+    final = loss(k)
+    above = [v for kk, v in tried.items() if kk > k] or [final]
+    why = (f"kept dense: end-to-end quality budget ({probe.metric} vs the source weights {min(above):+.4f} with more "
+           f"layers > {budget}; the {k} lowest-gap layers give {final:+.4f})")
     for c, b, plan in order[k:]:
         if c.name in fallback:
             fc, fb, fplan = fallback[c.name]
@@ -248,9 +272,18 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
         r.params_after = r.params_before
     res = {"metric": probe.metric, "budget": budget, "kept": k, "planned": n, "loss": final,
            "trials": {str(kk): v for kk, v in sorted(tried.items())}, "probe": probe.unit, "probe_size": probe.size}
-    if pinned:
+    if alone is not None:
         res["pinned"] = len(pinned)
-        res["pinned_by"] = sorted({t[2].decision for t in pinned})
-        res["baseline"] = base          # the quantized model's loss vs the fp32 model
-        res["loss_vs_fp32"] = loss(k)   # `loss` is over the baseline; `trials` are vs fp32
+        res["weights_by"] = weights_by
+        res["weights_alone"] = alone    # the model at the asked precision, no other backend, vs the source
     return plans(k), res
+
+
+def _lift(loss: float) -> str:
+    """A --quality-budget value just above `loss` (two significant digits, rounded up)."""
+    import math
+
+    if loss <= 0:
+        return "0.01"
+    e = math.floor(math.log10(loss)) - 1
+    return f"{math.ceil(loss / 10 ** e) * 10 ** e:.{max(0, -e)}f}"

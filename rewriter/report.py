@@ -102,12 +102,12 @@ def format_report(summary: dict) -> str:
     if q and "skipped" in q:
         lines.append(f"end-to-end check skipped: {q['skipped']}")
     elif q:
+        pin = f" and {q['pinned']} {'/'.join(q['weights_by'])} layers" if q.get("pinned") else ""
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
-                     f"{q['loss']:+.4f} with {q['kept']} of {q['planned']} planned layers"
-                     + (f" and {q['pinned']} {'/'.join(q['pinned_by'])} layers" if q.get("pinned") else "")
-                     + f" (budget {q['budget']}"
-                     + (f", over the quantized baseline, itself {q['baseline']:+.4f} over the fp32 model)"
-                        if "baseline" in q else ")"))
+                     f"{q['loss']:+.4f} against the source weights with {q['kept']} of {q['planned']} planned layers"
+                     f"{pin} (budget {q['budget']})"
+                     + (f"; the weights alone ({', '.join(q['weights_by'])}): {q['weights_alone']:+.4f}"
+                        if "weights_alone" in q else ""))
         if q.get("note"):
             lines.append(f"note: {q['note']}")
     if summary["layers"]:
@@ -127,6 +127,8 @@ def format_report(summary: dict) -> str:
         lines.append(f"{summary['factored']} rewritten by graph passes{how}, {summary['kept_dense']} left as they were")
     if summary["output"]:
         lines.append(f"wrote {', '.join(summary['written'])}")
+    elif summary.get("refused"):
+        lines.append(summary["refused"])
     else:
         lines.append("no layer met the quality and speed bars: no model written (the dense model is the better one)")
     return "\n".join(lines)

@@ -347,7 +347,7 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     export's, so the plain runtime loop drives it, close to the fp32 model."""
     src = tiny[fam] / "model.onnx"
     out = tmp_path / "model.onnx"
-    rc, rep = _cli_rewrite(src, out, "--weights", "int4", "--attn-exact", "off")   # GQA kept (see test_exact_attention_*)
+    rc, rep = _cli_rewrite(src, out, "--weights", "int4", "--quality-budget", "off", "--attn-exact", "off")   # GQA kept (see test_exact_attention_*)
     assert rc == 0
     assert [g["backend"] for g in rep["graph_passes"]][0] == "fuse"
     m = ir.load(out)
@@ -371,7 +371,7 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     b = runtime.run(s1, io1, runtime.feeds(io1, ids))["logits"]
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.2
     # --weights-pack on: gate and up become one MatMulNBits + Split, and the logits are the same numbers
-    rc, rep2 = _cli_rewrite(src, tmp_path / "packed.onnx", "--weights", "int4", "--weights-pack", "on", "--attn-exact", "off")
+    rc, rep2 = _cli_rewrite(src, tmp_path / "packed.onnx", "--weights", "int4", "--quality-budget", "off", "--weights-pack", "on", "--attn-exact", "off")
     m2 = ir.load(tmp_path / "packed.onnx")
     assert rc == 0 and sum(1 for n in m2.graph if n.op_type == "MatMulNBits") == 4 * n_layers + 1
     assert sum(1 for n in m2.graph if n.op_type == "Split") == n_layers
@@ -388,14 +388,14 @@ def test_rewrite_fuse_flags(tiny, toy_model, tmp_path, capsys):
     rc, rep = _cli_rewrite(src, tmp_path / "b.onnx", "--fuse=on", "--attn-exact", "off")
     assert rc == 0 and rep["graph_passes"][0]["backend"] == "fuse" and is_fused(ir.load(tmp_path / "b.onnx"))
     # --fuse=off: int8 on the unfused graph
-    rc, rep = _cli_rewrite(src, tmp_path / "c.onnx", "--fuse=off", "--weights", "int8")
+    rc, rep = _cli_rewrite(src, tmp_path / "c.onnx", "--fuse=off", "--weights", "int8", "--quality-budget", "off")
     m = ir.load(tmp_path / "c.onnx")
     assert rc == 0 and not is_fused(m) and {"MatMulNBits", "Softmax"} <= {n.op_type for n in m.graph}
     # a model it cannot fuse: auto → one report line and the rewrite goes on; on → one-line error, exit 2
-    rc, rep = _cli_rewrite(toy_model, tmp_path / "d.onnx", "--weights", "int8")
+    rc, rep = _cli_rewrite(toy_model, tmp_path / "d.onnx", "--weights", "int8", "--quality-budget", "off")
     assert rc == 0 and rep["graph_passes"][0]["decision"].startswith("kept unfused: ")
     capsys.readouterr()
-    rc, _ = _cli_rewrite(toy_model, tmp_path / "e.onnx", "--weights", "int8", "--fuse=on")
+    rc, _ = _cli_rewrite(toy_model, tmp_path / "e.onnx", "--weights", "int8", "--quality-budget", "off", "--fuse=on")
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--fuse=on" in err and len(err.splitlines()) == 1
     # PackedAttention (KV --state-pack): auto fuses and PackedAttention replaces the GroupQueryAttention;
@@ -411,10 +411,10 @@ def test_rewrite_fuse_flags(tiny, toy_model, tmp_path, capsys):
 
 
 def test_quality_guard_keeps_pinned_quantization_and_falls_back():
-    """The guard measures quantization plus the other backends together; it drops the other
-    backends' plans (highest gap first), quantizes the layers they lose, and keeps the quantization;
-    the budget is over the quantized baseline (issue 11), so quantization costing more than the
-    budget alone still leaves the budget to the other backends."""
+    """The guard measures quantization plus the other backends together against the source weights;
+    it drops the other backends' plans (highest gap first), quantizes the layers they lose, and keeps
+    the quantization. The budget covers the quantization too (issue 34): when the weights alone cost
+    more than the budget, nothing is written (BudgetRefused names the cost and the budget to lift)."""
     from types import SimpleNamespace as NS
 
     from rewriter import pipeline, report
@@ -446,10 +446,17 @@ def test_quality_guard_keeps_pinned_quantization_and_falls_back():
                                                               ("c", "int4 (MatMulNBits)")]
     assert all(("c", "int4 (MatMulNBits)") in s for s in seen)          # quantization in every trial
     assert records["b"].backend == "int4 (MatMulNBits)" and "tt dropped" in records["b"].decision
-    assert res["pinned"] == 1 and abs(res["baseline"] - 0.005) < 1e-12
-    # quantization alone over the budget (0.05): kept, and tt "a" (+0.01 over it) still fits the budget
+    assert res["pinned"] == 1 and abs(res["weights_alone"] - 0.005) < 1e-12
+    assert abs(res["loss"] - 0.015) < 1e-12                             # against the source weights
+    # the weights alone over the budget (0.05 > 0.02): refused, whatever the other backends would add
     records = {c.name: report.record(c, p) for c, _, p in chosen}
-    kept, res = pipeline._quality_guard(chosen, records, NS(loss=loss_of(0.05), probe=probe), 0.02, False, fallback)
+    with pytest.raises(pipeline.BudgetRefused, match=r"weights alone \(int4 \(MatMulNBits\)\) cost delta_ppl "
+                       r"\+0\.0500 .* over --quality-budget 0\.02: nothing written .*--quality-budget 0\.050") as e:
+        pipeline._quality_guard(chosen, records, NS(loss=loss_of(0.05), probe=probe), 0.02, False, fallback)
+    assert e.value.quality["refused"] and abs(e.value.quality["weights_alone"] - 0.05) < 1e-12
+    # lifted explicitly: written, and tt "a" fits what is left of the budget
+    records = {c.name: report.record(c, p) for c, _, p in chosen}
+    kept, res = pipeline._quality_guard(chosen, records, NS(loss=loss_of(0.05), probe=probe), 0.07, False, fallback)
     assert sorted((c.name, p.decision) for c, _, p in kept) == [("a", "tt"), ("b", "int4 (MatMulNBits)"),
                                                               ("c", "int4 (MatMulNBits)")]
-    assert abs(res["loss"] - (1.06 / 1.05 - 1)) < 1e-9
+    assert abs(res["loss"] - 0.06) < 1e-9

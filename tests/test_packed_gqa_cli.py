@@ -89,9 +89,9 @@ def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
     it; with --weights int4 and fp32 rows at full budget the logits equal the fused int4 twin's
     (--fuse=auto --weights int4) to 1e-5 over a prompt and decode steps."""
     src = tiny["llama"] / "model.onnx"
-    rc, rep = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--attn-exact", "off")
+    rc, rep = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--quality-budget", "off", "--attn-exact", "off")
     assert rc == 0 and "GroupQueryAttention" in _ops(tmp_path / "twin.onnx")
-    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-kv", "fp32",
+    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary", "--attn-kv", "fp32",
                        "--attn-budget", "1", "--attn-tune", "off")
     assert rc == 0, rep
     assert rep["graph_passes"][0]["backend"] == "fuse"
@@ -111,9 +111,9 @@ def test_attn_exact_replaces_gqa_with_the_same_attention(tiny, tmp_path):
     (the default) decides from the measured one-layer speed and says so in the report either way;
     with --state-pack the PackedAttention pass takes every layer and this pass finds nothing."""
     src = tiny["qwen2"] / "model.onnx"
-    rc, _ = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--attn-exact", "off")
+    rc, _ = _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--quality-budget", "off", "--attn-exact", "off")
     assert rc == 0 and "GroupQueryAttention" in _ops(tmp_path / "twin.onnx")
-    rc, rep = _rewrite(src, tmp_path / "ex.onnx", "--weights", "int4", "--attn-exact", "on")
+    rc, rep = _rewrite(src, tmp_path / "ex.onnx", "--weights", "int4", "--quality-budget", "off", "--attn-exact", "on")
     assert rc == 0, rep
     pa = _check_packed(tmp_path / "ex.onnx", "fp32")
     assert all(next(a.f for a in n.attribute if a.name == "budget") == 0.0 for n in pa)
@@ -137,12 +137,12 @@ def test_attn_exact_replaces_gqa_with_the_same_attention(tiny, tmp_path):
         outs.append(np.stack(logits, 1))
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     # auto: the decision names the measured speed, whichever way it went
-    rc, rep = _rewrite(src, tmp_path / "auto.onnx", "--weights", "int4")
+    rc, rep = _rewrite(src, tmp_path / "auto.onnx", "--weights", "int4", "--quality-budget", "off")
     assert rc == 0
     recs = [g for g in rep["graph_passes"] if g["backend"] in ("exact_attention", "dense") and "measured" in g["decision"]]
     assert recs and ("PackedAttention" in _ops(tmp_path / "auto.onnx")) == (recs[0]["backend"] == "exact_attention")
     # --state-pack: PackedAttention's own pass takes the layers; nothing left for --attn-exact
-    rc, rep = _rewrite(src, tmp_path / "sp.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-budget", "0",
+    rc, rep = _rewrite(src, tmp_path / "sp.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary", "--attn-budget", "0",
                        "--attn-tune", "off", "--attn-exact", "on")
     assert rc == 0 and not [g for g in rep["graph_passes"] if g["backend"] == "exact_attention"]
     _check_packed(tmp_path / "sp.onnx", "int8")
@@ -210,7 +210,7 @@ def test_genai_builder_model_packed(forms, tmp_path):
 
 def test_fuse_off_keeps_the_unfused_path(tiny, tmp_path):
     """(c) --fuse=off: PackedAttention on the unfused attention core (key bits state, float K/V cache)."""
-    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "u.onnx", "--fuse=off", "--weights", "int4",
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "u.onnx", "--fuse=off", "--weights", "int4", "--quality-budget", "off",
                        "--state-pack", "binary")
     ops = _ops(tmp_path / "u.onnx")
     assert rc == 0 and "PackedAttention" in ops and "GroupQueryAttention" not in ops and "MatMulNBits" in ops
@@ -533,8 +533,8 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     from rewriter import cli
 
     src = tiny["llama"] / "model.onnx"
-    assert _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4")[0] == 0
-    assert _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--state-pack", "binary", "--attn-budget", "0.5",
+    assert _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--quality-budget", "off")[0] == 0
+    assert _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary", "--attn-budget", "0.5",
                     "--attn-window", "16", "--attn-min-context", "32", "--attn-tune", "off")[0] == 0
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", str(tmp_path / "pa.onnx"), "--ref", str(tmp_path / "twin.onnx"), "--decode-past", "64,512",

@@ -22,9 +22,9 @@ int4 → `weight_format` int4k holding exactly the values of ORT's MatMulNBits q
 layer (block 32 along K, symmetric; re-laid out by `gating_quant.from_matmul_nbits`, so the only
 difference from the layer it replaces is the gate); int8 → `weight_format` int8 (symmetric, group
 32 — along N in this format, along K in MatMulNBits: the values differ by rounding). Thresholds and
-gaps are calibrated on the quantized Ŵ, and the budget is spent against the quantized baseline:
-every trial holds MatMulNBits for each layer not gated, and the loss is Δppl over that model
-(`kit.quality.relative_loss`).
+gaps are calibrated on the quantized Ŵ; every trial holds MatMulNBits for each layer not gated. The
+budget covers the quantization too: gating spends what the quantized baseline leaves of it, as Δppl
+over that baseline (`kit.quality.relative_loss`).
 """
 from __future__ import annotations
 
@@ -347,7 +347,10 @@ class GatingBackend(WeightBackendBase):
         curves = {c.name: self._curve(c, self._weight(c, ctx)) for c in cands}
         base_plans = self._baseline_plans(ctx)   # MatMulNBits for every layer not gated (--weights)
         base = ctx.quality.loss(list(base_plans.values())) if base_plans else 0.0
-        budget = cfg.kwta_margin * (ctx.opts.quality_budget if ctx.opts.quality_budget is not None else 0.02)
+        # the budget covers the weights too (issue 34): gating spends what the quantized baseline leaves of it,
+        # expressed over that baseline (none when the weights alone are over the budget: the guard refuses)
+        total = ctx.opts.quality_budget if ctx.opts.quality_budget is not None else 0.02
+        budget = cfg.kwta_margin * max(0.0, relative_loss(total, base) if base else total)
         down = [c for c in cands if c.role in ("down", "fc2")]
         rest = [c for c in cands if c not in down]
         if not down:
