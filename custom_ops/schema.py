@@ -24,7 +24,7 @@ from typing import Any, Callable
 DOMAIN = "ai.ortlean"
 OPSET = 1
 ATTR_TYPES = ("int", "float", "string", "ints", "floats")
-TENSOR_TYPES = ("float32", "int32", "uint8")
+TENSOR_TYPES = ("float32", "int32", "int64", "uint8")
 
 
 @dataclass(frozen=True)
@@ -318,6 +318,32 @@ SCHEMAS: tuple[OpSchema, ...] = (
                     lambda a: not a["kv_num_heads"] or a["num_heads"] % a["kv_num_heads"] == 0)),
         reference="custom_ops.reference.attn:op",
     ),
+)
+
+# BlockQuantMatMul / BlockQuantGather (custom_ops/reference/blockquant.py, docs/block-quant.md)
+BQ_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K", "q4_f")
+BQ_BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q4_K": 256, "q5_K": 256, "q6_K": 256}
+_BQ_ATTRS = (
+    Attr("format", "string", required=True, valid=Valid(choices=BQ_FORMATS),
+         doc="ggml's block format of W (q4_f: 4-bit, fp16 scale and offset per block of block_size)"),
+    Attr("K", "int", required=True, valid=Valid(lo=1, hi=2**31 - 1), doc="inputs (X's last dim)"),
+    Attr("N", "int", required=True, valid=Valid(lo=1, hi=2**31 - 1), doc="outputs (W's rows)"),
+    Attr("block_size", "int", valid=Valid(choices=(16, 32, 64, 128, 256)),
+         doc="q4_f: weights per block (absent: 32); other formats: absent or their own block (32; K formats 256)"),
+    Attr("source", "string", meta=True, doc="where the blocks come from, e.g. gguf:blk.0.attn_q.weight or hqq"),
+    Attr("bits_per_weight", "float", meta=True, valid=Valid(lo=0, lo_open=True, finite=True)),
+    Attr("target", "string", valid=TARGET, meta=True),
+    NOT_MEASURED,
+    *_meta(*_COMMON_META),
+)
+_BQ_RULES = (Rule("block_size is for q4_f; another format takes only its own block (q4_K, q5_K, q6_K: 256, the others: 32)",
+                  lambda a: a["format"] == "q4_f" or a.get("block_size") in (None, BQ_BLOCK.get(a["format"]))),)
+SCHEMAS += (
+    OpSchema("BlockQuantMatMul", inputs=(Port("X"), Port("W", "uint8"), Port("bias", optional=True)),
+             outputs=(Port("Y"),), attrs=_BQ_ATTRS, reference="custom_ops.reference.blockquant:op", rules=_BQ_RULES),
+    OpSchema("BlockQuantGather", inputs=(Port("W", "uint8"), Port("indices", "int64")),
+             outputs=(Port("Y"),), attrs=_BQ_ATTRS, reference="custom_ops.reference.blockquant:gather",
+             rules=_BQ_RULES),
 )
 
 _BY_TYPE = {s.op_type: s for s in SCHEMAS}

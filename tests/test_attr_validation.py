@@ -18,6 +18,8 @@ if str(ROOT) not in sys.path:
 
 import custom_ops  # noqa: E402
 from conftest import requires_native  # noqa: E402
+from custom_ops.reference import blockquant as bq  # noqa: E402
+from test_block_quant import bq_model, gather_model  # noqa: E402
 from test_gating_kernel import gate_model  # noqa: E402
 from test_packed_attention import op_model  # noqa: E402
 from test_procsparse import proc_model, random_layer  # noqa: E402
@@ -52,6 +54,26 @@ def _proc(attrs, name):
 
 def _attn(attrs, name):
     return op_model(attrs, name=name)
+
+
+def _bq(attrs, name):
+    """BlockQuantMatMul q4_K, K = 300, N = 5 (attrs may replace format, K, N, block_size, or W: "W" bytes);
+    the gather with "gather": 1."""
+    a = dict(attrs)
+    W = a.pop("W", None)
+    if W is None:
+        W = bq.random_blocks("q4_K", 5, 300, np.random.default_rng(0))
+    fmt, K, N = a.pop("format", "q4_K"), a.pop("K", 300), a.pop("N", 5)
+    if a.pop("gather", 0):
+        return gather_model(W, fmt, K, N, block_size=a.pop("block_size", None), name=name, attrs=a)
+    return bq_model(W, fmt, K, N, block_size=a.pop("block_size", None), name=name, attrs=a)
+
+
+def _bq_bad_scale(row, block, off, bits, fmt="q4_K", K=300):
+    W = bq.random_blocks(fmt, 5, K, np.random.default_rng(0))
+    p = block * bq.type_size(fmt) + off
+    W[row, p:p + 2] = [bits & 255, bits >> 8]
+    return W
 
 
 BAD = [
@@ -102,6 +124,29 @@ BAD = [
     (_attn, dict(approx_prefill=2), "approx_prefill must be 0 or 1"),
     (_attn, dict(popcnt=""), "popcnt must be one of auto | vpopcntdq | avx2 | scalar"),
     (_attn, dict(mix=1.5), "mix must be in [0, 1]"),
+    # BlockQuantMatMul / BlockQuantGather: attributes, and W refused with the block that is wrong
+    (_bq, dict(format="q3_K"), "format must be one of q4_0 | q4_1 | q5_0 | q5_1 | q8_0 | q4_K | q5_K | q6_K | q4_f"),
+    (_bq, dict(block_size=32), "block_size 32 does not apply to format q4_K"),
+    (_bq, dict(format="q4_f", block_size=48, W=np.zeros((5, 4 * 28), np.uint8)), "block_size must be one of"),
+    (_bq, dict(block_size=512), "block_size must be in [16, 256]"),
+    (_bq, dict(K=0), "K must be in [1, 2147483647]"),
+    (_bq, dict(N=2 ** 31), "N must be in [1, 2147483647]"),
+    (_bq, dict(K=600), "input W has shape [5, 288], expected [5, 432] (format q4_K, K = 600"),
+    (_bq, dict(N=6), "input W has shape [5, 288], expected [6, 288]"),
+    (_bq, dict(W=np.zeros((5, 287), np.uint8)), "input W has shape [5, 287]"),       # truncated
+    (_bq, dict(W=np.zeros((5 * 288,), np.uint8)), "input W has shape [1440]"),       # flat
+    (_bq, dict(W=np.zeros((5, 72), np.float32)), "(W)"),                             # wrong type: ORT's check
+    (_bq, dict(W=_bq_bad_scale(3, 1, 0, 0x7E00)), "row 3 block 1: non-finite fp16 d (0x7e00"),   # NaN d
+    (_bq, dict(W=_bq_bad_scale(4, 0, 2, 0xFC00)), "row 4 block 0: non-finite fp16 dmin (0xfc00"),  # -inf dmin
+    (_bq, dict(W=_bq_bad_scale(1, 1, 208, 0x7C00, "q6_K"), format="q6_K"), "row 1 block 1: non-finite fp16 scale d"),
+    (_bq, dict(W=_bq_bad_scale(0, 2, 2, 0x7C01, "q4_1", 96), format="q4_1", K=96), "row 0 block 2: non-finite fp16 min m"),
+    (_bq, dict(gap=INF), "gap must be finite"),
+    (_bq, dict(gap=-0.5), "gap must be >= 0"),
+    (_bq, dict(params_stored=-1), "params_stored must be >= 0"),
+    (_bq, dict(bits_per_weight=0.0), "bits_per_weight must be > 0"),
+    (_bq, dict(target="embed"), "target must be one of mlp | attn | head"),
+    (_bq, dict(gather=1, W=_bq_bad_scale(2, 0, 0, 0x7C00)), "row 2 block 0: non-finite fp16 d"),
+    (_bq, dict(gather=1, format="q8_0"), "input W has shape [5, 288], expected [5, 340]"),
 ]
 
 
@@ -120,6 +165,10 @@ GOOD = [
     (_tt, dict(gap=NAN)), (_tt, dict(speedup=0.0)),
     (_proc, dict(fanout=4)), (_proc, dict(base_scale=-0.5)), (_proc, dict(seed=-(2 ** 63))),
     (_attn, dict(scale=-1.0)), (_attn, dict(budget=1.0, rho=0.0, mix=1.0)), (_attn, dict(qbits=2)),
+    (_bq, dict(block_size=256, gap=NAN, bits_per_weight=4.5, source="gguf:blk.0.ffn_up.weight", params_dense=1500)),
+    (_bq, dict(format="q4_f", block_size=256, W=np.zeros((5, 2 * 132), np.uint8))),
+    (_bq, dict(format="q4_f", block_size=16, W=np.zeros((5, 19 * 12), np.uint8))),
+    (_bq, dict(gather=1, block_size=256, target="head")),
 ]
 
 

@@ -19,6 +19,8 @@ if str(ROOT) not in sys.path:
 
 import custom_ops  # noqa: E402
 from conftest import requires_native  # noqa: E402
+from custom_ops.reference import blockquant as bq  # noqa: E402
+from test_block_quant import bq_model, gather_model  # noqa: E402
 from test_gating_kernel import gate_model  # noqa: E402
 from test_packed_attention import n_words, op_model  # noqa: E402
 from test_procsparse import proc_model, random_layer  # noqa: E402
@@ -102,8 +104,30 @@ def _attention():
     return op_model(attrs, name="cc_attn"), drive
 
 
+def _block_quant():
+    K, N = 576, 700
+    W = bq.random_blocks("q4_1", N, K, np.random.default_rng(5))
+    b = np.random.default_rng(6).standard_normal(N).astype(np.float32)
+
+    def drive(s, seed):
+        r = np.random.default_rng(seed)
+        return [s.run(None, {"X": r.standard_normal((m, K)).astype(np.float32)})[0] for m in (1, 7, 64)]
+    return bq_model(W, "q4_1", K, N, bias=b, name="cc_bq"), drive
+
+
+def _block_quant_gather():
+    K, N = 256, 300
+    W = bq.random_blocks("q6_K", N, K, np.random.default_rng(7))
+
+    def drive(s, seed):
+        r = np.random.default_rng(seed)
+        return [s.run(None, {"ids": r.integers(-N, N, size=n).astype(np.int64)})[0] for n in (1, 5, 400)]
+    return gather_model(W, "q6_K", K, N, name="cc_bqg"), drive
+
+
 CASES = {"TTMatMul": _tt, "ProcSparseMatMul": _proc, "EventGatedMatMul-stateless": _gate_stateless,
-         "EventGatedMatMul-event-duty": _gate_stateful, "PackedAttention-bits": _attention}
+         "EventGatedMatMul-event-duty": _gate_stateful, "PackedAttention-bits": _attention,
+         "BlockQuantMatMul": _block_quant, "BlockQuantGather": _block_quant_gather}
 
 
 @pytest.mark.parametrize("case", list(CASES))

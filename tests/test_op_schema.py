@@ -19,7 +19,8 @@ import custom_ops  # noqa: E402
 from conftest import requires_native  # noqa: E402
 
 pytestmark = requires_native
-OPS = ("TTMatMul", "ProcSparseMatMul", "EventGatedMatMul", "PackedAttention")
+OPS = ("TTMatMul", "ProcSparseMatMul", "EventGatedMatMul", "PackedAttention", "BlockQuantMatMul", "BlockQuantGather")
+OPS_WITH_DEFAULTS = OPS[:4]  # the BlockQuant ops' only default is gap = NaN (not measured)
 
 
 def _attr(name, value):
@@ -77,9 +78,10 @@ def test_schema_lists_every_op_with_typed_defaults():
     assert schema["PackedAttention"]["eps_heads"] == [] and schema["TTMatMul"]["gap"] is None
     # required attributes have no default
     assert "modes_k" not in schema["TTMatMul"] and "block" not in schema["ProcSparseMatMul"]
+    assert schema["BlockQuantMatMul"] == schema["BlockQuantGather"] == {"gap": None}
 
 
-@pytest.mark.parametrize("op,variant", [(op, "") for op in OPS] + [("PackedAttention", "approx")])
+@pytest.mark.parametrize("op,variant", [(op, "") for op in OPS_WITH_DEFAULTS] + [("PackedAttention", "approx")])
 def test_reported_defaults_are_the_defaults_used(op, variant):
     rng = np.random.default_rng(0)
     feeds, inits, req, ins, n_out = _case(op, rng, variant)

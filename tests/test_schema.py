@@ -16,7 +16,8 @@ from custom_ops import schema
 
 _PROTO_ATTR = {"int": AttributeProto.INT, "float": AttributeProto.FLOAT, "string": AttributeProto.STRING,
                "ints": AttributeProto.INTS, "floats": AttributeProto.FLOATS}
-_PROTO_TENSOR = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8}
+_PROTO_TENSOR = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64,
+                 "uint8": TensorProto.UINT8}
 
 # a node of each op that its kernel accepts: constant inputs and the required attributes
 _OK = {
@@ -27,11 +28,14 @@ _OK = {
                          {"shape": [64, 2], "block": 32, "seed": 1, "base_scale": 0.0}),
     "EventGatedMatMul": ({"W": np.ones((8, 4), np.float32)}, {}),
     "PackedAttention": ({}, {}),
+    "BlockQuantMatMul": ({"W": np.zeros((2, 36), np.uint8)}, {"format": "q4_0", "K": 64, "N": 2}),
+    "BlockQuantGather": ({"W": np.zeros((2, 36), np.uint8)}, {"format": "q4_0", "K": 64, "N": 2}),
 }
 # attributes whose other valid values need other constant inputs (shapes follow from them)
 _LAYOUT = {("TTMatMul", "modes_k"), ("TTMatMul", "modes_n"), ("TTMatMul", "ranks"),
            ("ProcSparseMatMul", "shape"), ("ProcSparseMatMul", "block"),
-           ("EventGatedMatMul", "weight_format"), ("EventGatedMatMul", "weight_shape")}
+           ("EventGatedMatMul", "weight_format"), ("EventGatedMatMul", "weight_shape"),
+           *((op, a) for op in ("BlockQuantMatMul", "BlockQuantGather") for a in ("format", "K", "N"))}
 
 
 def op_model(op_type: str, attrs: dict, name: str = "node") -> bytes:

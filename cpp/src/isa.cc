@@ -48,6 +48,8 @@ bool has(CpuFeature f) {
     case CpuFeature::Avx512Vpopcntdq: return __builtin_cpu_supports("avx512vpopcntdq");
     case CpuFeature::Avx512VpopcntdqVnni:
       return __builtin_cpu_supports("avx512vpopcntdq") && __builtin_cpu_supports("avx512vnni");
+    case CpuFeature::F16c: return __builtin_cpu_supports("f16c");
+    case CpuFeature::Avx512Vnni: return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
     default: return true;
   }
 }

@@ -14,8 +14,9 @@ namespace ortlean {
 enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
 
 // CPU features a family may need beyond its ISA level's flags.
-// Avx512VpopcntdqVnni: AVX512_VPOPCNTDQ and AVX512_VNNI both (PackedAttention's AVX-512 copy)
-enum class CpuFeature { None, Popcnt, Avx512Vpopcntdq, Avx512VpopcntdqVnni };
+// Avx512VpopcntdqVnni: AVX512_VPOPCNTDQ and AVX512_VNNI both (PackedAttention's AVX-512 copy);
+// F16c: fp16 conversions (BlockQuantMatMul's AVX2 copy); Avx512Vnni: AVX512_VNNI and F16C (its AVX-512 copy)
+enum class CpuFeature { None, Popcnt, Avx512Vpopcntdq, Avx512VpopcntdqVnni, F16c, Avx512Vnni };
 
 Isa isa();  // the process ISA (decided on first call, then fixed for the process)
 const char* isa_name(Isa i);

@@ -9,6 +9,7 @@
 #include "isa.h"
 #include "metrics.h"
 #include "op.h"
+#include "ops/block_quant.h"
 #include "ops/event_gated_matmul.h"
 #include "ops/packed_attention.h"
 #include "ops/proc_sparse.h"
@@ -48,6 +49,8 @@ constexpr OpEntry kOps[] = {
     op_entry<ProcSparseMatMulKernel>(),
     op_entry<EventGatedMatMulKernel>(),
     op_entry<PackedAttentionKernel>(),
+    op_entry<BlockQuantMatMulKernel>(),
+    op_entry<BlockQuantGatherKernel>(),
 };
 
 }  // namespace
@@ -122,12 +125,15 @@ ORTLEAN_EXPORT const char* ortlean_op_schema_json(void) {
 ORTLEAN_EXPORT const char* ortlean_isa(void) { return ortlean::isa_name(); }
 
 // The ISA level an op type's kernels run at on this CPU (under ORTLEAN_ISA): the process level,
-// lowered for PackedAttention when the CPU lacks a feature its copy needs (its popcnt attribute may
-// lower a node further: the node's pack.popcnt metric). Null for an op type this library lacks.
+// lowered for PackedAttention and the BlockQuant ops when the CPU lacks a feature their copy needs
+// (PackedAttention's popcnt attribute may lower a node further: the node's pack.popcnt metric). Null
+// for an op type this library lacks.
 ORTLEAN_EXPORT const char* ortlean_op_isa(const char* op_type) {
   using namespace ortlean;
   if (!op_type) return nullptr;
   if (!std::strcmp(op_type, "PackedAttention")) return isa_name(isa_level(kAttnAvx2Needs, kAttnAvx512Needs));
+  if (!std::strcmp(op_type, BlockQuantMatMulKernel::kOpType) || !std::strcmp(op_type, BlockQuantGatherKernel::kOpType))
+    return isa_name(isa_level(kBqAvx2Needs, kBqAvx512Needs));
   for (const OpEntry& e : kOps)
     if (!std::strcmp(op_type, e.type)) return isa_name();
   return nullptr;

@@ -18,9 +18,10 @@ from .. import schema
 from ..schema import DOMAIN
 
 EXT_DOMAIN = "ai.onnx.contrib"
-EMPTY = {"float32": "ortlean_ref_empty", "int32": "ortlean_ref_empty_i32", "uint8": "ortlean_ref_empty_u8"}
-_PROTO = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "uint8": TensorProto.UINT8}
-_NP = {"float32": np.float32, "int32": np.int32, "uint8": np.uint8}
+EMPTY = {"float32": "ortlean_ref_empty", "int32": "ortlean_ref_empty_i32", "int64": "ortlean_ref_empty_i64",
+         "uint8": "ortlean_ref_empty_u8"}
+_PROTO = {"float32": TensorProto.FLOAT, "int32": TensorProto.INT32, "int64": TensorProto.INT64, "uint8": TensorProto.UINT8}
+_NP = {"float32": np.float32, "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
 # ext ops take scalar int/float/string attributes: lists travel as JSON strings
 _ATTR_PROTO = {"int": AttributeProto.INT, "float": AttributeProto.FLOAT, "string": AttributeProto.STRING,
                "ints": AttributeProto.STRING, "floats": AttributeProto.STRING}
@@ -50,7 +51,8 @@ def _dt(t: str):
     from onnxruntime_extensions import PyCustomOpDef
 
     return {"int": PyCustomOpDef.dt_int64, "float": PyCustomOpDef.dt_float, "int32": PyCustomOpDef.dt_int32,
-            "float32": PyCustomOpDef.dt_float, "uint8": PyCustomOpDef.dt_uint8}.get(t, PyCustomOpDef.dt_string)
+            "float32": PyCustomOpDef.dt_float, "int64": PyCustomOpDef.dt_int64,
+            "uint8": PyCustomOpDef.dt_uint8}.get(t, PyCustomOpDef.dt_string)
 
 
 def register() -> None:

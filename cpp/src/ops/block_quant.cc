@@ -1,0 +1,301 @@
+#include "ops/block_quant.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "scratch.h"
+
+namespace ortlean {
+namespace {
+
+// M = 1: weight bytes per pool task at least this (a matvec task restarts the streams: fewer, larger
+// tasks) and at most kMaxTasks tasks; rows per task a multiple of kRowGroup (the kernels' row groups)
+constexpr int64_t kTaskBytes = 64 * 1024;
+constexpr int64_t kMaxTasks = 8;
+constexpr int64_t kRowGroup = 8;
+// M > 1: output tiles of kTileM activation rows x kTileN weight rows per task
+constexpr int64_t kTileM = 64;
+constexpr int64_t kTileN = 64;
+
+std::string fmt_list() {
+  std::string s;
+  for (int f = 0; f < kBqFormats; ++f) s += (f ? "|" : "") + std::string(kBqFormatInfo[f].name);
+  return s;
+}
+
+uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Rows of X, quantized as the reference (custom_ops/reference/blockquant.py) into float64 x̂:
+// the non-finite guard's recompute, off the hot path.
+void dequantized_activations(const float* x, int64_t K, std::vector<double>& xh) {
+  xh.assign(static_cast<size_t>(K), 0.0);
+  for (int64_t k0 = 0; k0 < K; k0 += kBqActBlock) {
+    const int64_t n = std::min<int64_t>(kBqActBlock, K - k0);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[k0 + i]));
+    const float inv = 127.0f / amax;
+    if (!(inv <= FLT_MAX)) continue;
+    const float d = amax / 127.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      float v = std::nearbyint(x[k0 + i] * inv);
+      v = std::min(127.0f, std::max(-127.0f, v));
+      xh[static_cast<size_t>(k0 + i)] = static_cast<double>(d) * static_cast<double>(v);
+    }
+  }
+}
+
+}  // namespace
+
+BqNode read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input) {
+  BqNode nd;
+  BqLayer& w = nd.w;
+  std::string fmt;
+  int64_t K = 0, N = 0;
+  at.read({{"format", &fmt}, {"K", &K}, {"N", &N}});
+  w.format = -1;
+  for (int f = 0; f < kBqFormats; ++f)
+    if (fmt == kBqFormatInfo[f].name) w.format = f;
+  if (w.format < 0) fail("attribute format must be one of " + fmt_list() + ", got '" + fmt + "'");
+  const BqFormatInfo& fi = kBqFormatInfo[w.format];
+  w.K = K;
+  w.N = N;
+  w.block = fi.block;
+  if (at.given("block_size")) {
+    const int64_t bs = at.i("block_size");
+    if (w.format == kBqQ4_F) {
+      if (bs != 16 && bs != 32 && bs != 64 && bs != 128 && bs != 256)
+        fail("attribute block_size must be one of 16, 32, 64, 128, 256 for format q4_f, got " + std::to_string(bs));
+      w.block = static_cast<int>(bs);
+    } else if (bs != fi.block) {
+      fail("attribute block_size " + std::to_string(bs) + " does not apply to format " + fmt + " (its blocks hold " +
+           std::to_string(fi.block) + " weights; block_size is for q4_f)");
+    }
+  } else if (w.format == kBqQ4_F) {
+    w.block = 32;
+  }
+  w.type_size = w.format == kBqQ4_F ? 4 + w.block / 2 : fi.type_size;
+  w.nb = (K + w.block - 1) / w.block;
+  w.row_bytes = w.nb * w.type_size;
+  w.Kp = w.nb * w.block;
+  w.nbx = (w.Kp + kBqActBlock - 1) / kBqActBlock;
+  if (at.given("bits_per_weight")) nd.bits_per_weight = at.f("bits_per_weight");
+
+  Ort::ConstValue wv = const_input(info, w_input, "W", kU8);
+  const std::vector<int64_t> shp = wv.GetTensorTypeAndShapeInfo().GetShape();
+  if (shp.size() != 2 || shp[0] != N || shp[1] != w.row_bytes)
+    fail("input W has shape " + shape_str(shp) + ", expected [" + std::to_string(N) + ", " +
+         std::to_string(w.row_bytes) + "] (format " + fmt + ", K = " + std::to_string(K) + ": " +
+         std::to_string(w.nb) + " blocks of " + std::to_string(w.type_size) + " bytes per row)");
+  w.data = wv.GetTensorData<uint8_t>();
+  // every block's fp16 scale / min must be finite (exponent bits not all ones)
+  for (int s = 0; s < 2; ++s) {
+    const int off = fi.scale_off[s];
+    if (off < 0) continue;
+    const int64_t nblocks = N * w.nb;
+    const uint8_t* p = w.data + off;
+    for (int64_t i = 0; i < nblocks; ++i, p += w.type_size) {
+      const uint16_t h = ld16(p);
+      if ((h & 0x7C00u) == 0x7C00u) {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "%04x", h);
+        fail("input W row " + std::to_string(i / w.nb) + " block " + std::to_string(i % w.nb) +
+             ": non-finite fp16 " + (s == 0 ? (w.format == kBqQ4_K || w.format == kBqQ5_K ? "d" : "scale d")
+                                           : (w.format == kBqQ4_K || w.format == kBqQ5_K ? "dmin" : "min m")) +
+             " (0x" + hex + " at byte " + std::to_string(off) + " of the block)");
+      }
+    }
+  }
+  nd.k = &pick(IsaTables<BlockQuantKernels>{blockquant_kernels_scalar, blockquant_kernels_avx2, blockquant_kernels_avx512,
+                                            kBqAvx2Needs, kBqAvx512Needs},
+               Isa::Avx512, &nd.level);
+  return nd;
+}
+
+// ------------------------------------------------------------------ BlockQuantMatMul
+BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
+  const Attrs at(info, kAttrs);
+  node_ = read_bq_node(info, at, 1);
+  has_bias_ = input_present(info, 2);
+  if (has_bias_) {
+    int is_const = 0;
+    Ort::ConstValue bv = info.GetTensorConstantInput(2, &is_const);
+    if (is_const) {
+      auto ti = bv.GetTensorTypeAndShapeInfo();
+      if (ti.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("input bias must be float32");
+      if (ti.GetShape() != std::vector<int64_t>{node_.w.N})
+        fail("input bias has shape " + shape_str(ti.GetShape()) + ", expected [" + std::to_string(node_.w.N) + "]");
+      bias_ = bv.GetTensorData<float>();
+    }
+  }
+  metrics::Node* m = metrics::node(name_);
+  m->set({{"bq.format", static_cast<double>(node_.w.format)},
+          {"bq.block", static_cast<double>(node_.w.block)},
+          {"bq.bits_per_weight", 8.0 * node_.w.type_size / node_.w.block},
+          {"bq.isa", static_cast<double>(node_.level)}});
+  m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}, {&m_nonfinite_, "bq.nonfinite_recomputes"}});
+}
+
+// One Compute() call: quantize the rows, multiply, then the NaN rows and the non-finite guard.
+class BqCall {
+ public:
+  BqCall(const BlockQuantMatMulKernel& k, Ort::KernelContext& ctx, const RowsIO& io, const float* bias)
+      : k_(k), ctx_(ctx), io_(io), w_(k.node_.w), kr_(*k.node_.k), bias_(bias) {}
+
+  void quantize_rows() {
+    ab_ = kr_.act_bytes(&w_);
+    const size_t M = static_cast<size_t>(io_.M);
+    const size_t floats = (M * ab_ + M + 64) / sizeof(float) + 16;
+    uint8_t* base = reinterpret_cast<uint8_t*>(outer_scratch().get(floats));
+    xq_ = base;
+    finite_ = base + M * ab_;
+    const int64_t K = w_.K;
+    auto one = [&](size_t m) noexcept { finite_[m] = static_cast<uint8_t>(kr_.quantize(&w_, io_.X + m * K, xq_ + m * ab_)); };
+    if (io_.M < 8) {
+      for (size_t m = 0; m < M; ++m) one(m);
+      return;
+    }
+    const size_t nt = std::min<size_t>(M, 8);
+    auto task = [&](size_t t) noexcept {
+      for (size_t m = t * M / nt; m < (t + 1) * M / nt; ++m) one(m);
+    };
+    parallel_for(ctx_, nt, task);
+  }
+
+  void multiply() {
+    const int64_t N = w_.N;
+    if (io_.M == 1) {
+      const int64_t total = N * w_.row_bytes;
+      int64_t nt = k_.pool_.width() == 1 ? 1 : std::min<int64_t>(kMaxTasks, std::max<int64_t>(1, total / kTaskBytes));
+      int64_t rows = (N + nt - 1) / nt;
+      rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
+      nt = (N + rows - 1) / rows;
+      auto task = [&](size_t t) noexcept {
+        const int64_t n0 = static_cast<int64_t>(t) * rows, n1 = std::min(N, n0 + rows);
+        kr_.gemv(&w_, xq_, n0, n1, bias_, io_.Y + n0);
+      };
+      k_.pool_.run(ctx_, static_cast<size_t>(nt), task);
+      return;
+    }
+    const int64_t tm = (io_.M + kTileM - 1) / kTileM, tn = (N + kTileN - 1) / kTileN;
+    auto task = [&](size_t t) noexcept {
+      const int64_t i = static_cast<int64_t>(t) / tn, j = static_cast<int64_t>(t) % tn;
+      const int64_t m0 = i * kTileM, m1 = std::min(io_.M, m0 + kTileM);
+      const int64_t n0 = j * kTileN, n1 = std::min(N, n0 + kTileN);
+      kr_.gemm(&w_, xq_ + m0 * ab_, ab_, m1 - m0, n0, n1, bias_, io_.Y + m0 * N + n0, N);
+    };
+    parallel_for(ctx_, static_cast<size_t>(tm * tn), task);
+  }
+
+  // rows with a non-finite input are NaN; a non-finite output of a finite row is recomputed in double
+  void finish() {
+    const int64_t N = w_.N, K = w_.K;
+    std::vector<float> wrow;
+    std::vector<double> xh;
+    for (int64_t m = 0; m < io_.M; ++m) {
+      float* y = io_.Y + m * N;
+      if (!finite_[m]) {
+        std::fill(y, y + N, NAN);
+        continue;
+      }
+      bool ok = true;
+      for (int64_t n = 0; n < N; ++n) ok &= std::isfinite(y[n]);
+      if (ok) continue;
+      metrics::add(k_.m_nonfinite_, 1.0);
+      dequantized_activations(io_.X + m * K, K, xh);
+      wrow.resize(static_cast<size_t>(K));
+      for (int64_t n = 0; n < N; ++n) {
+        kr_.dequant_row(&w_, n, wrow.data());
+        double s = bias_ ? static_cast<double>(bias_[n]) : 0.0;
+        for (int64_t kk = 0; kk < K; ++kk) s += xh[static_cast<size_t>(kk)] * static_cast<double>(wrow[static_cast<size_t>(kk)]);
+        y[n] = static_cast<float>(s);
+      }
+    }
+  }
+
+ private:
+  const BlockQuantMatMulKernel& k_;
+  Ort::KernelContext& ctx_;
+  const RowsIO& io_;
+  const BqLayer& w_;
+  const BlockQuantKernels& kr_;
+  const float* bias_;
+  size_t ab_ = 0;
+  uint8_t* xq_ = nullptr;
+  uint8_t* finite_ = nullptr;
+};
+
+void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
+  const RowsIO io = rows_io(ctx, node_.w.K, node_.w.N);
+  const float* bias = bias_;
+  if (has_bias_ && !bias) {  // a bias computed in the graph: checked per call
+    Ort::ConstValue bv = ctx.GetInput(2);
+    auto ti = bv.GetTensorTypeAndShapeInfo();
+    if (ti.GetShape() != std::vector<int64_t>{node_.w.N})
+      fail("input bias has shape " + shape_str(ti.GetShape()) + ", expected [" + std::to_string(node_.w.N) + "]");
+    bias = bv.GetTensorData<float>();
+  }
+  metrics::add(m_calls_, 1.0);
+  if (io.M == 0) return;
+  metrics::add(m_rows_, static_cast<double>(io.M));
+  BqCall c(*this, ctx, io, bias);
+  c.quantize_rows();
+  c.multiply();
+  c.finish();
+}
+
+// ------------------------------------------------------------------ BlockQuantGather
+BlockQuantGatherKernel::BlockQuantGatherKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
+  const Attrs at(info, kAttrs);
+  node_ = read_bq_node(info, at, 0);
+  metrics::Node* m = metrics::node(name_);
+  m->set({{"bq.format", static_cast<double>(node_.w.format)},
+          {"bq.block", static_cast<double>(node_.w.block)},
+          {"bq.bits_per_weight", 8.0 * node_.w.type_size / node_.w.block}});
+  m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}});
+}
+
+void BlockQuantGatherKernel::Compute(Ort::KernelContext& ctx) const {
+  const BqLayer& w = node_.w;
+  Ort::ConstValue iv = ctx.GetInput(1);
+  auto ti = iv.GetTensorTypeAndShapeInfo();
+  const ONNXTensorElementDataType t = ti.GetElementType();
+  if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
+    fail("input indices must be int64 or int32");
+  std::vector<int64_t> shape = ti.GetShape();
+  const size_t n = ti.GetElementCount();
+  shape.push_back(w.K);
+  std::vector<int64_t> rows(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t v = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 ? iv.GetTensorData<int64_t>()[i]
+                                                                : static_cast<int64_t>(iv.GetTensorData<int32_t>()[i]);
+    if (v < -w.N || v >= w.N)
+      fail("index " + std::to_string(v) + " (position " + std::to_string(i) + " of indices) out of range [-" +
+           std::to_string(w.N) + ", " + std::to_string(w.N - 1) + "]");
+    rows[i] = v < 0 ? v + w.N : v;
+  }
+  float* y = ctx.GetOutput(0, shape.data(), shape.size()).GetTensorMutableData<float>();
+  metrics::add(m_calls_, 1.0);
+  metrics::add(m_rows_, static_cast<double>(n));
+  const BlockQuantKernels& kr = *node_.k;
+  const int64_t K = w.K;
+  auto one = [&](size_t i) noexcept { kr.dequant_row(&w, rows[i], y + static_cast<int64_t>(i) * K); };
+  if (n * static_cast<size_t>(K) < (size_t{1} << 16)) {
+    for (size_t i = 0; i < n; ++i) one(i);
+    return;
+  }
+  const size_t nt = std::min<size_t>(n, 16);
+  auto task = [&](size_t tk) noexcept {
+    for (size_t i = tk * n / nt; i < (tk + 1) * n / nt; ++i) one(i);
+  };
+  parallel_for(ctx, nt, task);
+}
+
+}  // namespace ortlean

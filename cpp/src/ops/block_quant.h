@@ -1,0 +1,80 @@
+// BlockQuantMatMul and BlockQuantGather (domain ai.ortlean, opset 1): weights in ggml's block formats,
+// read in place from the session's constant initializer. Y = x̂ · Ŵᵀ + bias with int8 activations per
+// block of 32, and Ŵ[indices]. Contract: DEVELOPERS.md and docs/block-quant.md; semantics:
+// custom_ops/reference/blockquant.py; block structs and kernels: kernels/blockquant.h.
+#pragma once
+#include <string>
+
+#include "isa.h"
+#include "kernels/blockquant.h"
+#include "metrics.h"
+#include "op.h"
+#include "parallel.h"
+
+namespace ortlean {
+
+constexpr ONNXTensorElementDataType kAnyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+
+// The attributes both ops share (names and defaults: kBqAttrs).
+constexpr AttrSpec kBqOwnAttrs[] = {
+    attr_required("format", AttrType::String).one_of("q4_0|q4_1|q5_0|q5_1|q8_0|q4_K|q5_K|q6_K|q4_f"),
+    attr_required("K", AttrType::Int).range(1, kMaxDim),
+    attr_required("N", AttrType::Int).range(1, kMaxDim),
+    // q4_f: 16 | 32 | 64 | 128 | 256, absent = 32; another format: absent or its own block
+    attr_optional("block_size", AttrType::Int).range(16, 256),
+    attr_optional("source", AttrType::String),
+    attr_optional("bits_per_weight", AttrType::Float).positive(),
+    attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
+};
+constexpr auto kBqAttrs = join(kBqOwnAttrs, kLayerMetadata);
+
+// The extra CPU features of the copies: F16C (AVX2), AVX512_VNNI (AVX-512; without it the AVX2 copy runs).
+constexpr CpuFeature kBqAvx2Needs = CpuFeature::F16c;
+constexpr CpuFeature kBqAvx512Needs = CpuFeature::Avx512Vnni;
+
+// A node's weights, validated (format, shape, finite fp16 scales) and its kernel table.
+struct BqNode {
+  BqLayer w{};
+  const BlockQuantKernels* k = nullptr;
+  Isa level = Isa::Scalar;
+  float bits_per_weight = 0.0f;
+};
+BqNode read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input);
+
+class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
+ public:
+  static constexpr const char* kOpType = "BlockQuantMatMul";
+  // X, W, [bias]
+  static constexpr IoSpec kInputs[] = {{kF32}, {kU8}, {kF32, kOptional}};
+  static constexpr IoSpec kOutputs[] = {{kF32}};
+  static constexpr auto kAttrs = kBqAttrs;
+
+  explicit BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
+  void Compute(Ort::KernelContext& ctx) const;
+
+ private:
+  friend class BqCall;
+  BqNode node_;
+  const float* bias_ = nullptr;  // constant bias (else read per call)
+  bool has_bias_ = false;
+  mutable PoolProbe pool_;  // one-thread sessions keep the matvec in one task
+  metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr, *m_nonfinite_ = nullptr;
+};
+
+class BlockQuantGatherKernel : public OpKernel<BlockQuantGatherKernel> {
+ public:
+  static constexpr const char* kOpType = "BlockQuantGather";
+  // W, indices (int64 | int32)
+  static constexpr IoSpec kInputs[] = {{kU8}, {kAnyType}};
+  static constexpr IoSpec kOutputs[] = {{kF32}};
+  static constexpr auto kAttrs = kBqAttrs;
+
+  explicit BlockQuantGatherKernel(const Ort::ConstKernelInfo& info);
+  void Compute(Ort::KernelContext& ctx) const;
+
+ private:
+  BqNode node_;
+  metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr;
+};
+
+}  // namespace ortlean

