@@ -54,6 +54,14 @@ def _nbits(v: str) -> list[int]:
     return bits
 
 
+def _labelled(v: str) -> tuple[str, str]:
+    """argparse type for bench --also: LABEL=MODEL."""
+    label, sep, path = v.partition("=")
+    if not sep or not label.strip() or not path.strip() or "|" in label:
+        raise argparse.ArgumentTypeError(f"expected LABEL=MODEL (a row name without '|', then the model file), got {v!r}")
+    return label.strip(), path.strip()
+
+
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     from . import backends
 
@@ -65,6 +73,9 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ortlean", description="ONNX graph rewriter + ONNX Runtime custom CPU ops")
     ap.add_argument("--version", action="store_true", help="print versions and exit")
+    ap.add_argument("--library-path", action="store_true",
+                    help="print the path of the custom-op library (for onnxruntime_perf_test -R, "
+                    "SessionOptions.register_custom_ops_library) and exit")
     sub = ap.add_subparsers(dest="cmd")
 
     p = sub.add_parser("rewrite", help="rewrite weight MatMuls into ortlean custom ops")
@@ -119,7 +130,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--huge-pages", choices=["on", "off"], default="on",
                    help="decoders: after the warm-up round, every row's memory (weights and caches alike) on 2 MiB "
                    "pages (Linux transparent huge pages, MADV_COLLAPSE; default on)")
-    p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--also", action="append", type=_labelled, default=[], metavar="LABEL=MODEL",
+                   help="another rewritten model measured as a row of the same run (repeatable), e.g. "
+                   "--also fast=fast/model.onnx")
+    p.add_argument("--label", default=None, help="the row name of MODEL in --json's rows (default: lean)")
+    p.add_argument("--quality-text", default=None, metavar="FILE",
+                   help="causal LMs: also Δppl of every row against --ref on this held-out text, measured as "
+                   "`ortlean eval` does (decode-mode when a row approximates in decode)")
+    p.add_argument("--tokenizer", help="tokenizer.json for --quality-text (default: beside --ref)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write ONNX Runtime's profiler trace (chrome trace JSON) of every row at every thread count "
+                   "into DIR as <row>.t<threads>.json (decoders: decode steps after the longest past)")
+    p.add_argument("--json", help="write results as JSON here (the results schema: docs/benchmarking.md)")
+
+    p = sub.add_parser("perf", help="latency percentiles of one model's runs with ortlean's library registered "
+                       "(what onnxruntime_perf_test does)")
+    p.add_argument("model")
+    p.add_argument("--inputs", metavar="FILE.npz", help="the inputs (an .npz of input name -> array); default: made "
+                   "from the model's declared inputs (random token ids, masks of ones, the model's own cache)")
+    p.add_argument("--iterations", "-r", type=_count(1), default=100, help="timed runs (default 100)")
+    p.add_argument("--warmup", type=_count(0), default=5, help="untimed runs first (default 5)")
+    p.add_argument("--threads", "-x", type=_count(1), default=1, help="intra-op threads (default 1)")
+    p.add_argument("--past", type=_count(0), default=0,
+                   help="causal LMs: cached tokens before the run (the model's own prefill of random tokens; default 0)")
+    p.add_argument("--seq", type=_count(1), default=None,
+                   help="new tokens per run (default 1 with --past, else 128)")
+    p.add_argument("--batch", type=_count(1), default=1)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = sub.add_parser("generate", help="greedy decode with the KV cache")
     p.add_argument("model")
@@ -169,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as e:   # usage error (one line, see _Parser) or --help
         return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, recorded in bench --json
     if args.version:
         return _version()
+    if args.library_path:
+        return _library_path()
     if not args.cmd:
         ap.print_help()
         return EXIT_USER_ERROR
@@ -179,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return {
             "rewrite": cmd_rewrite, "inspect": cmd_inspect, "eval": cmd_eval, "bench": cmd_bench,
             "generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "demo": cmd_demo,
+            "perf": cmd_perf,
         }[args.cmd](args)
     except user_errors as e:
         print(f"ortlean {args.cmd}: error: {e}", file=sys.stderr)
@@ -205,6 +246,17 @@ def _version() -> int:
         print(f"library {custom_ops.library_path()} (isa {custom_ops.isa_label()})")
     except Exception as e:
         print(f"library: {e}")
+    return 0
+
+
+def _library_path() -> int:
+    import custom_ops
+
+    try:
+        print(custom_ops.library_path())
+    except custom_ops.LibraryNotFoundError as e:
+        print(f"ortlean --library-path: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
     return 0
 
 
@@ -308,13 +360,58 @@ def cmd_eval(args) -> int:
 def cmd_bench(args) -> int:
     from . import evaluate
 
+    from . import results
+
     decode_past = args.decode_past or evaluate.default_pasts(args.model)
+    also = dict(args.also)
+    if len(also) != len(args.also):
+        raise OrtleanError("--also: each LABEL may be given once")
+    if args.label is not None and (not args.label.strip() or "|" in args.label or args.label in also):
+        raise OrtleanError(f"--label {args.label!r}: a row name without '|', not one of the --also labels")
+    if args.json:
+        _writable(args.json, "--json")
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=decode_past,
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
-                         llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on")
+                         llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on", also=also,
+                         quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer)
     print(evaluate.format_bench(res))
+    if args.profile:
+        n = sum(len(v) for v in (res.get("profile_traces") or {}).values())
+        print(f"ORT profiler traces: {n} files in {args.profile} (<row>.t<threads>.json; chrome://tracing, Perfetto)")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        res.update(results.from_bench(res, command=_command_line(args), labels={"lean": args.label or "lean"}))
+        results.write_json(args.json, res)
+    return 0
+
+
+def _command_line(args) -> str:
+    """The command as typed, home directory shortened to ~ (recorded in result files)."""
+    import shlex
+
+    home = str(Path.home())
+    return "ortlean " + " ".join(shlex.quote(a).replace(home, "~") for a in getattr(args, "argv", []))
+
+
+def _writable(path: str, flag: str) -> None:
+    """Fail before any work when an output file's directory does not exist (one line naming it)."""
+    d = Path(path).expanduser().resolve().parent
+    if not d.is_dir():
+        raise OrtleanError(f"{flag} {path}: directory {d} does not exist")
+
+
+def cmd_perf(args) -> int:
+    from custom_ops.runtime import perf
+
+    from .evaluate import _session
+
+    modelfile_check = _session  # opens the model with clear errors (missing, corrupt, no library)
+    try:
+        r = perf.perf(args.model, inputs=args.inputs, iterations=args.iterations, warmup=args.warmup,
+                      threads=args.threads, seq=args.seq, past=args.past, batch=args.batch,
+                      session_factory=modelfile_check)
+    except perf.PerfError as e:
+        raise OrtleanError(str(e)) from None
+    print(json.dumps(r, indent=1) if args.json else perf.format_perf(r))
     return 0
 
 

@@ -230,28 +230,43 @@ def _float_cache(path: str) -> bool:
 
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
           nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
-          huge_pages: bool = True) -> dict:
+          huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,
+          trace_dir: str | None = None, tokenizer: str | None = None) -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
     at every ``decode_past`` length and thread count, plus llama.cpp's llama-bench on the package's
     GGUF; encoders: ``runtime.bench_sessions``. ``huge_pages``: the causal-LM rows' memory (weights
-    and caches of every row, the og generators' too) on 2 MiB pages after the warm-up round."""
+    and caches of every row, the og generators' too) on 2 MiB pages after the warm-up round.
+    ``also``: {label: path} more models measured as rows of the same run (ours, like ``model``);
+    ``quality_text``: Δppl of every ONNX row against ``ref`` on that text (:func:`table_quality`,
+    causal LMs); ``trace_dir``: ORT's profiler trace (chrome trace JSON) of every ONNX row at every
+    thread count written there (``<row>.t<threads>.json``)."""
+    also = dict(also or {})
     modelfile.load_model(model)  # both models named before any work
     modelfile.load_model(ref)
+    for label, path in also.items():
+        if label in ("dense", "lean") or label.startswith(("genai ", "MatMulNBits ")):
+            raise OrtleanError(f"--also {label}={path}: the label {label!r} names one of the bench's own rows")
+        modelfile.load_model(path)
     pasts = [int(decode_past)] if isinstance(decode_past, int) else [int(p) for p in decode_past]
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
         return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
-                             huge_pages)
+                             huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
+                             tokenizer=tokenizer)
+    if quality_text:
+        raise OrtleanError("--quality-text: Δppl is measured for causal LMs; an encoder's quality is "
+                           "`ortlean eval`'s embedding cosine")
     decode_past = pasts[0]
-    variants = {"dense": ref, "lean": model}
+    variants = {"dense": ref, "lean": model, **also}
     for b in nbits:
         try:
             variants[f"MatMulNBits int{b}"] = nbits_model(ref, b)
         except Exception as e:  # a comparison row we cannot make is reported, not fatal
             variants[f"MatMulNBits int{b}"] = None
             print(f"note: MatMulNBits int{b} row skipped: {e}")
-    res = {"model": model, "ref": ref, "prefill": prefill, "decode_past": decode_past, "runs": []}
+    res = {"model": model, "ref": ref, "prefill": prefill, "decode_past": decode_past, "runs": [],
+           "variants": {k: v for k, v in variants.items() if v}, "ours": ["lean", *also]}
     res["weight_bytes"] = {k: (runtime.weight_bytes(v) if v else None) for k, v in variants.items()}
     for t in threads:
         sessions = {k: _session(v, t) for k, v in variants.items() if v}
@@ -259,8 +274,10 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
         ios = {k: runtime.ModelIO.from_session(s, variants[k]) for k, s in sessions.items()}
         r = runtime.bench_sessions(sessions, io, prefill_len=prefill, decode_past=decode_past, repeats=repeats, ios=ios)
         res["runs"].append({"threads": t, "kind": io.kind, "results": r})
-    if profile:
+    if profile or trace_dir:
         res["profile"] = _profiles(variants, max(threads))
+    if trace_dir:
+        res["profile_traces"] = _encoder_traces(variants, threads, trace_dir)
     return res
 
 
@@ -274,8 +291,33 @@ def _profiles(variants: dict, threads: int) -> dict:
     return out
 
 
+def trace_name(row: str, threads: int) -> str:
+    """File name of a row's ORT profiler trace: the row's name made file-safe, then the thread count
+    (``genai int4`` at 2 threads: ``genai-int4.t2.json``)."""
+    import re
+
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', row).strip('-') or 'row'}.t{int(threads)}.json"
+
+
+def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
+    """ORT's profiler trace of a 16-token run (5 measured after 1 warm-up) of every row at every
+    thread count, kept in ``trace_dir``."""
+    d = Path(trace_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    out: dict[str, dict] = {}
+    for t in threads:
+        for k, v in variants.items():
+            if not v:
+                continue
+            path = d / trace_name(k, t)
+            runtime.profile_summary(v, lambda p, so=None, t=t: _profiled_session(p, so, t), feeds=None, runs=5,
+                                    keep_trace=str(path))
+            out.setdefault(k, {})[str(t)] = str(path)
+    return out
+
+
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
-                  huge_pages=True) -> dict:
+                  huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -288,7 +330,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         notes.append("every row's memory (weights, caches, og generators) moved to 2 MiB pages after the warm-up "
                      "round where the kernel's transparent huge pages allow (runtime.memory.huge_pages_for_process; "
                      "--huge-pages off: left on 4 KiB pages)")
-    variants = {"dense": ref, "lean": model}
+    also = dict(also or {})
+    variants = {"dense": ref, "lean": model, **also}
     for b in nbits:
         try:
             variants[f"MatMulNBits int{b}"] = nbits_model(ref, b)
@@ -304,7 +347,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
            "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
            "variants": variants, "weight_bytes": {k: runtime.weight_bytes(v) for k, v in variants.items()},
-           "table": {}}
+           "table": {}, "ours": ["lean", *also], "model_name": peer_name(ref, peers) or Path(ref).parent.name}
 
     def say(msg):
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
@@ -334,31 +377,104 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             res["llama_cpp"] = {"rows": rows, "command": note}
             if not rows:
                 notes.append(note)
-    if profile and all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean")):
-        res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages, say)
-    elif profile:  # no KV cache to decode with: the profile of a 16-token run
+    if quality_text:
+        say(f"quality: Δppl of every row on {Path(quality_text).name}")
+        res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say)
+    decodes = all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean"))
+    if (profile or trace_dir) and decodes:
+        res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages, say, trace_dir=trace_dir)
+        if trace_dir:
+            res["profile_traces"] = res["decode_profile"].pop("traces")
+    elif profile or trace_dir:  # no KV cache to decode with: the profile of a 16-token run
         res["profile"] = _profiles(variants, max(threads))
+        if trace_dir:
+            res["profile_traces"] = _encoder_traces(variants, threads, trace_dir)
     return res
 
 
-def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool, say=print) -> dict:
+def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, tokenizer: str | None = None,
+                  window: int = 512, windows: int = 8, decode_score: int = 256, say=None) -> dict:
+    """Δppl of every model in ``variants`` ({row: path}) against ``ref`` on ``text_path``, all in one
+    mode, as ``ortlean eval`` measures one model: teacher-forced ``windows`` x ``window``-token windows,
+    or — when any model approximates in decode (PackedAttention with a budget) — decode-mode
+    perplexity at a context where that approximation runs (4 windows of ``decode_score`` decode
+    steps), with each row's one-sided 95 % upper bound from the paired per-token NLLs. Returns
+    {"text", "mode", "tokens", "ppl_ref", "rows": {row: {"ppl", "delta_ppl"[, "delta_ppl_upper"]} or
+    {"note"} when a row could not be scored}}."""
+    tp = Path(text_path)
+    if not tp.is_file():
+        raise OrtleanError(f"--quality-text {tp}: no such file")
+    text = tp.read_text(encoding="utf-8", errors="replace")
+    tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else next(iter(variants.values())),
+                     tokenizer)
+    all_ids = tok.encode(text, add_special_tokens=False).ids
+    starts = [a for a in (runtime.approximate_from(v) for v in variants.values()) if a is not None]
+    if starts:
+        cap = min([p for p in (max_positions(str(v)) for v in [ref, *variants.values()]) if p] or [1 << 30])
+        ctx_len = min(max(1024, max(starts)), cap - decode_score - 1)
+        dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 2))
+        mode = f"decode-mode: {dm['windows']} windows of a {ctx_len}-token prefill and {decode_score} decode steps"
+
+        def score(s, io_):
+            return runtime.decode_perplexity(s, io_, all_ids, **dm)
+    else:
+        ids = np.asarray(all_ids[: window * windows], dtype=np.int64)
+        if ids.size < 2:
+            raise OrtleanError(f"--quality-text {tp}: {ids.size} tokens, perplexity needs at least 2")
+        mode = f"{window}-token windows"
+
+        def score(s, io_):
+            return runtime.perplexity(s, io_, ids, window=window)
+    s_ref = _session(ref, threads)
+    d = score(s_ref, runtime.ModelIO.from_session(s_ref, ref))
+    del s_ref
+    out = {"text": tp.name, "mode": mode, "tokens": int(d["tokens"]), "ppl_ref": float(d["ppl"]), "rows": {}}
+    for name, path in variants.items():
+        if name == "dense" or not path:
+            continue
+        if say:
+            say(f"quality: {name}")
+        try:
+            s = _session(path, threads)
+            p = score(s, runtime.ModelIO.from_session(s, path))
+            del s
+        except Exception as e:  # a row whose quality cannot be measured says why; the others go on
+            out["rows"][name] = {"note": f"Δppl not measured: {str(e).splitlines()[0][:160]}"}
+            continue
+        row = {"ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
+        if "token_nll" in d and len(d["token_nll"]) == len(p["token_nll"]):
+            row["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
+        out["rows"][name] = row
+    return out
+
+
+def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool, say=print, trace_dir=None) -> dict:
     """ORT's per-node profile of decode steps after ``past`` tokens, dense and lean, at every thread
     count (runtime.decode_profile: the model's own cache, the shared-KV loop where the graph allows;
     4 warm-up and 16 measured steps, the past lowered to fit them in the models' positions); and, profiler
     off, both models' decode step after 1 token (runtime.bench.decode_table), the attention-free estimate's
-    reference."""
+    reference. ``trace_dir``: every row profiled (not only dense and lean), each trace kept there
+    (:func:`trace_name`), their paths under the result's ``traces``."""
     from custom_ops.runtime import bench as rb
 
     warmup, steps = 4, 16
+    rows = [k for k, v in variants.items() if v] if trace_dir else ["dense", "lean"]
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
     cap = min([m for m in (max_positions(str(variants[k])) for k in ("dense", "lean")) if m] or [1 << 30])
     past = max(1, min(int(past), cap - warmup - steps))
     say(f"ORT profile of decode steps after {past} tokens; every model's step after 1 token")
     out = {"past": past}
+    traces: dict[str, dict] = {}
     for t in threads:
         row = out[f"t{t}"] = {}
-        for k in ("dense", "lean"):
+        for k in rows:
+            keep = None
+            if trace_dir:
+                keep = str(Path(trace_dir) / trace_name(k, t))
+                traces.setdefault(k, {})[str(t)] = keep
             prof = runtime.decode_profile(variants[k], lambda p, so=None: _profiled_session(p, so, t), past=past,
-                                          steps=steps, warmup=warmup, huge_pages=huge_pages)
+                                          steps=steps, warmup=warmup, huge_pages=huge_pages, keep_trace=keep)
             row[k] = {"rows": list(prof), "top_nodes": prof.top_nodes, "step_ms": prof.step_ms,
                       "node_ms": prof.total_ms, "attention_ms": prof.attention_ms, "loop": prof.loop}
         # dense and lean after 1 token, profiler off: the rest of the step, attention all but free
@@ -368,6 +484,8 @@ def _decode_profiles(variants: dict, threads, past: int, huge_pages: bool, say=p
                               prefill_len=8, steps=steps, repeats=3, shared=shared, threads=t, huge_pages=huge_pages)
         row["short_step"] = {k: v["decode1"] for k, v in tab.items()}
         del sess
+    if trace_dir:
+        out["traces"] = traces
     return out
 
 

@@ -104,6 +104,7 @@ def verbs(files, m, out: Path) -> dict[str, list]:
         "bench": ["bench", m, "--ref", g, "--repeats", "1", "--nbits", "none", "--no-profile", "--json", out / "b.json"],
         "bench --ref": ["bench", g, "--ref", m, "--repeats", "1", "--nbits", "none", "--no-profile", "--json", out / "b.json"],
         "generate": ["generate", m, "--prompt", "the", "--max-new-tokens", "2"],
+        "perf": ["perf", m, "--iterations", "1", "--warmup", "0"],
     }
 
 
@@ -143,6 +144,8 @@ BAD_FLAGS = [
     (["bench", "{good}", "--ref", "{good}", "--repeats", "0"], ["--repeats", "0"]),
     (["bench", "{good}", "--ref", "{good}", "--threads", "0"], ["--threads", "0"]),
     (["bench", "{good}", "--ref", "{good}", "--huge-pages", "maybe"], ["--huge-pages", "maybe"]),
+    (["perf", "{good}", "--iterations", "0"], ["--iterations", "0"]),
+    (["perf", "{good}", "--inputs", "{out}/nope.npz"], ["nope.npz"]),
     (["generate", "{good}", "--prompt", "the", "--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["generate", "{good}", "--prompt", ""], ["--prompt"]),
     (["generate", "{good}", "--prompt", "the", "--tokenizer", "{out}/tok.json"], ["tok.json"]),

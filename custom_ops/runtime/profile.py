@@ -58,9 +58,20 @@ def profile_summary(model_path, session_factory: Callable | None = None, feeds=N
         with open(trace_path) as fh:
             trace = json.load(fh)
         if keep_trace:
-            Path(keep_trace).write_text(json.dumps(trace))
+            _keep(trace_path, keep_trace)
         del sess
     return _summarise(trace, warmup, top)
+
+
+def _keep(trace_path: str, dest: str) -> None:
+    """ORT's trace file copied to ``dest`` (its directory created), atomically."""
+    import shutil
+
+    d = Path(dest)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = d.with_name(f".{d.name}.tmp")
+    shutil.copyfile(trace_path, tmp)
+    os.replace(tmp, d)
 
 
 def _summarise(trace, skip: int, top: int, last: int | None = None) -> ProfileSummary:
@@ -112,12 +123,24 @@ def _summarise(trace, skip: int, top: int, last: int | None = None) -> ProfileSu
     return rows
 
 
+def shares_kv(model_path) -> bool:
+    """Whether a graph can run with one shared K/V buffer per layer (``runtime.shared_kv``): its
+    attention writes the new rows in place — GroupQueryAttention, or PackedAttention in its cache mode
+    (a ``seqlens_k`` input) — where an unfused export concatenates its cache."""
+    import onnx
+
+    return any(n.op_type == "GroupQueryAttention" or (n.op_type == "PackedAttention" and len(n.input) > 6
+                                                      and n.input[6])
+               for n in onnx.load(str(model_path), load_external_data=False).graph.node)
+
+
 # op types whose node is a whole attention (the rest of a decode step does not depend on the past)
 ATTENTION_OPS = ("GroupQueryAttention", "PackedAttention", "MultiHeadAttention", "Attention")
 
 
 def decode_profile(model_path, session_factory: Callable | None = None, past: int = 128, steps: int = 16,
-                   warmup: int = 4, seed: int = 0, huge_pages: bool = True, top: int = 15) -> ProfileSummary:
+                   warmup: int = 4, seed: int = 0, huge_pages: bool = True, top: int = 15,
+                   keep_trace: str | None = None) -> ProfileSummary:
     """Per-op-type time of single-token decode steps of a causal LM after a past of ``past`` tokens.
 
     The cache is the model's own: its prefill of ``past`` random tokens in 512-token chunks
@@ -128,7 +151,9 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
     process's memory on 2 MiB pages before them (``memory.huge_pages_for_process``, as ``ortlean
     bench`` does). Besides :func:`profile_summary`'s fields, ``.step_ms`` is the measured steps' mean
     ``model_run`` time as the profiler saw it, ``.loop`` "shared KV" or "plain", ``.past`` the past,
-    and ``.attention_ms`` the time of the attention nodes (:data:`ATTENTION_OPS`) per step."""
+    and ``.attention_ms`` the time of the attention nodes (:data:`ATTENTION_OPS`) per step.
+    ``keep_trace``: ORT's whole trace (chrome trace JSON: the prefill of the past, the warm-up and
+    the measured steps) is also written to that path."""
     import onnxruntime as ort
 
     from .bench import LoopRow, SharedRow, chunked_state
@@ -148,10 +173,14 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
         ids = rng.integers(lo, hi, (1, past + warmup + steps))
         states = {past: chunked_state(sess, io, ids[:, :past])}
         step_ids = ids[:, past:]
-        try:  # the bench's drivers; a graph that concatenates its cache fails its first shared-KV step
-            row, loop = SharedRow(sess, io, states, warmup + steps, 1), "shared KV"
-            row.decode(past, step_ids[:, :1])
-        except Exception:
+        row = None
+        if shares_kv(model_path):  # the bench's drivers: shared KV where the graph writes its cache in place
+            try:  # (checked first: a graph that concatenates its cache would print ORT's error for the probe)
+                row, loop = SharedRow(sess, io, states, warmup + steps, 1), "shared KV"
+                row.decode(past, step_ids[:, :1])
+            except Exception:
+                row = None
+        if row is None:
             row, loop = LoopRow(sess, io, states), "plain"
         if huge_pages:
             from .memory import huge_pages_for_process
@@ -161,6 +190,8 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
         trace_path = sess.end_profiling()
         with open(trace_path) as fh:
             trace = json.load(fh)
+        if keep_trace:
+            _keep(trace_path, keep_trace)
         del sess
     rows = _summarise(trace, 0, top, last=steps)
     rows.loop, rows.past = loop, int(past)

@@ -1,0 +1,366 @@
+"""Benchmark results as data: the schema ``ortlean bench --json`` writes, and the markdown table the
+README (and docs/) show from committed result files.
+
+A results file (``tests/bench/results/<what it measures>.json``) is the JSON ``ortlean bench --json``
+writes: the bench's own keys (``table``, ``notes``, ``decode_profile`` …) plus the keys below, which
+are all a reader of the file needs::
+
+    {"schema": "ortlean-results/1",
+     "command": "ortlean bench ...",            # the command line that wrote the file
+     "commit": "4ec8951…", "commit_dirty": false, # the ortlean checkout it ran from (null: not a git checkout)
+     "date": "2026-11-27T10:00:00Z",             # UTC, when the file was written
+     "machine": {"cpu": "AMD EPYC 9R14", "cores": 2, "isa": "AVX-512 VNNI",
+                 "flags": ["avx2", "fma", "avx512f", ...], "kernels": "avx512", "load_average": [...]},
+     "onnxruntime": "1.32.0", "ortlean": "0.1.0",
+     "model_name": "smollm2",                    # the packaged model (peers' source), or the model file's stem
+     "contexts": [128, 4096, 8176],              # decode pasts (tokens in the cache before each step)
+     "threads": [1, 2], "prefill_tokens": 128,
+     "quality": {"text": "persuasion.txt", "mode": "...", "tokens": 1024, "ppl_ref": 12.3} | null,
+     "rows": [{"name": "long-context",          # the table's row label
+               "model": "lean",                 # the bench's variant (rows of one model share it)
+               "driver": "shared KV",           # plain loop | shared KV | onnxruntime-genai generator | llama-bench
+               "side": "ours",                  # ours | peer | reference (the dense model: the source weights)
+               "what": "ortlean: MatMulNBits int4 x211, PackedAttention pq budget 0.25 x30",
+               "path": "...", "weight_bytes": 123,
+               "delta_ppl": 0.006, "delta_ppl_upper": 0.011, "ppl": 12.4,   # null when not measured
+               "quality_note": null,
+               "tok_s": {"1": {"128": 190.2, "4096": 157.6}, "2": {...}},  # decode tokens/s per thread count, per past
+               "prefill_tok_s": {"1": 2400.0, "2": 4100.0}}, ...]}
+
+``render(doc)`` turns a file into the markdown table; ``update(text, root)`` rewrites every table
+between ``<!-- results-table src=PATH -->`` and ``<!-- /results-table -->`` in a markdown text from the
+file PATH names (relative to the repository root). ``python tests/bench/results_table.py`` applies it
+to README.md and docs/*.md (``--check``: exit 1 when a table is not what its file says).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+SCHEMA = "ortlean-results/1"
+ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["SCHEMA", "provenance", "machine", "git_commit", "from_bench", "describe_model", "render", "update",
+           "pick_rows", "write_json", "MARKER_RE"]
+
+
+# --------------------------------------------------------------------------------------------- provenance
+def git_commit(root: Path = ROOT) -> tuple[str | None, bool]:
+    """(HEAD's full hash, whether tracked files differ from it) of the checkout holding this package;
+    (None, False) when it is not a git checkout (an installed wheel)."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None, False
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30)
+        return head.stdout.strip(), bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+
+
+def _isa_label(flags: set[str]) -> str:
+    """The widest vector ISA the CPU reports, as users name it."""
+    if "avx512f" in flags:
+        extra = [n for f, n in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX")) if f in flags]
+        return "AVX-512" + (f" {' '.join(extra)}" if extra else "")
+    if "avx2" in flags:
+        return "AVX2" + (" AVX-VNNI" if "avx_vnni" in flags else "")
+    return "x86-64 (no AVX2)" if flags else "unknown"
+
+
+def machine() -> dict:
+    """CPU model, logical cores, ISA label and the CPU flags that matter to the kernels, the ISA
+    ortlean's kernels run at here, and the load average when measured."""
+    import platform
+
+    flags: set[str] = set()
+    cpu = platform.processor() or platform.machine() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    keep = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                        "avx512_vpopcntdq", "avx512_bf16", "amx_tile") if f in flags]
+    try:
+        import custom_ops
+
+        kernels = custom_ops.isa_label()
+    except Exception as e:  # no library: say so instead of a label
+        kernels = f"unavailable ({str(e).splitlines()[0][:80]})"
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": _isa_label(flags), "flags": keep, "kernels": kernels,
+            "load_average": load}
+
+
+def provenance() -> dict:
+    """The keys every results file carries: commit, date, machine, onnxruntime and ortlean versions."""
+    import onnxruntime as ort
+
+    from . import __version__
+
+    commit, dirty = git_commit()
+    return {"schema": SCHEMA, "commit": commit, "commit_dirty": dirty,
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "machine": machine(), "onnxruntime": ort.__version__, "ortlean": __version__}
+
+
+def write_json(path, obj) -> None:
+    """``obj`` as indented JSON at ``path``, atomically (a temporary file beside it, then a rename)."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, p)
+
+
+# --------------------------------------------------------------------------------------------- rows
+def describe_model(path: str) -> str:
+    """What a rewritten model is, from its graph: ortlean's ops and ORT's quantized / fused ops, with
+    the settings that decide speed and quality (e.g. ``MatMulNBits int4 x211, PackedAttention pq
+    budget 0.25 x30``)."""
+    import onnx
+    from onnx import helper
+
+    from custom_ops.schema import DOMAIN
+
+    m = onnx.load(str(path), load_external_data=False)
+    counts: dict[str, int] = {}
+    first: dict[str, dict] = {}
+    for n in m.graph.node:
+        key = None
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        if n.op_type == "MatMulNBits":
+            key = f"MatMulNBits int{a.get('bits', 4)}"
+        elif n.domain == DOMAIN:
+            key = n.op_type
+            if n.op_type == "PackedAttention":
+                mode = a.get("mode", b"sign")
+                mode = mode.decode() if isinstance(mode, bytes) else mode
+                b = float(a.get("budget", 0.0))
+                kv = a.get("kv_quant", b"none")
+                kv = kv.decode() if isinstance(kv, bytes) else kv
+                key = (f"PackedAttention exact ({kv} K/V)" if not 0 < b < 1 else
+                       f"PackedAttention {mode} budget {b:g} ({kv} K/V)")
+            elif n.op_type in ("BlockQuantMatMul", "BlockQuantGather"):
+                fmt = a.get("format", a.get("quant_type", b""))
+                fmt = fmt.decode() if isinstance(fmt, bytes) else str(fmt)
+                key = f"{n.op_type} {fmt}".strip()
+        elif n.op_type in ("GroupQueryAttention", "GatherBlockQuantized"):
+            key = n.op_type
+        if key:
+            counts[key] = counts.get(key, 0) + 1
+            first.setdefault(key, a)
+    if not counts:
+        return "fp32 MatMul weights, no ortlean ops"
+    return ", ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+_DRIVERS = {"": "plain loop", "shared KV": "shared KV", "og": "onnxruntime-genai generator"}
+
+
+def _what(model: str, path: str | None, side: str) -> str:
+    if model == "dense":
+        return "the reference (--ref): every Δppl is measured against it"
+    if model.startswith("MatMulNBits int"):
+        return f"ONNX Runtime's own {model} quantizer applied to the dense model"
+    if model.startswith("genai "):
+        return f"onnxruntime-genai model builder, {model.split()[1]}, from the same checkpoint"
+    if side == "ours" and path:
+        try:
+            return "ortlean: " + describe_model(path)
+        except Exception as e:  # a file that moved since the bench: say so rather than fail the JSON
+            return f"ortlean rewrite ({type(e).__name__} reading {Path(path).name})"
+    return model
+
+
+def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | None = None) -> dict:
+    """The schema's keys for an ``ortlean bench`` result (causal LM table or encoder runs): provenance,
+    contexts and one row per (model, driver), with Δppl from ``res["quality"]`` where it was measured."""
+    labels = dict(labels or {})
+    ours = set(res.get("ours") or ["lean"])
+    variants = res.get("variants") or {"dense": res.get("ref"), "lean": res.get("model")}
+    quality = res.get("quality") or {}
+    qrows = quality.get("rows") or {}
+    rows = []
+
+    def side_of(model):
+        return "reference" if model == "dense" else "ours" if model in ours else "peer"
+
+    def base_row(model, driver):
+        q = qrows.get(model) or {}
+        side = side_of(model)
+        name = labels.get(model, model)
+        return {"name": name if driver in ("plain loop", "llama-bench") else f"{name} ({driver})",
+                "model": model, "driver": driver, "side": side, "what": _what(model, variants.get(model), side),
+                "path": variants.get(model), "weight_bytes": (res.get("weight_bytes") or {}).get(model),
+                "delta_ppl": 0.0 if model == "dense" and quality else q.get("delta_ppl"),
+                "delta_ppl_upper": q.get("delta_ppl_upper"), "ppl": q.get("ppl"),
+                "quality_note": q.get("note"), "tok_s": {}, "prefill_tok_s": {}}
+
+    if "table" in res:  # causal LM: decode_table rows per thread count
+        prefill = res["prefill"]
+        by_key: dict[str, dict] = {}
+        for t, table in res["table"].items():
+            tn = t[1:]
+            for key, cells in table.items():
+                model, _, drv = key.partition(" | ")
+                row = by_key.get(key) or by_key.setdefault(key, base_row(model, _DRIVERS.get(drv, drv)))
+                row["tok_s"][tn] = {str(p): round(1e3 / cells[f"decode{p}"], 2)
+                                    for p in res["pasts"] if cells.get(f"decode{p}")}
+                if cells.get("prefill"):
+                    row["prefill_tok_s"][tn] = round(prefill * 1e3 / cells["prefill"], 1)
+        rows += by_key.values()
+        lc = res.get("llama_cpp") or {}
+        if lc.get("rows"):
+            row = base_row("llama.cpp", "llama-bench")
+            build = next((x.get("build") for x in lc["rows"] if x.get("build")), "")
+            mtype = next((x.get("model_type") for x in lc["rows"] if x.get("model_type")), "")
+            row.update(side="peer", path=None, weight_bytes=None,
+                       what=f"llama.cpp ({build.strip()}) on the package's GGUF ({mtype})".replace(" ()", ""),
+                       quality_note=lc.get("quality_note") or "not measured here (llama.cpp's own runtime)")
+            for x in lc["rows"]:
+                tn = str(x["threads"])
+                if x["test"].startswith("tg"):
+                    row["tok_s"].setdefault(tn, {})[str(x.get("depth", 0))] = round(x["tok_s"], 2)
+                elif x["test"].startswith("pp") and (tn not in row["prefill_tok_s"] or not x.get("depth")):
+                    row["prefill_tok_s"][tn] = round(x["tok_s"], 1)
+            # llama-bench's depths are the same pasts as the table's
+            rows.append(row)
+        contexts, threads = list(res["pasts"]), list(res["threads"])
+    else:  # encoder: prefill (a batch of prefill tokens) per thread count
+        by_model: dict[str, dict] = {}
+        for run in res.get("runs", []):
+            for model, v in run["results"]["sessions"].items():
+                row = by_model.get(model) or by_model.setdefault(model, base_row(model, "plain loop"))
+                ms = v.get("prefill", {}).get("median_ms")
+                if ms:
+                    row["prefill_tok_s"][str(run["threads"])] = round(res["prefill"] * 1e3 / ms, 1)
+        rows += by_model.values()
+        contexts, threads = [], [run["threads"] for run in res.get("runs", [])]
+    order = {"reference": 0, "peer": 1, "ours": 2}
+    rows.sort(key=lambda r: order[r["side"]])
+    out = provenance()
+    out.update({"command": command, "model_name": res.get("model_name") or Path(str(res.get("ref", "model"))).stem,
+                "contexts": contexts, "threads": threads, "prefill_tokens": res.get("prefill"),
+                "quality": ({k: v for k, v in quality.items() if k != "rows"} if quality else None), "rows": rows})
+    return out
+
+
+# --------------------------------------------------------------------------------------------- markdown
+MARKER_RE = re.compile(r"(<!-- results-table src=(?P<src>\S+) -->\n)(?P<body>.*?)(<!-- /results-table -->)", re.S)
+
+
+def _fmt_tok(x) -> str:
+    return "–" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _fmt_delta(row) -> str:
+    d = row.get("delta_ppl")
+    if row["side"] == "reference" and d is not None:
+        return "0 (reference)"
+    if d is None:
+        return "–"
+    s = f"{100 * d:+.2f} %"
+    if row.get("delta_ppl_upper") is not None:
+        s += f" (≤ {100 * row['delta_ppl_upper']:+.2f} %)"
+    return s
+
+
+def pick_rows(doc: dict) -> list[dict]:
+    """One row per model for the table: the driver with the most tokens/s at the longest context and
+    the most threads (every model gets its own best driver: plain loop, shared KV or genai's generator)."""
+    ctx = str(max(doc["contexts"])) if doc.get("contexts") else None
+    tmax = str(max(doc["threads"])) if doc.get("threads") else None
+
+    def score(r):
+        if ctx is None:
+            return (r.get("prefill_tok_s") or {}).get(tmax) or 0.0
+        return ((r.get("tok_s") or {}).get(tmax) or {}).get(ctx) or 0.0
+
+    best: dict[str, dict] = {}
+    for r in doc["rows"]:
+        if r["model"] not in best or score(r) > score(best[r["model"]]):
+            best[r["model"]] = r
+    order = {"reference": 0, "peer": 1, "ours": 2}
+    return sorted((r for r in doc["rows"] if best.get(r["model"]) is r), key=lambda r: order.get(r["side"], 1))
+
+
+def render(doc: dict, src: str = "") -> str:
+    """The markdown table of a results file: one row per model (its fastest driver), Δppl beside
+    decode tokens/s after each context at each thread count, and a line saying where and how it ran."""
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{src or 'results'}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    ctxs, threads = doc.get("contexts") or [], [str(t) for t in doc.get("threads") or []]
+    head = ["", "what it is", "Δppl"]
+    if ctxs:
+        head += [f"decode tok/s, {t} thread{'s' if t != '1' else ''}: after {' / '.join(f'{c:,}' for c in ctxs)}"
+                 for t in threads]
+    head += [f"prefill tok/s ({doc.get('prefill_tokens')} tokens), {' / '.join(threads)} threads"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["--:"] * (len(head) - 2)) + "|"]
+    notes = []
+    for r in pick_rows(doc):
+        name = f"**{r['name']}**" if r["side"] == "ours" else r["name"]
+        if r["driver"] not in ("plain loop", "llama-bench") and f"({r['driver']})" not in name:
+            name += f" ({r['driver']})"
+        delta = _fmt_delta(r)
+        if r.get("delta_ppl") is None and r.get("quality_note"):
+            notes.append(r["quality_note"])
+            delta += "¹" if len(notes) == 1 else f"{len(notes)}"
+        cells = [name, r["what"], delta]
+        for t in threads if ctxs else []:
+            per = (r.get("tok_s") or {}).get(t) or {}
+            cells.append(" / ".join(_fmt_tok(per.get(str(c))) for c in ctxs))
+        cells.append(" / ".join(_fmt_tok((r.get("prefill_tok_s") or {}).get(t)) for t in threads))
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    m = doc.get("machine") or {}
+    q = doc.get("quality")
+    commit = (doc.get("commit") or "unknown")[:10] + (" (modified)" if doc.get("commit_dirty") else "")
+    cap = (f"Measured {doc.get('date', '?')[:10]} at commit {commit} on {m.get('cpu', '?')}, "
+           f"{m.get('cores', '?')} logical cores, {m.get('isa', '?')} (ortlean kernels: {m.get('kernels', '?')}), "
+           f"onnxruntime {doc.get('onnxruntime', '?')}. ")
+    if q:
+        cap += (f"Δppl: perplexity on {q.get('tokens', 0):,} tokens of {q.get('text', '?')} ({q.get('mode', '?')}) "
+                "against the reference row; ≤: its one-sided 95 % upper bound. ")
+    else:
+        cap += "Δppl not measured in this run (`--quality-text`). "
+    cap += ("Decode: tokens/s of single-token steps after the given number of cached tokens; rows interleaved "
+            "in one process; each row with its fastest driver.")
+    lines += ["", cap]
+    if doc.get("command"):
+        lines += ["", f"`{doc['command']}`"]
+    for i, n in enumerate(notes, 1):
+        lines += ["", f"{i}. {n}" if len(notes) > 1 else f"¹ {n}"]
+    return "\n".join(lines) + "\n"
+
+
+def _placeholder(src: str) -> str:
+    return (f"*No results committed yet: the command above writes `{src}`; "
+            "`python tests/bench/results_table.py` then fills this table.*\n")
+
+
+def update(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
+    """``text`` with every results table rewritten from its source file; and the sources whose table
+    changed. A missing source file gives a line saying which command fills it (never old figures)."""
+    changed = []
+
+    def sub(m):
+        src = m.group("src")
+        p = root / src
+        body = render(json.loads(p.read_text()), src) if p.is_file() else _placeholder(src)
+        if body != m.group("body"):
+            changed.append(src)
+        return m.group(1) + body + m.group(4)
+
+    return MARKER_RE.sub(sub, text), changed

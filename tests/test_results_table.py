@@ -1,0 +1,161 @@
+"""Results as data: `ortlean bench --json` writes the results schema (rows with Δppl beside tok/s,
+commit, machine, date), `tests/bench/results_table.py` renders it into README/docs between markers,
+and the committed README matches the committed result files (`--check`)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import native_available
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "bench" / "results_table.py"
+
+
+def _doc(**over) -> dict:
+    from rewriter import results
+
+    d = results.provenance()
+    d.update({"date": "2026-11-27T10:00:00Z","command": "ortlean bench lean.onnx --ref dense.onnx --json r.json", "model_name": "toy",
+              "contexts": [128, 4096], "threads": [1, 2], "prefill_tokens": 128,
+              "quality": {"text": "persuasion.txt", "mode": "512-token windows", "tokens": 4096, "ppl_ref": 10.0},
+              "rows": [
+                  {"name": "dense", "model": "dense", "driver": "plain loop", "side": "reference", "what": "ref",
+                   "delta_ppl": 0.0, "tok_s": {"1": {"128": 100.0, "4096": 50.0}, "2": {"128": 150.0, "4096": 80.0}},
+                   "prefill_tok_s": {"1": 1000.0, "2": 1900.0}},
+                  {"name": "lean", "model": "lean", "driver": "plain loop", "side": "ours", "what": "ortlean: X x2",
+                   "delta_ppl": 0.0123, "delta_ppl_upper": 0.02,
+                   "tok_s": {"1": {"128": 120.0, "4096": 90.0}, "2": {"128": 170.0, "4096": 130.0}},
+                   "prefill_tok_s": {"1": 1100.0, "2": 2000.0}},
+                  {"name": "lean (shared KV)", "model": "lean", "driver": "shared KV", "side": "ours",
+                   "what": "ortlean: X x2", "delta_ppl": 0.0123, "delta_ppl_upper": 0.02,
+                   "tok_s": {"1": {"128": 125.0, "4096": 140.0}, "2": {"128": 175.0, "4096": 210.5}},
+                   "prefill_tok_s": {"1": 1100.0, "2": 2000.0}},
+                  {"name": "llama.cpp", "model": "llama.cpp", "driver": "llama-bench", "side": "peer",
+                   "what": "llama.cpp on the GGUF", "delta_ppl": None, "quality_note": "not measured here",
+                   "tok_s": {"1": {"128": 60.0, "4096": 30.0}}, "prefill_tok_s": {"1": 500.0}},
+              ]})
+    d.update(over)
+    return d
+
+
+def test_render_picks_each_models_fastest_driver_and_states_provenance():
+    from rewriter import results
+
+    doc = _doc()
+    md = results.render(doc)
+    lines = md.splitlines()
+    assert lines[0].startswith("|  | what it is | Δppl | decode tok/s, 1 thread: after 128 / 4,096 |")
+    body = [ln for ln in lines if ln.startswith("| ") and "---" not in ln][1:]
+    assert [ln.split(" | ")[0] for ln in body] == ["| dense", "| llama.cpp", "| **lean (shared KV)**"]
+    lean = body[2]
+    assert "+1.23 % (≤ +2.00 %)" in lean and "125 / 140" in lean and "175 / 210" in lean
+    assert "0 (reference)" in body[0]
+    assert "–¹" in body[1] and "60.0 / 30.0 | – / –" in body[1] and "¹ not measured here" in md
+    assert f"at commit {doc['commit'][:10]}" in md and doc["machine"]["cpu"] in md and doc["date"][:10] in md
+    assert "onnxruntime " + doc["onnxruntime"] in md and "`ortlean bench lean.onnx" in md
+    with pytest.raises(ValueError, match="schema"):
+        results.render({**doc, "schema": "other/1"})
+
+
+def test_update_rewrites_between_markers_and_check_sees_stale_tables(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "res").mkdir()
+    readme = tmp_path / "README.md"
+    marker = "<!-- results-table src=res/a.json -->\n"
+    readme.write_text(f"# x\nbefore\n{marker}old text\n<!-- /results-table -->\nafter\n")
+    (tmp_path / "docs" / "page.md").write_text(f"{marker.replace('a.json', 'missing.json')}\n<!-- /results-table -->\n")
+
+    def run(*a):
+        return subprocess.run([sys.executable, str(SCRIPT), "--root", str(tmp_path), *a], capture_output=True, text=True)
+
+    # no file yet: the section says which command fills it, never figures
+    r = run("--check")
+    assert r.returncode == 1 and "README.md: the table from res/a.json" in r.stderr
+    assert run().returncode == 0
+    text = readme.read_text()
+    assert "No results committed yet" in text and "res/a.json" in text and text.endswith("after\n")
+    assert "No results committed yet" in (tmp_path / "docs" / "page.md").read_text()
+    assert run("--check").returncode == 0
+    # a results file appears: the table is stale until rewritten, then it says what the file says
+    (tmp_path / "res" / "a.json").write_text(json.dumps(_doc()))
+    assert run("--check").returncode == 1
+    assert run().returncode == 0 and run("--check").returncode == 0
+    text = readme.read_text()
+    assert "**lean (shared KV)**" in text and text.startswith("# x\nbefore\n" + marker + "|  | what it is")
+    assert text.count("<!-- /results-table -->") == 1 and "old text" not in text
+    # the file changes (a new run): --check fails
+    d = _doc()
+    d["rows"][2]["delta_ppl"] = 0.5
+    (tmp_path / "res" / "a.json").write_text(json.dumps(d))
+    assert run("--check").returncode == 1
+
+
+def test_committed_readme_matches_committed_results():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "<!-- results-table src=" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native library")
+def test_bench_json_is_the_results_schema_with_profile_traces(toy_model, toy_text, tmp_path):
+    """`ortlean bench --also --label --quality-text --profile --json` on the toy model: the schema's
+    provenance, one row per (model, driver) with Δppl beside tok/s, ORT's trace per row and thread
+    count (valid chrome-trace JSON with node events), and a table that renders from the file."""
+    from rewriter import cli, results
+
+    for out, target in (("a", "all"), ("b", "mlp")):
+        assert cli.main(["rewrite", str(toy_model), "-o", str(tmp_path / out / "model.onnx"), "--tt=on",
+                         f"--tt-target={target}", "--tt-gap=0.05", "--tt-speed-check=off", "--calib-text",
+                         str(toy_text), "--calib-tokens", "1024", "--calib-window", "64", "-q",
+                         "--quality-budget=off"]) == 0
+    out = tmp_path / "r.json"
+    traces = tmp_path / "traces"
+    rc = cli.main(["bench", str(tmp_path / "a" / "model.onnx"), "--ref", str(toy_model), "--also",
+                   f"mlp={tmp_path / 'b' / 'model.onnx'}", "--label", "all", "--threads", "1,2", "--prefill", "16",
+                   "--decode-past", "8", "--repeats", "1", "--nbits", "none", "--huge-pages", "off",
+                   "--quality-text", str(toy_text), "--profile", str(traces), "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["schema"] == results.SCHEMA and d["contexts"] == [8] and d["threads"] == [1, 2]
+    assert d["command"].startswith("ortlean bench ") and "--also" in d["command"]
+    assert d["machine"]["cores"] >= 1 and d["machine"]["isa"] and d["date"].endswith("Z")
+    assert d["onnxruntime"] and (d["commit"] is None or len(d["commit"]) == 40)
+    assert "table" in d and "notes" in d  # the bench's own keys stay
+    rows = {r["name"]: r for r in d["rows"]}
+    assert set(rows) == {"dense", "all", "mlp"}
+    assert rows["dense"]["side"] == "reference" and rows["all"]["side"] == rows["mlp"]["side"] == "ours"
+    assert rows["all"]["what"].startswith("ortlean: TTMatMul x")
+    assert d["quality"]["tokens"] > 0 and "windows" in d["quality"]["mode"]
+    for r in rows.values():
+        assert isinstance(r["delta_ppl"], float) and set(r["tok_s"]) == {"1", "2"}
+        assert all(r["tok_s"][t]["8"] > 0 and r["prefill_tok_s"][t] > 0 for t in ("1", "2"))
+    assert rows["dense"]["delta_ppl"] == 0.0 and abs(rows["all"]["delta_ppl"]) < 0.5
+    files = sorted(p.name for p in traces.iterdir())
+    assert files == ["dense.t1.json", "dense.t2.json", "lean.t1.json", "lean.t2.json", "mlp.t1.json", "mlp.t2.json"]
+    assert d["profile_traces"]["mlp"]["2"] == str(traces / "mlp.t2.json")
+    for f in files:
+        events = json.loads((traces / f).read_text())
+        assert any(e.get("cat") == "Session" and e.get("name") == "model_run" for e in events)
+        ops = {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
+        assert ("TTMatMul" in ops) == (not f.startswith("dense"))
+    md = results.render(d)
+    assert "**all**" in md and "**mlp**" in md and "TTMatMul" in md
+
+
+def test_bench_flags_refuse_bad_labels(toy_model, tmp_path, capsys):
+    from rewriter import cli
+
+    base = ["bench", str(toy_model), "--ref", str(toy_model), "--repeats", "1", "--nbits", "none"]
+    assert cli.main(base + ["--also", "nolabel"]) == 2
+    assert "LABEL=MODEL" in capsys.readouterr().err
+    assert cli.main(base + ["--also", f"dense={toy_model}"]) == 2
+    assert "names one of the bench's own rows" in capsys.readouterr().err
+    assert cli.main(base + ["--also", f"x={tmp_path / 'none.onnx'}"]) == 2
+    assert "none.onnx" in capsys.readouterr().err
+    assert cli.main(base + ["--json", str(tmp_path / "no" / "dir" / "r.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
