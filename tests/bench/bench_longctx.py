@@ -23,7 +23,7 @@ itself, then --ppl-score teacher-forced decode steps scored) against the GQA mod
 --extra: more models with the same interface in the same interleaved rounds (e.g. a build of another
 revision: before/after rows measured together). --huge-weights on (default): before each past's
 rounds every session's weights (ONNX Runtime's malloc'd initializers) are moved to 2 MiB pages, as the
-caches already are; off: on malloc's 4 KiB pages (stop 26 and earlier runs).
+caches already are; off: on malloc's 4 KiB pages (as ONNX Runtime leaves them).
 A past of 1 (--pasts 1,128,4096,8192) adds the attention-free estimate per past: GQA's step there over
 the fastest model's step after 1 token (whose attention costs next to nothing; the rest of the graph is
 the same in every model): about the most any attention kernel can make the model faster, a little

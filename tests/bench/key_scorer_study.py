@@ -26,7 +26,7 @@ Scorers (8 bytes of code per key and head at D = 64 except the oracle):
             --augment random positions of the context (what the rewriter does: fit_pq_book)
   pq8       8 subspaces of 8 dims, 256 centroids: one byte per subspace
 
-Result (AVX-512 machine, results/longctx/key_scorer_s25.log: --steps 16 --scorers
+Result (AVX-512 machine, results/packed-attention/key-scorer-study.log: --steps 16 --scorers
 oracle,sign,sign+cal,pq4,pq4a --calib-tokens 512 --augment 8): attention-output error at budget
 0.125, oracle 0.065, sign+cal 0.134, pq4 0.114, pq4a 0.085.
 """

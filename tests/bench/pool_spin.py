@@ -6,8 +6,8 @@ test run): custom_ops.runtime.bench.settle's pause comes from this.
 One session (a 512 x 512 MatMul, --threads intra-op threads); after each Run the main thread sleeps
 GAP ms and the CPU time the process's other threads used meanwhile (/proc/<pid>/task/*/schedstat)
 is printed as a fraction of the sleep: ~1 while a worker spins, 0 once it blocks (schedstat is
-updated at scheduler events: gaps of a few ms read low). Result on the stop-24 VM:
-tests/bench/results/pool_spin_s24.log.
+updated at scheduler events: gaps of a few ms read low). Result on a 2-core VM:
+tests/bench/results/pool-spin.log.
 """
 from __future__ import annotations
 
