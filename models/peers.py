@@ -2,8 +2,8 @@
 
 * the onnxruntime-genai model builder's ONNX models (fp32, int4) of a causal LM, built from the
   same fp32 Hugging Face checkpoint :mod:`models.prepare` exports with optimum;
-* llama.cpp's ``llama-bench`` on the GGUF the weight package ships (through the shared anchors
-  script, which fetches Debian's llama.cpp build on first use).
+* llama.cpp's ``llama-bench`` on the GGUF the weight package ships (:mod:`models.llamacpp`: Debian's
+  llama.cpp build, fetched into the cache on first use).
 
     from models import peers
     d = peers.genai_model("smollm2", "int4")     # dir: model.onnx(.data), genai_config.json, tokenizer
@@ -30,7 +30,7 @@ from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
 from .prepare import MODELS, RECIPE as PREPARE_RECIPE, PrepareError, _spec, source_dir
 
 __all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "genai_available",
-           "anchors_script", "llama_bench", "GENAI_PRECISIONS"]
+           "llama_bench", "GENAI_PRECISIONS"]
 
 RECIPE = 1
 GENAI_PRECISIONS = ("fp32", "int4")
@@ -151,45 +151,36 @@ def genai_io(sess, model_dir):
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp
-def anchors_script() -> Path | None:
-    """``$ORTLEAN_ANCHORS_SCRIPT``, else ``shared/anchors/llama-cpp.sh`` beside the repository or
-    beside one of its parents (a worktree); None if absent."""
-    env = os.environ.get("ORTLEAN_ANCHORS_SCRIPT")
-    cands = [Path(env).expanduser()] if env else []
-    # <repo>/../shared/anchors, and from a worktree (e.g. <root>/wt/<name>) every parent's shared/anchors
-    cands += [d / "shared" / "anchors" / "llama-cpp.sh" for d in Path(__file__).resolve().parent.parent.parents]
-    return next((p for p in cands if p.is_file()), None)
-
-
 def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: int = 64,
                 depths=(), repetitions: int = 5, timeout: float = 1800) -> tuple[list[dict], str]:
-    """Run ``llama-bench -m GGUF -t T.. -p P -n N [-d D..] -r R -o json`` on the package's GGUF.
-    Returns (rows, note): rows are dicts with ``test`` ("pp128", "tg64", "tg64@d4096"),
-    ``threads``, ``tok_s`` (mean), ``tok_s_std``, ``depth``; rows == [] and a note when the anchors
-    script is missing or fails."""
+    """Run ``llama-bench -m GGUF -t T.. -p P -n N [-d D..] -r R -o json`` on the package's GGUF with
+    llama.cpp's tools from :mod:`models.llamacpp` (Debian's build, fetched on first use; or
+    ``$ORTLEAN_ANCHORS_SCRIPT``). Returns (rows, note): rows are dicts with ``test`` ("pp128",
+    "tg64", "tg64@d4096"), ``threads``, ``tok_s`` (mean), ``tok_s_std``, ``depth``; note is the command
+    and what ran it, or — rows == [] — one line saying why the rows were skipped."""
+    from . import llamacpp
+
     spec = _spec(name)
     if not spec.gguf:
-        return [], f"{name}: no GGUF in its package"
-    script = anchors_script()
-    if script is None:
-        return [], ("llama.cpp row skipped: no anchors script (set ORTLEAN_ANCHORS_SCRIPT or keep "
-                    "<repo>/../shared/anchors/llama-cpp.sh)")
+        return [], f"llama.cpp rows skipped: {name} has no GGUF in its package"
     gguf = source_dir(name) / spec.gguf
-    cmd = ["bash", str(script), "llama-bench", "-m", str(gguf), "-t", ",".join(map(str, threads)),
-           "-p", str(prompt), "-n", str(gen), "-r", str(repetitions), "-o", "json"]
+    args = ["-m", str(gguf), "-t", ",".join(map(str, threads)), "-p", str(prompt), "-n", str(gen),
+            "-r", str(repetitions), "-o", "json"]
     if depths:
-        cmd += ["-d", ",".join(map(str, depths))]
+        args += ["-d", ",".join(map(str, depths))]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        res, how = llamacpp.run_tool("llama-bench", args, timeout=timeout)
+    except llamacpp.LlamaCppError as e:
+        return [], f"llama.cpp rows skipped: {e}"
     except subprocess.TimeoutExpired:
-        return [], f"llama.cpp row skipped: llama-bench did not finish in {timeout:.0f} s"
+        return [], f"llama.cpp rows skipped: llama-bench did not finish in {timeout:.0f} s"
     if res.returncode != 0:
         tail = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
-        return [], f"llama.cpp row skipped: {script.name} exited {res.returncode}: {tail[0]}"
+        return [], f"llama.cpp rows skipped: llama-bench ({how}) exited {res.returncode}: {tail[0]}"
     try:
         data = json.loads(res.stdout)
     except json.JSONDecodeError:
-        return [], "llama.cpp row skipped: llama-bench printed no JSON"
+        return [], f"llama.cpp rows skipped: llama-bench ({how}) printed no JSON"
     rows = []
     for r in data:
         test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
@@ -198,7 +189,7 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
         rows.append({"test": test, "threads": int(r["n_threads"]), "tok_s": float(r["avg_ts"]),
                      "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
                      "model_type": r.get("model_type"), "build": f"{r.get('build_commit')} {r.get('build_number')}"})
-    return rows, " ".join(["llama-bench"] + cmd[4:]).replace(str(gguf), spec.gguf)
+    return rows, " ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf) + f" ({how})"
 
 
 def _child(argv: list[str]) -> int:

@@ -25,7 +25,8 @@ loop is custom_ops.runtime.bench.decode_table, the same code `ortlean bench` run
   "<model> | og"         onnxruntime_genai's own generator (append_tokens / generate_next_token, greedy,
                          its shared KV buffers) — how the genai builder's models are meant to run
 Beside them, in its own runtime: llama.cpp's llama-bench on the Q4_1 GGUF the package ships
-(``../shared/anchors/llama-cpp.sh``, or $ORTLEAN_ANCHORS_SCRIPT; skipped with a note when absent).
+(``models.llamacpp``: Debian's build fetched into the cache, or $ORTLEAN_ANCHORS_SCRIPT; skipped with a note
+when neither can run).
 
 Timing: one warm-up round, then ``--repeats`` rounds; each round runs every row once per measurement
 (order rotated every round): a prefill of 128 random tokens from an empty cache (after an untimed one,

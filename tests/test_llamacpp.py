@@ -1,0 +1,143 @@
+"""llama.cpp's tools from a clone of the repository alone (models/llamacpp.py): which Debian mirror,
+which ggml CPU backend, how a tool is run, one line when it cannot be had; and (slow) the real fetch
+and a llama-bench run on the packaged GGUF."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from models import llamacpp, peers
+
+
+def test_debian_mirror_from_deb822_and_one_line_sources(tmp_path):
+    d822 = tmp_path / "debian.sources"
+    d822.write_text("Types: deb\nURIs: http://deb.debian.org/debian-security\nSuites: bookworm-security\n"
+                    "Components: main\n\n"
+                    "Types: deb\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+                    "Components: main\nEnabled: no\n\n"
+                    "Types: deb-src deb\n# a comment: with a colon\nURIs: cdrom:/media http://ftp.example.org/debian/\n"
+                    "Suites: bookworm\nComponents: main\n")
+    assert llamacpp.debian_mirror([d822]) == "http://ftp.example.org/debian"
+    one = tmp_path / "sources.list"
+    one.write_text("# deb http://commented.example/debian sid main\n"
+                   "deb http://security.debian.org/debian-security bookworm-security main\n"
+                   "deb [arch=amd64 signed-by=/usr/share/keyrings/x.gpg] https://deb.example.net/debian bookworm main\n")
+    assert llamacpp.debian_mirror([one]) == "https://deb.example.net/debian"
+    assert llamacpp.debian_mirror([tmp_path / "missing.list", one]) == "https://deb.example.net/debian"
+    only_sec = tmp_path / "sec.list"
+    only_sec.write_text("deb http://security.debian.org/debian-security bookworm-security main\n"
+                        "deb http://archive.ubuntu.com/ubuntu jammy main\n")
+    assert llamacpp.debian_mirror([only_sec]) is None
+    assert llamacpp.debian_mirror([]) is None
+
+
+def test_pick_backend_takes_the_richest_variant_the_cpu_runs():
+    allv = list(llamacpp.VARIANTS)
+    base = {"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"}
+    avx512 = base | {"avx512f", "avx512bw", "avx512vl"}
+    assert llamacpp.pick_backend(allv, base) == "haswell"
+    assert llamacpp.pick_backend(allv, base | {"avx_vnni"}) == "alderlake"
+    assert llamacpp.pick_backend(allv, avx512) == "skylakex"
+    assert llamacpp.pick_backend(allv, avx512 | {"avx512_vnni"}) == "cascadelake"
+    assert llamacpp.pick_backend(allv, avx512 | {"avx512_vnni", "avx512vbmi"}) == "icelake"
+    assert llamacpp.pick_backend(allv, avx512 | {"avx512_vnni", "avx512vbmi", "avx512_bf16", "avx_vnni"}) == "zen4"
+    assert llamacpp.pick_backend(allv, avx512 | {"avx512_vnni", "avx512vbmi", "avx512_bf16", "amx_tile",
+                                                 "amx_int8"}) == "sapphirerapids"
+    assert llamacpp.pick_backend(allv, set()) == "x64"
+    # only what is there: a Debian build without zen4 falls back to icelake
+    assert llamacpp.pick_backend(["x64", "haswell", "icelake", "unknown"],
+                                 avx512 | {"avx512_vnni", "avx512vbmi", "avx512_bf16"}) == "icelake"
+    assert llamacpp.pick_backend(["skylakex"], base) is None
+
+
+def _fake_root(root: Path, variants=("x64", "haswell", "skylakex")) -> Path:
+    libs = root / llamacpp.ARCH_LIBS
+    (root / "usr/lib64").mkdir(parents=True)
+    (root / "usr/lib64/ld-linux-x86-64.so.2").write_text("")
+    (libs / "llama").mkdir(parents=True)
+    (libs / "llama/libllama.so.0").write_text("")
+    (libs / "libggml.so.0").write_text("")
+    (libs / "ggml/backends0").mkdir(parents=True)
+    for v in variants:
+        (libs / f"ggml/backends0/libggml-cpu-{v}.so").write_text("")
+    (root / "usr/bin").mkdir(parents=True)
+    for t in ("llama-bench", "llama-cli"):
+        (root / "usr/bin" / t).write_text("")
+    return root
+
+
+def test_tools_run_through_the_fetched_loader_with_the_chosen_backend(tmp_path):
+    root = _fake_root(tmp_path / "root")
+    t = llamacpp.Tools.from_root(root, "1:0.0-1", flags={"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"})
+    assert t.backend.name == "libggml-cpu-haswell.so"
+    cmd = t.command("llama-bench", ["-m", "x.gguf", "-t", 2])
+    assert cmd[0] == str(root / "usr/lib64/ld-linux-x86-64.so.2") and cmd[1] == "--library-path"
+    dirs = cmd[2].split(os.pathsep)
+    assert dirs[0] == str(root / llamacpp.ARCH_LIBS) and str(root / llamacpp.ARCH_LIBS / "llama") in dirs
+    assert not any("backends" in d for d in dirs)
+    assert cmd[3:] == [str(root / "usr/bin/llama-bench"), "-m", "x.gguf", "-t", "2"]
+    assert t.env()["GGML_BACKEND_PATH"] == str(t.backend)
+    with pytest.raises(llamacpp.LlamaCppError, match="llama-perplexity: not in llama.cpp-tools 1:0.0-1 .*llama-bench"):
+        t.command("llama-perplexity")
+    with pytest.raises(llamacpp.LlamaCppError, match="no ggml CPU backend .* runs on this CPU"):
+        llamacpp.Tools.from_root(_fake_root(tmp_path / "r2", ("skylakex",)), "v", flags={"avx2"})
+    (root / "usr/lib64/ld-linux-x86-64.so.2").unlink()
+    with pytest.raises(llamacpp.LlamaCppError, match="no ld-linux"):
+        llamacpp.Tools.from_root(root, "v", flags=set())
+
+
+def test_no_mirror_skips_the_rows_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTLEAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ORTLEAN_ANCHORS_SCRIPT", raising=False)
+    monkeypatch.setattr(llamacpp, "debian_mirror", lambda files=None: None)
+    with pytest.raises(llamacpp.LlamaCppError, match="no Debian mirror in this machine's apt sources"):
+        llamacpp.tools()
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, repetitions=1)
+    assert rows == [] and "\n" not in note
+    assert note.startswith("llama.cpp rows skipped: no Debian mirror in this machine's apt sources")
+    assert "ORTLEAN_ANCHORS_SCRIPT" in note
+
+
+def test_an_installed_version_is_used_without_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTLEAN_CACHE", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "fetch", lambda progress=True: pytest.fail("fetched although a version is unpacked"))
+    d = tmp_path / "llama.cpp" / "1_0.1-1"
+    _fake_root(d / "root")
+    (d / "ortlean_llamacpp.json").write_text(json.dumps({"version": "1:0.1-1"}))
+    t = llamacpp.tools()
+    assert t.version == "1:0.1-1" and t.root == d / "root"
+
+
+def test_override_script_runs_instead(tmp_path, monkeypatch):
+    """$ORTLEAN_ANCHORS_SCRIPT: `script llama-bench ARGS` runs, its JSON becomes the rows."""
+    script = tmp_path / "llama.sh"
+    out = [{"n_prompt": 8, "n_gen": 0, "n_depth": 0, "n_threads": 1, "avg_ts": 100.0, "stddev_ts": 1.0},
+           {"n_prompt": 0, "n_gen": 2, "n_depth": 64, "n_threads": 1, "avg_ts": 50.0, "stddev_ts": 0.5}]
+    script.write_text(f"#!/bin/bash\n[ \"$1\" = llama-bench ] || exit 9\necho '{json.dumps(out)}'\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64,), repetitions=1)
+    assert [r["test"] for r in rows] == ["pp8", "tg2@d64"] and rows[1]["tok_s"] == 50.0 and rows[1]["depth"] == 64
+    assert note.startswith("llama-bench -m SmolLM2") and "(llama.sh)" in note
+    monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(tmp_path / "nope.sh"))
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2)
+    assert rows == [] and "nope.sh: no such file" in note
+
+
+@pytest.mark.slow
+def test_fetch_and_run_llama_bench_on_the_packaged_gguf(monkeypatch):
+    """The real thing: Debian's llama.cpp-tools fetched (or found in the cache) and llama-bench run on
+    SmolLM2's GGUF through the fetched loader and the CPU's ggml backend."""
+    monkeypatch.delenv("ORTLEAN_ANCHORS_SCRIPT", raising=False)
+    if llamacpp.debian_mirror() is None:
+        pytest.skip("no Debian mirror in this machine's apt sources")
+    t = llamacpp.tools()
+    assert t.loader.exists() and (t.backend is None or t.backend.is_file())
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(16,), repetitions=1)
+    assert [r["test"] for r in rows] == ["pp8@d16", "tg2@d16"], note
+    assert all(r["tok_s"] > 0 and r["threads"] == 1 for r in rows) and "Q4_1" in rows[0]["model_type"]
+    assert f"llama.cpp-tools {t.version}" in note
