@@ -159,3 +159,31 @@ def test_bench_flags_refuse_bad_labels(toy_model, tmp_path, capsys):
     assert "none.onnx" in capsys.readouterr().err
     assert cli.main(base + ["--json", str(tmp_path / "no" / "dir" / "r.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native library")
+def test_bench_profile_traces_of_a_decoder(tmp_path, capfd):
+    """A decoder with a KV cache: --profile writes one trace per row and thread count of decode steps
+    after the longest past (the unfused export concatenates its cache: plain loop, and no ONNX Runtime
+    error text from a shared-KV probe); the JSON's rows carry every past."""
+    import tiny_hf
+    from rewriter import cli
+
+    m = tiny_hf.models()["llama"] / "model.onnx"
+    traces, out = tmp_path / "prof", tmp_path / "r.json"
+    rc = cli.main(["bench", str(m), "--ref", str(m), "--threads", "1", "--prefill", "8", "--decode-past", "16,40",
+                   "--repeats", "1", "--steps", "2", "--nbits", "4", "--peers", "none", "--no-llama",
+                   "--huge-pages", "off", "--profile", str(traces), "--json", str(out)])
+    err = capfd.readouterr().err
+    assert rc == 0 and "[E:onnxruntime" not in err, err[-2000:]
+    assert sorted(p.name for p in traces.iterdir()) == ["MatMulNBits-int4.t1.json", "dense.t1.json", "lean.t1.json"]
+    for p in traces.iterdir():
+        events = json.loads(p.read_text())
+        runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+        assert len(runs) >= 20  # the cache's prefill, 4 warm-up and 16 profiled decode steps
+        assert any(e.get("cat") == "Node" and e["name"].endswith("_kernel_time") for e in events)
+    d = json.loads(out.read_text())
+    assert d["decode_profile"]["t1"]["lean"]["loop"] == "plain" and "traces" not in d["decode_profile"]
+    assert d["profile_traces"]["MatMulNBits int4"]["1"].endswith("MatMulNBits-int4.t1.json")
+    assert d["contexts"] == [16, 40] and all(set(r["tok_s"]["1"]) == {"16", "40"} for r in d["rows"])
+    assert {r["name"] for r in d["rows"]} == {"dense", "lean", "MatMulNBits int4"}
