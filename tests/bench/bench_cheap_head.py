@@ -206,9 +206,12 @@ def main():
                   f"cheap {s['cheap']['decode_tok_s']:.1f} (x{rep['ratios']['cheap']['decode']:.3f}), prefill "
                   f"x{rep['ratios']['cheap']['prefill']:.3f}", flush=True)
         res["models"][m] = r
+    from rewriter.results import provenance  # commit, date, machine: a results file says where it ran
+
+    prov = {k: v for k, v in provenance().items() if k != "schema"}
     p = Path(a.json)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(res, indent=1, default=float))
+    p.write_text(json.dumps({"provenance": prov, **res}, indent=1, default=float))
     print(f"wrote {p}")
 
 
