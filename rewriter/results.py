@@ -172,7 +172,10 @@ _DRIVERS = {"": "plain loop", "shared KV": "shared KV", "og": "onnxruntime-genai
 
 def _what(model: str, path: str | None, side: str) -> str:
     if model == "dense":
-        return "the reference (--ref): every Δppl is measured against it"
+        try:
+            return "the reference (--ref) every Δppl is measured against: " + describe_model(path)
+        except Exception:  # moved since the bench
+            return "the reference (--ref) every Δppl is measured against"
     if model.startswith("MatMulNBits int"):
         return f"ONNX Runtime's own {model} quantizer applied to the dense model"
     if model.startswith("genai "):
