@@ -158,10 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_count(1), default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    p = sub.add_parser("generate", help="greedy decode with the KV cache")
+    p = sub.add_parser("generate", help="generate text with the KV cache, streamed (greedy by default; --chat, "
+                       "sampling, long prompts from a file); a closing line on stderr gives prefill and decode tok/s")
     p.add_argument("model")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=_count(1), default=32)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file ('-': standard input)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template "
+                   "(chat_template.jinja or tokenizer_config.json's chat_template beside the model), with the "
+                   "assistant's turn opened")
+    p.add_argument("--system", help="with --chat: a system message before the prompt")
+    p.add_argument("--max-new-tokens", type=_count(1), default=256, help="stop after this many new tokens (default 256; "
+                   "generation also stops at the model's end-of-sequence tokens and at its context length)")
+    p.add_argument("--temperature", type=_nonneg_float, default=0.0,
+                   help="0 (default): greedy; > 0: sample from softmax(logits / temperature)")
+    p.add_argument("--top-k", type=_count(0), default=0, help="sampling: only the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=_unit_float, default=1.0,
+                   help="sampling: the fewest most likely tokens whose probability reaches p (default 1: all)")
+    p.add_argument("--seed", type=_count(0), default=None, help="sampling: random seed (default: a fresh one, printed "
+                   "in the closing line so the run can be repeated)")
+    p.add_argument("--prefill-chunk", type=_count(1), default=512,
+                   help="prompt tokens per prefill run (default 512: bounded attention scratch for long prompts)")
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
 
@@ -415,20 +432,84 @@ def cmd_perf(args) -> int:
     return 0
 
 
+def _nonneg_float(v: str) -> float:
+    """argparse type: a finite float ≥ 0."""
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+    if not (x >= 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {v!r}")
+    return x
+
+
+def _unit_float(v: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    x = _nonneg_float(v)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v!r}")
+    return x
+
+
 def cmd_generate(args) -> int:
     from custom_ops import runtime
+    from custom_ops.runtime.generate import (chat_template, model_eos_ids, model_positions, render_chat,
+                                             special_tokens)
 
     from .evaluate import _session, _tokenizer
 
-    if not args.prompt.strip():
-        raise OrtleanError("--prompt: empty prompt")
-    sess = _session(args.model, options.one_thread_count(args.threads, "--threads"))
+    if args.system is not None and not args.chat:
+        raise OrtleanError("--system needs --chat (a system message goes in the chat template)")
+    if args.temperature == 0 and (args.top_k or args.top_p < 1 or args.seed is not None):
+        raise OrtleanError("--top-k, --top-p and --seed apply to sampling: pass --temperature > 0 (greedy by default)")
+    if args.prompt_file is not None:
+        try:
+            prompt = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise OrtleanError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from None
+        what = f"--prompt-file {args.prompt_file}"
+    else:
+        prompt, what = args.prompt, "--prompt"
+    if not prompt.strip():
+        raise OrtleanError(f"{what}: empty prompt")
+    threads = options.one_thread_count(args.threads, "--threads")
+    sess = _session(args.model, threads)
     io = runtime.ModelIO.from_session(sess, args.model)
-    if io.kind != "causal-lm":
-        raise OrtleanError(f"{args.model}: not a causal LM with a KV cache (no past_key_values inputs)")
+    if io.kind != "causal-lm" or not io.logits_name:
+        raise OrtleanError(f"{args.model}: not a causal LM (no logits output)")
     tok = _tokenizer(args.model, args.tokenizer)
-    text, ids = runtime.generate(sess, io, tok, args.prompt, args.max_new_tokens)
-    print(text)
+    add_special = True
+    if args.chat:
+        found = chat_template(args.model, args.tokenizer)
+        if found is None:
+            where = sorted({str(Path(q).parent if not Path(q).is_dir() else Path(q)) for q in (args.model, args.tokenizer) if q})
+            raise OrtleanError(f"--chat: no chat template (chat_template.jinja, or chat_template in tokenizer_config.json) "
+                               f"in {' or '.join(where)}")
+        template, src = found
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        try:
+            prompt = render_chat(template, messages, add_generation_prompt=True,
+                                     **special_tokens(args.model, args.tokenizer))
+        except ValueError as e:
+            raise OrtleanError(f"--chat: {src}: {e}") from None
+        add_special = False  # the template writes the special tokens itself (as transformers' apply_chat_template)
+    sampling = runtime.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    max_len = model_positions(args.model)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        g = runtime.generate(sess, io, tok, prompt, args.max_new_tokens, eos=model_eos_ids(args.model, tok),
+                             add_special_tokens=add_special, sampling=sampling, on_text=show,
+                             prefill_chunk=args.prefill_chunk, max_length=max_len, model_path=args.model)
+    except ValueError as e:  # the prompt does not fit the model's positions
+        raise OrtleanError(f"{what}: {e}") from None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"[ortlean generate] {g.summary()}, {threads} thread{'s' if threads != 1 else ''}", file=sys.stderr)
     return 0
 
 

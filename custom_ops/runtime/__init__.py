@@ -6,7 +6,7 @@ inputs and outputs:
 
 - ``io``: ``ModelIO`` (inputs, outputs, past→present states), ``feeds``, ``run``, the tokenizer;
 - ``quality``: ``perplexity``, sentence ``embeddings``, ``sentences_from_text``;
-- ``generate``: greedy decoding with the KV cache;
+- ``generate``: text generation with the KV cache (greedy or sampled, streamed; every graph form's loop);
 - ``bench``: whole-model prefill/decode timing (``bench_sessions``) and interleaved op timing;
 - ``profile``: ONNX Runtime's per-node profile, summarised (``decode_profile``: of decode steps after a past);
 - ``weights``: stored weight bytes, ORT's own MatMulNBits quantization (the int8/int4 baseline);
@@ -20,7 +20,7 @@ inputs and outputs:
     runtime.bench_sessions({"dense": s0, "lean": s1}, io)
 """
 from .bench import bench_sessions, time_cpu, time_sessions
-from .generate import EOS_TOKENS, generate
+from .generate import EOS_TOKENS, Generation, Sampling, TextStream, generate, model_eos_ids
 from .io import ModelIO, feeds, load_tokenizer, run, tokenize
 from .profile import ATTENTION_OPS, ProfileSummary, decode_profile, profile_summary
 from .shared_kv import SharedKV, SharedKVError
@@ -32,4 +32,5 @@ __all__ = [
     "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "decode_perplexity", "paired_delta", "approximate_decode", "approximate_from", "embeddings",
     "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary", "decode_profile", "ATTENTION_OPS",
     "ProfileSummary", "SharedKV", "SharedKVError", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
+    "Generation", "Sampling", "TextStream", "model_eos_ids",
 ]

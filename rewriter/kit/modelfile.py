@@ -240,7 +240,7 @@ def default_output(model: str) -> str:
     return str(p.with_name(p.stem + ".lean.onnx"))
 
 
-SIDECARS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+SIDECARS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "config.json",
             "generation_config.json", "vocab.txt", "ortlean.json", "genai_config.json")
 
 
