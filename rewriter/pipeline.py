@@ -14,7 +14,7 @@ from .errors import OrtleanError
 from .kit import calib, candidates, modelfile
 from .kit.backend import Context
 from .kit.options import RewriteConfig
-from .kit.quality import largest_passing, relative_loss
+from .kit.quality import BudgetRefused, largest_passing
 from .report import LayerRecord
 
 __all__ = ["RewriteConfig", "LayerRecord", "run", "default_output", "format_report"]
@@ -95,14 +95,18 @@ def run(cfg: RewriteConfig) -> dict:
             try:
                 chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress,
                                                  fallback)
+                ctx.weights_loss = max(0.0, quality["loss"])
             except BudgetRefused as e:
                 refused = str(e)
                 quality, chosen = e.quality, []
         for c, b, plan in chosen:
             b.emit(model.graph, c, plan, ctx)
-    if refused:
-        passes = []      # nothing is written: the graph passes need not run
-    graph_records += _graph_passes(passes, "post", model, ctx)
+    if not refused:   # a post pass that measures its change over what is left of the budget may refuse too
+        try:
+            graph_records += _graph_passes(passes, "post", model, ctx)
+        except BudgetRefused as e:
+            refused = str(e)
+            graph_records.append({"layer": "attention", "backend": "dense", "decision": refused, "quality": e.quality})
 
     rewritten = sum(1 for r in graph_records if r.get("backend") != "dense")   # by the graph passes
     emitted = 0 if refused else len(chosen) + rewritten
@@ -204,14 +208,6 @@ def _calibrate(cfg: RewriteConfig, ctx: Context, weight: list, todo: list) -> di
 def _pinned(b) -> bool:
     """A backend whose plans the quality guard keeps (--weights: the precision the user asked for)."""
     return bool(getattr(b, "pinned", False))
-
-
-class BudgetRefused(OrtleanError):
-    """The rewrite's pinned weights alone cost more than --quality-budget: nothing is written (exit 3)."""
-
-    def __init__(self, message: str, quality: dict):
-        super().__init__(message)
-        self.quality = quality
 
 
 def _quality_guard(chosen: list, records: dict, quality, budget: float, progress: bool, fallback: dict | None = None):

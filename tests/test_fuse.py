@@ -400,7 +400,7 @@ def test_rewrite_fuse_flags(tiny, toy_model, tmp_path, capsys):
     assert rc == 2 and "--fuse=on" in err and len(err.splitlines()) == 1
     # PackedAttention (KV --state-pack): auto fuses and PackedAttention replaces the GroupQueryAttention;
     # --fuse=off keeps the unfused attention core (tests/test_packed_gqa_cli.py has the rest)
-    rc, rep = _cli_rewrite(src, tmp_path / "f.onnx", "--state-pack", "binary", "--attn-budget", "0")
+    rc, rep = _cli_rewrite(src, tmp_path / "f.onnx", "--state-pack", "binary", "--quality-budget", "off", "--attn-budget", "0")
     assert rc == 0 and rep["graph_passes"][0]["backend"] == "fuse"
     assert "replaces GroupQueryAttention" in rep["graph_passes"][1]["decision"]
     ops = {n.op_type for n in ir.load(tmp_path / "f.onnx").graph}

@@ -200,7 +200,7 @@ def test_genai_builder_model_packed(forms, tmp_path):
     prompt, steps = r.integers(0, 256, (1, 25)), r.integers(0, 256, (1, 6))
     ref = _shared_logits(src, prompt, steps)
     np.testing.assert_allclose(_shared_logits(tmp_path / "pa.onnx", prompt, steps), ref, atol=1e-5, rtol=1e-5)
-    rc, _ = _rewrite(src, tmp_path / "p8.onnx", "--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "1",
+    rc, _ = _rewrite(src, tmp_path / "p8.onnx", "--state-pack", "binary", "--quality-budget", "off", "--attn-kv", "int8", "--attn-budget", "1",
                      "--attn-tune", "off")
     got8 = _shared_logits(tmp_path / "p8.onnx", prompt, steps)
     assert rc == 0 and np.abs(got8 - ref).max() < 0.02 * np.abs(ref).max()
@@ -224,11 +224,11 @@ def test_eps_bits_without_eps_stay_unfused(tiny, forms, tmp_path):
     """eps-mode key bits calibrate eps per head on the unfused core: --fuse=auto stands aside (one
     report line); given --state-pack-eps it fuses and PackedAttention replaces the GroupQueryAttention."""
     tok = str(forms["genai-fp32"] / "tokenizer.json")   # the same w0..w255 vocabulary as the tiny llama
-    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "e.onnx", "--state-pack", "ternary",
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "e.onnx", "--state-pack", "ternary", "--quality-budget", "off",
                        "--calib-text", str(_calib_text(tmp_path / "c.txt")), "--tokenizer", tok)
     assert rc == 0 and rep["graph_passes"][0]["decision"].startswith("kept unfused: --state-pack eps-mode")
     assert "PackedAttention" in _ops(tmp_path / "e.onnx") and "GroupQueryAttention" not in _ops(tmp_path / "e.onnx")
-    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "f.onnx", "--state-pack", "ternary",
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "f.onnx", "--state-pack", "ternary", "--quality-budget", "off",
                        "--state-pack-eps", "0.5")
     assert rc == 0 and rep["graph_passes"][0]["backend"] == "fuse"
     _check_packed(tmp_path / "f.onnx", "int8")
@@ -408,7 +408,7 @@ def test_long_past_cache_from_an_fp32_row_cache(forms, tmp_path):
 
     src = forms["genai-fp32"] / "model.onnx"
     for name, kvq in (("f.onnx", "fp32"), ("i.onnx", "int8")):
-        rc, _ = _rewrite(src, tmp_path / name, "--state-pack", "binary", "--attn-kv", kvq, "--attn-budget", "1",
+        rc, _ = _rewrite(src, tmp_path / name, "--state-pack", "binary", "--quality-budget", "off", "--attn-kv", kvq, "--attn-budget", "1",
                          "--attn-tune", "off")
         assert rc == 0
     sf, si = (custom_ops.session(str(tmp_path / n), threads=1) for n in ("f.onnx", "i.onnx"))
@@ -437,7 +437,7 @@ def test_eval_and_bench_defaults_follow_the_approximation(forms, tmp_path):
     for mc, ctx, exact_note in ((16, None, False), (300, None, False), (300, 64, True), (1 << 20, None, True)):
         out = tmp_path / f"a{mc}.onnx"
         if not out.exists():
-            rc, _ = _rewrite(src, out, "--state-pack", "binary", "--attn-budget", "0.25", "--attn-window", "8",
+            rc, _ = _rewrite(src, out, "--state-pack", "binary", "--quality-budget", "off", "--attn-budget", "0.25", "--attn-window", "8",
                              "--attn-min-context", str(mc), "--attn-tune", "off")
             assert rc == 0
         res = evaluate.evaluate(str(out), str(src), str(text), threads=1, windows=4, decode_score=16,
@@ -458,7 +458,7 @@ def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
     from rewriter import cli
 
     src = forms["genai-fp32"] / "model.onnx"
-    rc, _ = _rewrite(src, tmp_path / "a.onnx", "--state-pack", "binary", "--attn-budget", "0.25", "--attn-window", "8",
+    rc, _ = _rewrite(src, tmp_path / "a.onnx", "--state-pack", "binary", "--quality-budget", "off", "--attn-budget", "0.25", "--attn-window", "8",
                      "--attn-min-context", "16", "--attn-tune", "off")
     assert rc == 0
     text = _calib_text(tmp_path / "eval.txt", seed=3)
@@ -515,11 +515,11 @@ def test_sliding_window_family_exact_and_int8(sliding, tmp_path):
     pa = _check_packed(tmp_path / "f.onnx", "fp32")
     assert rc == 0 and all(next(a.i for a in n.attribute if a.name == "local_window") == 24 for n in pa)
     np.testing.assert_allclose(_shared_logits(tmp_path / "f.onnx", prompt, steps), ref, atol=1e-5, rtol=1e-5)
-    rc, _ = _rewrite(src, tmp_path / "q.onnx", "--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "1",
+    rc, _ = _rewrite(src, tmp_path / "q.onnx", "--state-pack", "binary", "--quality-budget", "off", "--attn-kv", "int8", "--attn-budget", "1",
                      "--attn-tune", "off")
     got8 = _shared_logits(tmp_path / "q.onnx", prompt, steps)
     assert rc == 0 and np.abs(got8 - ref).max() < 0.02 * np.abs(ref).max()
-    rc, _ = _rewrite(src, tmp_path / "b.onnx", "--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "0.3",
+    rc, _ = _rewrite(src, tmp_path / "b.onnx", "--state-pack", "binary", "--quality-budget", "off", "--attn-kv", "int8", "--attn-budget", "0.3",
                      "--attn-window", "4", "--attn-min-context", "8", "--attn-tune", "off")
     approx = _shared_logits(tmp_path / "b.onnx", prompt, steps)
     assert rc == 0 and np.isfinite(approx).all() and np.abs(approx - ref).max() < 0.5 * np.abs(ref).max()
@@ -616,7 +616,7 @@ def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "mode=pq" in x)
     assert f"pq_book=[{len(a['pq_book'].floats)} values:" in line and len(line) < 600
-    rc, rep = _rewrite(src, tmp_path / "s.onnx", "--state-pack", "binary", "--attn-budget", "0.5", "--attn-tune", "off",
+    rc, rep = _rewrite(src, tmp_path / "s.onnx", "--state-pack", "binary", "--quality-budget", "off", "--attn-budget", "0.5", "--attn-tune", "off",
                        "--calib-text", str(calib), "--attn-pack-bits", "sign")
     assert rc == 0
     a = {x.name: x for x in next(n for n in onnx.load(str(tmp_path / "s.onnx"), load_external_data=False).graph.node

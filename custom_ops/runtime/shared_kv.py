@@ -32,6 +32,15 @@ from .memory import huge_zeros_many
 __all__ = ["SharedKV", "SharedKVError"]
 
 
+def _quiet_run_options():
+    """RunOptions that log fatal errors only: an expected failure is reported by its exception alone."""
+    import onnxruntime as ort
+
+    ro = ort.RunOptions()
+    ro.log_severity_level = 4
+    return ro
+
+
 class SharedKVError(RuntimeError):
     """The graph cannot run with one shared K/V buffer per layer (the message says why)."""
 
@@ -99,7 +108,9 @@ class SharedKV:
         for o in self._others:  # rebound every run: their shape changes with the number of new tokens
             self.binding.bind_output(o)
         try:
-            self.sess.run_with_iobinding(self.binding)
+            # the first run probes whether the graph can write its present K/V in place; a graph that
+            # cannot (a Concat cache) fails it as expected, so ORT must not print that failure
+            self.sess.run_with_iobinding(self.binding, _quiet_run_options() if self.length == 0 else None)
         except Exception as e:
             if self.length == 0:
                 raise SharedKVError("shared KV: the graph cannot write its present K/V into the past buffer "

@@ -28,6 +28,7 @@ from ..errors import OrtleanError
 from ..kit import modelfile, options, surgery, timing
 from ..kit.backend import GraphPassBase
 from ..kit.options import Options, flag
+from ..kit.quality import BudgetRefused, remaining_budget
 
 OP_TYPE = "PackedAttention"
 
@@ -530,21 +531,26 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
 
     out: dict = {"given": list(cfg.given)}
     chosen = {"budget": cfg.budget, "window": cfg.window}
-    tune_q = [n for n in ("budget", "window") if n not in cfg.given]
     why = None
-    if not tune_q:
-        why = "given on the command line"
+    exact = cfg.kv_quant == "fp32" and "budget" in cfg.given and not 0 < cfg.budget < 1
+    if exact:                             # GroupQueryAttention's attention to 1e-5: nothing to measure
+        why = f"exact attention (--attn-kv fp32, --attn-budget {cfg.budget:g})"
+    elif ctx.opts.quality_budget is None:   # the user opted out of every measurement
+        why = ("given on the command line" if {"budget", "window"} <= set(cfg.given)
+               else "--quality-budget off: defaults")
     elif not ctx.opts.calib_text:
-        why = "no --calib-text: defaults"
-    elif ctx.opts.quality_budget is None:
-        why = "--quality-budget off: defaults"
+        raise OrtleanError(f"PackedAttention approximates attention (--attn-kv {cfg.kv_quant} rows, candidate keys): "
+                           f"holding --quality-budget {ctx.opts.quality_budget} needs a measurement — give "
+                           "--calib-text FILE (or --quality-budget off to write it unmeasured)")
     ids = None
     if why is None:
         ids = np.asarray(ctx.calib.ids, np.int64)
         score = cfg.tune_score
         C = min(cfg.tune_context, (max_pos or 1 << 30) - score - 1, ids.size - score - 1)
         if C < 16:
-            why = f"calibration text / model positions too short for --attn-tune ({ids.size} tokens, {max_pos} positions)"
+            raise OrtleanError(f"--calib-text: too short to measure PackedAttention in decode mode ({ids.size} tokens, "
+                               f"{max_pos} positions; --attn-tune-score {score}): give a longer text, or "
+                               "--quality-budget off to write it unmeasured")
     if why is not None:
         out["quality"] = why
     else:
@@ -552,21 +558,23 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         n_sp = max(1, min(cfg.tune_windows, ids.size // span))
         spans = [ids[o: o + span] for o in
                  (min(ids.size - span, max(0, (k + 1) * ids.size // (n_sp + 1) - span // 2)) for k in range(n_sp))]
-        qb = float(ctx.opts.quality_budget)
+        # what the weights left of the budget (the budget covers every change, issue 34)
+        qb = remaining_budget(float(ctx.opts.quality_budget), ctx.weights_loss)
         threads = max(2, ctx.threads)
         s_ref = custom_ops.session(ref, threads=threads)
         ref_res = [_decode_nll(s_ref, x, C, score, io_hint=ctx.io) for x in spans]
         nll_ref = np.concatenate([r[0] for r in ref_res])
         ref_states = [r[1] for r in ref_res]
         del ref_res
-        budgets = BUDGETS if "budget" not in cfg.given else (cfg.budget,)
-        windows = WINDOWS if "window" not in cfg.given else (cfg.window,)
+        search = cfg.tune == "auto"      # --attn-tune off: only the flags' values, measured
+        budgets = BUDGETS if search and "budget" not in cfg.given else (cfg.budget,)
+        windows = WINDOWS if search and "window" not in cfg.given else (cfg.window,)
         trials, states, best, passed = [], [None] * len(spans), None, []
         for b in budgets:
             passing = []
             # a trial whose candidates at context C are no more than the window and sinks does not test
             # the budget (it would pass at C and fail at longer contexts): not tried
-            ws = windows[:1] if not 0 < b < 1 else \
+            ws = windows[:1] if not 0 < b < 1 else windows if len(budgets) == 1 else \
                 [w for w in windows if max(cfg.min_candidates, math.ceil(b * C)) > w + cfg.sinks]
             if not ws:
                 out.setdefault("untested", []).append(b)
@@ -591,23 +599,24 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
                 if (t["budget"], t["window"]) in speed:
                     t["speedup"] = round(speed[(t["budget"], t["window"])], 3)
             fast = max(speed, key=lambda k: (speed[k], k[0]))   # ties: the larger budget
-            if 0 < fast[0] < 1 and speed[fast] < MIN_SPEEDUP:
+            if 0 < fast[0] < 1 and speed[fast] < MIN_SPEEDUP and len(budgets) > 1:
                 fast = next(((b, w) for b, w in passed if b == 1.0), (1.0, cfg.window))
                 out["speed_note"] = (f"no passing budget is {MIN_SPEEDUP}x faster than exact at context {C} "
                                      f"(best {max(speed.values()):.3f}x): exact kept")
             best = fast
-        if best is None and trials and trials[0]["budget"] == 1.0:
-            # the K/V format alone (budget 1 = exact candidates) is over the budget
-            best = (1.0, cfg.window)
-            out["note"] = (f"--attn-kv {cfg.kv_quant} alone gives decode-mode Δppl {trials[0]['delta_ppl']:+.4f} (upper "
-                           f"bound {trials[0]['delta_ppl_upper']:+.4f}) > --quality-budget {qb}: exact candidates "
-                           "(budget 1) kept")
-        elif best is None:
-            best = (cfg.budget, cfg.window)
-            out["note"] = f"no trial met --quality-budget {qb} or could be tested at context {C}: flags' values kept"
-        chosen = {"budget": best[0], "window": best[1]}
         out["quality"] = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb,
                           "context": int(C), "scored": int(score) * len(spans), "spans": len(spans), "trials": trials}
+        if best is None:   # nothing fits what the weights left of the budget: nothing is written (exit 3)
+            t0 = trials[0] if trials else None
+            what = (f"--attn-kv {cfg.kv_quant} rows alone (budget 1)" if t0 and t0["budget"] == 1.0 else
+                    f"--attn-budget {cfg.budget} --attn-window {cfg.window}" if "budget" in cfg.given else
+                    "no budget could be tested at this context")
+            got = f" give decode-mode Δppl {t0['delta_ppl']:+.4f} (one-sided 95 % bound {t0['delta_ppl_upper']:+.4f})" \
+                if t0 else ""
+            raise BudgetRefused(f"PackedAttention: {what}{got} against exact attention on the calibration text, over "
+                                f"what the weights leave of --quality-budget {ctx.opts.quality_budget} ({qb:+.4f}): "
+                                "nothing written (--attn-kv fp32, or lift --quality-budget)", {"tune": out})
+        chosen = {"budget": best[0], "window": best[1]}
         if 0 < best[0] < 1:
             # the approximate path runs from min_context on: the chosen setting at 1/4, 1/2 and 3/4 of
             # the context (the same spans, their prefills' first rows), min_context at least the
@@ -628,7 +637,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
             out["quality_floor"] = quality_floor(C, checks, qb)
         del s_ref, ref_states
     attrs = {"budget": float(chosen["budget"]), "window": int(chosen["window"])}
-    if "min_context" in cfg.given:
+    if "min_context" in cfg.given or cfg.tune != "auto":
         attrs["min_context"] = int(cfg.min_context)
     else:
         if 0 < attrs["budget"] < 1:
@@ -733,11 +742,10 @@ class PackedAttentionPass(GraphPassBase):
                     pq[N] = (np.stack([fit_pq_book(kk[h], dims, rot, cfg.pq_keys, seed=N * 64 + h)
                                        for h in range(kk.shape[0])]), dims)
             max_pos = _max_positions(model, ctx)
-            trials = (cfg.tune == "auto" and ctx.opts.calib_text and ctx.opts.quality_budget is not None
-                      and not {"budget", "window"} <= set(cfg.given))
-            ref = modelfile.serialized(model) if trials else None   # the exact-attention twin
+            measure = ctx.opts.quality_budget is not None   # every setting is measured against the budget
+            ref = modelfile.serialized(model) if measure and ctx.opts.calib_text else None  # the exact-attention twin
             recs = apply_gqa(model, cfg, kscale=ks, pq=pq)
-            if cfg.tune == "auto" and any(r["backend"] == "packed_attention" for r in recs):
+            if (cfg.tune == "auto" or measure) and any(r["backend"] == "packed_attention" for r in recs):
                 tune = tune_gqa(model, ref, cfg, ctx, max_pos)
                 for r in recs:
                     if r["backend"] == "packed_attention":
@@ -749,13 +757,64 @@ class PackedAttentionPass(GraphPassBase):
                     if r["backend"] == "packed_attention":
                         r["decision"] += "; per-channel key scale (calibrated)"
             return recs
+        approx = 0 < cfg.budget < 1 and ctx.opts.quality_budget is not None
+        ref = modelfile.serialized(model) if approx and ctx.opts.calib_text else None   # exact attention
         recs = apply(model, cfg, eps_heads=cal.get("eps") if need_eps else None,
                      kscale=cal.get("kscale") if cfg.kscale == "auto" else None)
         if cfg.kscale == "auto" and not cal and any(r.get("cache") for r in recs):
             for r in recs:
                 if r.get("cache"):
                     r["decision"] += "; no --calib-text: per-channel key scale off (measured: worse candidates)"
+        done = [r for r in recs if r.get("backend") == "packed_attention"]
+        if approx and done:   # this path has no tuner: its setting is measured, then kept or refused
+            q = measure_decode(ref, model, cfg, ctx, _max_positions(model, ctx))
+            done[0]["quality_check"] = q
+            for r in done:
+                r["decision"] += (f"; decode-mode Δppl {100 * q['delta_ppl']:+.2f} % (bound "
+                                  f"{100 * q['delta_ppl_upper']:+.2f} %) vs exact attention, within the budget")
         return recs
+
+
+def measure_decode(ref: bytes | None, model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
+    """Decode-mode Δppl of `model` (PackedAttention written, its settings fixed) against `ref` (the
+    same model with exact attention) on --attn-tune-windows spans of the calibration text, each a
+    prefill of up to --attn-tune-context tokens and --attn-tune-score scored decode steps; raises
+    BudgetRefused when the one-sided 95 % bound is over what the weights left of --quality-budget,
+    and OrtleanError when it cannot measure (no --calib-text, text too short)."""
+    import custom_ops
+
+    if ref is None or not ctx.opts.calib_text:
+        raise OrtleanError(f"PackedAttention approximates attention (budget {cfg.budget}): holding --quality-budget "
+                           f"{ctx.opts.quality_budget} needs a measurement — give --calib-text FILE (or "
+                           "--quality-budget off to write it unmeasured)")
+    ids = np.asarray(ctx.calib.ids, np.int64)
+    score = cfg.tune_score
+    C = min(cfg.tune_context, (max_pos or 1 << 30) - score - 1, ids.size - score - 1)
+    if C < 16:
+        raise OrtleanError(f"--calib-text: too short to measure PackedAttention in decode mode ({ids.size} tokens, "
+                           f"{max_pos} positions): give a longer text, or --quality-budget off")
+    n_sp = max(1, min(cfg.tune_windows, ids.size // (C + score + 1)))
+    threads = max(2, ctx.threads)
+
+    def nll_of(model_or_bytes) -> np.ndarray:   # the growing-state loop where the graph has no shared KV
+        sess = custom_ops.session(model_or_bytes, threads=threads)
+        io = runtime.ModelIO.from_session(sess).fill_from(ctx.io)
+        return np.asarray(runtime.decode_perplexity(sess, io, ids, context=C, score=score, windows=n_sp)["token_nll"])
+
+    nll_ref = nll_of(ref)
+    nll = nll_of(modelfile.serialized(model))
+    d, up = runtime.paired_delta(nll, nll_ref)
+    qb = remaining_budget(float(ctx.opts.quality_budget), ctx.weights_loss)
+    out = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb, "context": int(C),
+           "scored": int(nll.size), "spans": n_sp, "delta_ppl": round(d, 5),
+           "delta_ppl_upper": round(up, 5)}
+    if up > qb:
+        raise BudgetRefused(f"PackedAttention (budget {cfg.budget}, window {cfg.window}, unfused graph: no tuner): "
+                            f"decode-mode Δppl {d:+.4f} (one-sided 95 % bound {up:+.4f}) against exact attention on "
+                            f"the calibration text, over what the weights leave of --quality-budget "
+                            f"{ctx.opts.quality_budget} ({qb:+.4f}): nothing written (a smaller approximation: "
+                            "--attn-budget closer to 1, or lift --quality-budget)", {"check": out})
+    return out
 
 
 # --------------------------------------------------------------------------- --attn-exact (fused graphs)

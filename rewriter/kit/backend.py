@@ -81,6 +81,8 @@ class Context:
         self.weight_backends: list = []     # the enabled weight backends, in registry order
         self.modified = False               # a "pre" graph pass changed the model: run it from memory
         self.quality = Quality(self)        # the end-to-end probe and trial models (built on first use)
+        self.weights_loss = 0.0             # what the weight backends' plans cost against the source (the guard's
+                                            # measurement): the post passes spend what is left of --quality-budget
         self._calib: CalibText | None = None
         self._source: bytes | None = None
 

@@ -113,6 +113,22 @@ def relative_loss(loss: float, base: float) -> float:
     return (1.0 + loss) / (1.0 + base) - 1.0 if base else loss
 
 
+def remaining_budget(budget: float, spent: float) -> float:
+    """What is left of the end-to-end `budget` once changes costing `spent` (against the source) are
+    in: the loss a further change may add over that model, so that both together stay within
+    `budget` (losses compound: (1 + spent)(1 + r) = 1 + budget); never below 0."""
+    return max(0.0, relative_loss(budget, spent))
+
+
+class BudgetRefused(Exception):
+    """A measured change does not fit --quality-budget and nothing will be written (exit 3). `quality`:
+    what was measured (the report's figures)."""
+
+    def __init__(self, message: str, quality: dict | None = None):
+        super().__init__(message)
+        self.quality = quality or {}
+
+
 def largest_passing(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     """The largest x in [lo, hi] with ok(x), by bisection, for ok true up to some point and false
     after it; ok(lo) is taken as true without being asked (lo may be a sentinel)."""
