@@ -396,7 +396,7 @@ def test_smollm2_chat_sampling_4k_prompt_file(tmp_path):
 
     d = prepare.prepare("smollm2")
     out = tmp_path / "lean" / "model.onnx"
-    code, _, se = run_cli("rewrite", d / "model.onnx", "-o", out, "--weights", "int4", "-q")
+    code, _, se = run_cli("rewrite", d / "model.onnx", "-o", out, "--weights", "int4", "--quality-budget", "off", "-q")
     assert code == 0, se
     tok = runtime.load_tokenizer(out)
     words = corpus.text(corpus.EVAL_NOVEL).split()
