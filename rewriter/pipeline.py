@@ -9,7 +9,7 @@ from pathlib import Path
 
 from custom_ops.schema import DOMAIN
 
-from . import backends, report
+from . import backends, genai, report
 from .errors import OrtleanError
 from .kit import calib, candidates, modelfile
 from .kit.backend import Context
@@ -110,12 +110,16 @@ def run(cfg: RewriteConfig) -> dict:
 
     rewritten = sum(1 for r in graph_records if r.get("backend") != "dense")   # by the graph passes
     emitted = 0 if refused else len(chosen) + rewritten
-    written = []
+    written, genai_cfg = [], None
     if emitted:
         model.opset_imports.setdefault(DOMAIN, 1)
         model.graph.sort()
         written = modelfile.save_model_atomic(model, out, input_path=inp, check=lambda p: modelfile.check(p, out))
-        written += modelfile.copy_sidecars(inp, out)
+        copied = modelfile.copy_sidecars(inp, out)
+        written += copied
+        if ctx.io.kind == "causal-lm":  # onnxruntime-genai's config beside it, where genai can run the graph
+            genai_cfg = genai.write_config(out, inp, copied)
+            written += [Path(p) for p in genai_cfg.get("written", [])]
     recs = sorted(records.values(), key=lambda r: order.get(r.layer, order.get(r.layer.split("+")[0], 1 << 30)))
     summary = {
         "model": str(inp),
@@ -130,6 +134,7 @@ def run(cfg: RewriteConfig) -> dict:
         "params_after": int(sum(r.params_after for r in recs)),
         "quality": quality,
         "refused": refused,
+        "genai": genai_cfg,
         "graph_passes": graph_records,
         "config": {"backends": {k: report.config_dict(v) for k, v in cfg.backends.items()}, "calib_text": cfg.calib_text,
                    "calib_tokens": cfg.calib_tokens, "include": cfg.include, "exclude": cfg.exclude,

@@ -127,6 +127,9 @@ def format_report(summary: dict) -> str:
         lines.append(f"{summary['factored']} rewritten by graph passes{how}, {summary['kept_dense']} left as they were")
     if summary["output"]:
         lines.append(f"wrote {', '.join(summary['written'])}")
+        g = summary.get("genai")
+        if g:
+            lines.append(f"onnxruntime-genai: {g.get('note') or g.get('skipped')}")
     elif summary.get("refused"):
         lines.append(summary["refused"])
     else:
