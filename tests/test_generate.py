@@ -101,7 +101,7 @@ def forms(tmp_path_factory, toy_model, toy_text):
         for name, flags in (("gqa", ("--fuse", "on", "--attn-exact", "off")),
                             ("packed-exact", ("--fuse", "on", "--attn-exact", "on")),
                             ("packed-int8", ("--state-pack", "binary", "--attn-kv", "int8", "--attn-budget", "1",
-                                             "--attn-tune", "off"))):
+                                             "--attn-tune", "off", "--quality-budget", "off"))):
             q = d / name / "model.onnx"
             code, _, se = run_cli("rewrite", tiny, "-o", q, "-q", *flags)
             assert code == 0, se
