@@ -362,10 +362,13 @@ def test_cli_chat(forms, tmp_path):
     (["--prompt", "the", "--prompt-file", "{tmp}/x.txt"], "not allowed with"),
     (["--prompt-file", "{tmp}/blank.txt"], "empty prompt"),
 ])
-def test_cli_bad_flags(forms, tmp_path, args, needle):
+def test_cli_bad_flags(forms, tmp_path, args, needle, capsys):
+    from rewriter import cli
+
     path = forms["optimum-cache"][0]
     (tmp_path / "blank.txt").write_text("  \n")
-    code, so, se = run_cli("generate", path, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    code = cli.main(["generate", str(path), *[a.replace("{tmp}", str(tmp_path)) for a in args]])
+    so, se = capsys.readouterr()
     assert code == 2 and needle in se and se.count("\n") == 1 and not so, se
 
 

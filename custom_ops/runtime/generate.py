@@ -219,10 +219,10 @@ class Sampler:
         self.rng = np.random.default_rng(self.s.seed)
 
     def __call__(self, logits) -> int:
-        z = np.asarray(logits, dtype=np.float64).reshape(-1)
         s = self.s
         if s.greedy or s.top_k == 1:
-            return int(np.argmax(z))
+            return int(np.argmax(np.asarray(logits).reshape(-1)))
+        z = np.asarray(logits, dtype=np.float64).reshape(-1)
         z = z / s.temperature
         V = z.size
         if 0 < s.top_k < V:
