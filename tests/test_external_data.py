@@ -292,13 +292,17 @@ def test_load_names_a_constant_whose_external_data_is_missing(tmp_path):
 
 
 @requires_native
+@pytest.mark.parametrize("large", [False, True], ids=["inline-out", "external-out"])
 @pytest.mark.parametrize("fuse", ["auto", "off"])
-def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, fuse):
+def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, monkeypatch, fuse, large):
     """The tiny Qwen2 optimum export re-saved as optimum saves a large one (its rotary inv_freq
     Constant then lives in model.onnx_data): `rewrite --weights int4` (fusion: ORT's optimizer
     reads that Constant) and `--fuse=off` (the save path) give the model the single-file export's
-    rewrite gives."""
+    rewrite gives; also when the output is large enough for its own data file (the fused graph's
+    com.microsoft-domain check then ran on a proto without its directory: "not regular file")."""
     import tiny_hf
+
+    monkeypatch.setattr(modelfile, "EXTERNAL_DATA_THRESHOLD", 0 if large else 1 << 40)
 
     d = tiny_hf.models()["qwen2"]
     single = onnx.load(str(d / "model.onnx"))
@@ -317,6 +321,7 @@ def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, fuse):
         outs[name] = out
     assert digest(src.parent) == before
     assert _attr_external(outs["external"]) == []
+    assert (outs["external"].parent / "model.lean.onnx.data").is_file() == large
     ops = {n.op_type for n in onnx.load(str(outs["external"])).graph.node}
     assert "MatMulNBits" in ops and (("GroupQueryAttention" in ops or "PackedAttention" in ops) == (fuse == "auto"))
     sessions = [custom_ops.session(str(outs[k]), threads=1) for k in ("single", "external")]

@@ -274,10 +274,16 @@ def check(path: Path, out: Path) -> None:
                 n.domain = "com.microsoft"
         if not any(o.domain == "com.microsoft" for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+        # checked as a file beside `path`: the checker finds external data relative to the model's
+        # directory (a proto in memory would be checked against the working directory)
+        twin = Path(path).with_name(f".check-{Path(path).name}")
         try:
-            onnx.checker.check_model(proto)
+            onnx.save(proto, str(twin))
+            onnx.checker.check_model(str(twin))
         except onnx.checker.ValidationError as e2:
             raise OrtleanError(f"{out}: rewritten model fails onnx.checker: {e2}") from None
+        finally:
+            twin.unlink(missing_ok=True)
 
 
 # contrib ops ONNX Runtime registers in the ONNX domain (no onnx schema: onnx.checker does not know them)
