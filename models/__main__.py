@@ -1,4 +1,4 @@
-"""``python -m models [minilm|smollm2 ...] [--force] [--corpus]``: warm the cache."""
+"""``python -m models [NAME ...] [--force] [--corpus]``: warm the cache (see models.prepare.main)."""
 import sys
 
 from .prepare import main

@@ -1,7 +1,8 @@
 """Child-process half of :func:`models.prepare.prepare`: the torch/transformers/optimum part.
 
-Run as ``python -m models._build NAME SOURCE_DIR WORK_DIR``; writes the optimum export to
-``WORK_DIR/onnx``. It runs in its own process so that torch and the fp32 model (a few GiB at
+Run as ``python -m models._build SOURCE_DIR WORK_DIR TASK``; writes the optimum export of the HF
+checkpoint in SOURCE_DIR (a GGUF-packaged model's: :func:`dequantize_gguf`, run by
+``models.peers.hf_checkpoint``) to ``WORK_DIR/onnx``. It runs in its own process so that torch and the fp32 model (a few GiB at
 peak) are gone when it exits, and the caller never imports torch. Lines starting with
 ``##ortlean-step`` on stdout are progress markers read by the parent.
 """
@@ -28,22 +29,37 @@ def dequantize_gguf(src: Path, gguf_file: str, out: Path) -> None:
     """GGUF (any quantization transformers can read) -> fp32 safetensors HF checkpoint in ``out``.
 
     Builds the model from the GGUF config and loads the dequantized tensors ourselves, so that
-    `accelerate` (which ``from_pretrained(gguf_file=...)`` insists on) is not needed."""
+    `accelerate` (which ``from_pretrained(gguf_file=...)`` insists on) is not needed. Memory: one
+    fp32 copy of the weights. The model is built without initializing its parameters (their
+    pages are never touched) and the dequantized arrays become its parameters as they are
+    (``assign=True``), so a 1.5B model peaks at its 7 GB of fp32 weights, not twice that."""
+    import numpy as np
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.modeling_utils import no_init_weights
 
     step(f"reading tokenizer and config from {gguf_file}")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
     cfg = AutoConfig.from_pretrained(src, gguf_file=gguf_file)
+    eos = getattr(cfg, "eos_token_id", None)
+    if isinstance(eos, int) and tok.eos_token_id != eos:
+        # the GGUF's tokenizer.ggml.eos_token_id (Qwen2.5 Instruct: <|im_end|>), which transformers'
+        # GGUF tokenizer conversion replaces with <|endoftext|>: the config's is the GGUF's
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
     cfg.dtype = torch.float32
     step("dequantizing GGUF tensors to fp32")
-    with torch.device("cpu"):
+    with torch.device("cpu"), no_init_weights():
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(src / gguf_file), return_tensors=True, model_to_load=model)["tensors"]
-    state = {k: torch.as_tensor(v).to(torch.float32) for k, v in tensors.items()}
-    del tensors
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    state = {}
+    for k in list(tensors):
+        a = tensors.pop(k)
+        # unquantized GGUF tensors come back as read-only views of the file's memory map: copy those
+        if a.dtype != np.float32 or not a.flags.writeable or not a.flags.c_contiguous:
+            a = np.array(a, dtype=np.float32, order="C")
+        state[k] = torch.from_numpy(a)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     allowed_missing = {"lm_head.weight"} if tied else set()
@@ -67,16 +83,13 @@ def export(model_dir: Path, task: str, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    name, src, work = argv[0], Path(argv[1]), Path(argv[2])
+    """``python -m models._build SOURCE WORK TASK``: optimum export of the HF checkpoint SOURCE."""
+    if len(argv) != 3:
+        print("usage: python -m models._build SOURCE_DIR WORK_DIR TASK", file=sys.stderr)
+        return 2
+    src, work, task = Path(argv[0]), Path(argv[1]), argv[2]
     t0 = time.monotonic()
-    if name == "smollm2":
-        hf = work / "hf"
-        dequantize_gguf(src, argv[3], hf)
-        export(hf, "text-generation-with-past", work / "onnx")
-    elif name == "minilm":
-        export(src, "feature-extraction", work / "onnx")
-    else:
-        raise SystemExit(f"unknown model {name}")
+    export(src, task, work / "onnx")
     step(f"export finished in {time.monotonic() - t0:.1f}s")
     return 0
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
-from .prepare import MODELS, RECIPE as PREPARE_RECIPE, PrepareError, _spec, source_dir
+from .prepare import MODELS, RECIPE as PREPARE_RECIPE, PrepareError, _spec, gguf_path, package_versions, source_dir
 
 __all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "genai_available",
            "llama_bench", "GENAI_PRECISIONS"]
@@ -69,7 +69,7 @@ def _say(progress: bool, msg: str) -> None:
 def _hf_key(name: str) -> str:
     spec = _spec(name)
     return artifact_key(f"{name}-hf", {"recipe": [PREPARE_RECIPE, RECIPE],
-                                       "package": {spec.package: pkg_version(spec.package)},
+                                       "package": package_versions(name),
                                        "tools": versions(HF_TOOLS)})
 
 
@@ -84,8 +84,12 @@ def hf_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
     target = cache_root() / "hf" / _hf_key(name)
     if (target / "config.json").is_file():
         return target
-    src = source_dir(name)
-    _say(progress, f"{name}: fp32 checkpoint from {spec.gguf} -> {target} (one-time, ~30 s)")
+    src = source_dir(name, progress)
+    target = cache_root() / "hf" / _hf_key(name)   # a GGUF in parts: keyed by the versions just installed
+    if (target / "config.json").is_file():
+        return target
+    _say(progress, f"{name}: fp32 checkpoint from {spec.gguf} -> {target} (one-time, "
+                   + ("several minutes, ~8 GB of memory)" if spec.parts else "~30 s)"))
     with atomic_dir(target) as tmp:
         if tmp is None:
             return target
@@ -163,7 +167,7 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
     spec = _spec(name)
     if not spec.gguf:
         return [], f"llama.cpp rows skipped: {name} has no GGUF in its package"
-    gguf = source_dir(name) / spec.gguf
+    gguf = gguf_path(name)
     args = ["-m", str(gguf), "-t", ",".join(map(str, threads)), "-p", str(prompt), "-n", str(gen),
             "-r", str(repetitions), "-o", "json"]
     if depths:

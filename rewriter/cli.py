@@ -11,6 +11,10 @@ from .errors import OrtleanError
 from .kit import options
 from .kit.options import RewriteConfig, StatePack, thread_counts
 
+from models.prepare import MODELS as _MODELS  # stdlib-only module: names of the packaged models
+
+PACKAGED = list(_MODELS)
+
 EXIT_INTERNAL_ERROR = 1   # a bug in ortlean: traceback + a request to report it
 EXIT_USER_ERROR = 2       # bad input (file, flag, value, name): one line on stderr, nothing written
 EXIT_NOTHING_WRITTEN = 3
@@ -185,10 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="prepare the packaged real models as ONNX (cached)")
     msub = p.add_subparsers(dest="mcmd")
     pp = msub.add_parser("prepare")
-    pp.add_argument("name", choices=["minilm", "smollm2"])
+    pp.add_argument("name", choices=PACKAGED)
     pp.add_argument("--force", action="store_true")
     pp = msub.add_parser("path")
-    pp.add_argument("name", choices=["minilm", "smollm2"])
+    pp.add_argument("name", choices=PACKAGED)
 
     p = sub.add_parser("corpus", help="fetch Jane Austen's novels (Debian r-cran-janeaustenr), print their paths")
     p.add_argument("--calib", action="store_true", help="print only the calibration novel's path")
@@ -196,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="prepare a real model and run rewrite → eval → bench end to end (default recipe: "
                        "fused graph + int4 weights for causal LMs, int8 for encoders; any backend flag replaces it)")
-    p.add_argument("name", choices=["minilm", "smollm2"])
+    p.add_argument("name", choices=PACKAGED)
     p.add_argument("--out", default=None, help="working directory (default: <cache>/demo/<name>)")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list for the bench (default 1,2)")
     p.add_argument("--no-bench", action="store_true")
@@ -525,7 +529,7 @@ def cmd_models(args) -> int:
         d = prepare.prepare(args.name)
         print(d / "model.onnx")
         return 0
-    raise OrtleanError("usage: ortlean models prepare|path minilm|smollm2")
+    raise OrtleanError(f"usage: ortlean models prepare|path {'|'.join(PACKAGED)}")
 
 
 def cmd_corpus(args) -> int:

