@@ -17,9 +17,61 @@ from .kit.options import RewriteConfig
 from .kit.quality import BudgetRefused, largest_passing
 from .report import LayerRecord
 
-__all__ = ["RewriteConfig", "LayerRecord", "run", "default_output", "format_report"]
+__all__ = ["RewriteConfig", "LayerRecord", "run", "default_output", "format_report", "Resources"]
 default_output = modelfile.default_output
-format_report = report.format_report
+
+
+def format_report(summary: dict) -> str:
+    """The report's table and closing lines, then what the rewrite itself cost (peak RSS, wall time)."""
+    out = report.format_report(summary)
+    res = summary.get("resources")
+    if res:
+        out += "\n" + Resources.line(res)
+    return out
+
+
+def _rss_mb() -> tuple[float, float]:
+    """(peak, current) resident set of this process and its waited-for children, in MiB: the peak
+    from resource.getrusage (ru_maxrss, KiB on Linux), the current from /proc/self/status."""
+    import resource
+
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    cur = float("nan")
+    try:
+        with open("/proc/self/status") as fh:
+            cur = next(int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        pass
+    return peak, cur
+
+
+class Resources:
+    """Wall time and resident memory of one rewrite, stage by stage (the closing line of the report
+    and ``summary["resources"]``)."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.last = self.t0
+        self.stages: list[dict] = []
+
+    def mark(self, stage: str) -> None:
+        """`stage` just ended: its seconds, the peak RSS so far and the RSS now."""
+        now = time.monotonic()
+        peak, cur = _rss_mb()
+        self.stages.append({"stage": stage, "seconds": round(now - self.last, 2), "peak_rss_mb": round(peak),
+                            "rss_mb": round(cur)})
+        self.last = now
+
+    def summary(self) -> dict:
+        peak, _ = _rss_mb()
+        return {"peak_rss_mb": round(peak), "seconds": round(time.monotonic() - self.t0, 1), "stages": self.stages}
+
+    @staticmethod
+    def line(res: dict) -> str:
+        st = ", ".join(f"{s['stage']} {s['seconds']:.1f} s" for s in res["stages"] if s["seconds"] >= 0.05)
+        return (f"rewrite: peak RSS {res['peak_rss_mb'] / 1024:.2f} GiB (getrusage: this process and its children), "
+                f"wall {res['seconds']:.1f} s" + (f" ({st})" if st else ""))
 
 
 def _enabled(cfg: RewriteConfig, registered: list) -> list:
@@ -31,6 +83,7 @@ def run(cfg: RewriteConfig) -> dict:
     from tqdm.auto import tqdm
 
     t0 = time.time()
+    res = Resources()
     cfg.validate()
     weight = _enabled(cfg, backends.WEIGHT_BACKENDS)
     passes = _enabled(cfg, backends.GRAPH_PASSES)
@@ -43,7 +96,8 @@ def run(cfg: RewriteConfig) -> dict:
         raise OrtleanError(f"{out}: output would overwrite the input model; choose another --output")
     ctx = Context(cfg, model, modelfile.model_io(model, inp))
     ctx.weight_backends = weight
-    graph_records = _graph_passes(passes, "pre", model, ctx)
+    res.mark("load")
+    graph_records = _graph_passes(passes, "pre", model, ctx, res)
 
     records: dict[str, LayerRecord] = {}
     chosen: list[tuple] = []        # (cand, backend, plan)
@@ -56,7 +110,10 @@ def run(cfg: RewriteConfig) -> dict:
         for b in weight:  # a backend may plan several MatMuls as one unit (gating: shared-input projections)
             todo = b.group_candidates(todo, weight)
         ctx.todo = todo
+        res.mark("candidates")
         grams = _calibrate(cfg, ctx, weight, todo)
+        if grams:
+            res.mark("calibration")
 
         # plan every layer; the first weight backend that does not say "dense" takes it
         bar = tqdm(todo, desc="plan", unit="layer", disable=not cfg.progress, leave=False)
@@ -83,6 +140,7 @@ def run(cfg: RewriteConfig) -> dict:
                 records[c.name] = report.all_dense(c, reasons)
         bar.close()
         W = G = None  # a view of a memory-mapped external weight would block saving (BufferError)
+        res.mark("plan")
 
         # end-to-end quality guard: per-layer gaps compound; keep the largest set of rewritten layers
         # (lowest gap first) whose whole-model loss on held-out calibration text meets the budget
@@ -99,11 +157,13 @@ def run(cfg: RewriteConfig) -> dict:
             except BudgetRefused as e:
                 refused = str(e)
                 quality, chosen = e.quality, []
+            res.mark("quality guard")
         for c, b, plan in chosen:
             b.emit(model.graph, c, plan, ctx)
+        res.mark("emit")
     if not refused:   # a post pass that measures its change over what is left of the budget may refuse too
         try:
-            graph_records += _graph_passes(passes, "post", model, ctx)
+            graph_records += _graph_passes(passes, "post", model, ctx, res)
         except BudgetRefused as e:
             refused = str(e)
             graph_records.append({"layer": "attention", "backend": "dense", "decision": refused, "quality": e.quality})
@@ -120,6 +180,7 @@ def run(cfg: RewriteConfig) -> dict:
         if ctx.io.kind == "causal-lm":  # onnxruntime-genai's config beside it, where genai can run the graph
             genai_cfg = genai.write_config(out, inp, copied)
             written += [Path(p) for p in genai_cfg.get("written", [])]
+        res.mark("save")
     recs = sorted(records.values(), key=lambda r: order.get(r.layer, order.get(r.layer.split("+")[0], 1 << 30)))
     summary = {
         "model": str(inp),
@@ -140,13 +201,14 @@ def run(cfg: RewriteConfig) -> dict:
                    "calib_tokens": cfg.calib_tokens, "include": cfg.include, "exclude": cfg.exclude,
                    "quality_budget": cfg.quality_budget, "quality_tokens": cfg.quality_tokens},
         "seconds": round(time.time() - t0, 1),
+        "resources": res.summary(),
     }
     if cfg.report:
         report.write_json_atomic(Path(cfg.report), summary)
     return summary
 
 
-def _graph_passes(passes: list, stage: str, model, ctx: Context) -> list[dict]:
+def _graph_passes(passes: list, stage: str, model, ctx: Context, res: Resources | None = None) -> list[dict]:
     """Run the graph passes of `stage`; after a "pre" pass changed the model, the rewrite runs it
     from memory (calibration, quality probe) and reads its I/O again."""
     out = []
@@ -155,6 +217,8 @@ def _graph_passes(passes: list, stage: str, model, ctx: Context) -> list[dict]:
             continue
         recs = gp.run(model, ctx)
         out += recs
+        if res is not None:
+            res.mark(gp.name)
         if stage == "pre" and any(r.get("backend") != "dense" for r in recs):
             ctx.modified = True
             ctx.io = modelfile.model_io(model, ctx.model_path)

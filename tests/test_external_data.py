@@ -328,3 +328,20 @@ def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, monkey
     feeds = _feeds(sessions[0], T=6)
     for a, b in zip(*(s.run(None, feeds) for s in sessions)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rewrite_prints_its_peak_memory_and_time(tmp_path, capsys):
+    """The closing line of a rewrite: peak RSS (getrusage) and wall time, stage by stage in the report."""
+    src = save_layout(toy.cached(), tmp_path / "in", "one_file")
+    out, rep = tmp_path / "out" / "m.onnx", tmp_path / "r.json"
+    assert cli.main(["rewrite", str(src), "-o", str(out), "--weights", "int8", "--quality-budget=off",
+                     "--report", str(rep)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("rewrite: peak RSS ") and " GiB " in line and ", wall " in line
+    import json
+    res = json.loads(rep.read_text())["resources"]
+    import resource
+    assert 0 < res["peak_rss_mb"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 1
+    stages = [s["stage"] for s in res["stages"]]
+    assert stages[0] == "load" and "plan" in stages and stages[-1] == "save"
+    assert all(s["seconds"] >= 0 and s["rss_mb"] > 0 for s in res["stages"])
