@@ -108,12 +108,17 @@ struct BqLayer {
   int format;           // BqFormat
   int block;            // weights per block (QK)
   int type_size;        // bytes per block
+  const int32_t* plan;  // the ISA copy's per-node tables (make_plan), or nullptr
 };
 
 // Per-ISA kernels. An activation row is quantized once per call into the copy's own layout
 // (act_bytes of scratch, 64-byte aligned), then multiplied against any rows of W.
 struct BlockQuantKernels {
   const char* name;
+  // per-node tables the copy's kernels read (lane maps of the row's byte positions; built once at
+  // construction into plan_ints(w) int32s, handed back in BqLayer::plan); 0: none
+  size_t (*plan_ints)(const BqLayer* w);
+  void (*make_plan)(const BqLayer* w, int32_t* out);
   // bytes of one quantized activation row of this layer in this copy's layout (a multiple of 64)
   size_t (*act_bytes)(const BqLayer* w);
   // quantizes x[0:K] (the reference's quantize_activations) into out; returns 0 when x holds a NaN

@@ -54,8 +54,7 @@ void dequantized_activations(const float* x, int64_t K, std::vector<double>& xh)
 
 }  // namespace
 
-BqNode read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input) {
-  BqNode nd;
+void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input, BqNode& nd) {
   BqLayer& w = nd.w;
   std::string fmt;
   int64_t K = 0, N = 0;
@@ -116,13 +115,15 @@ BqNode read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_
   nd.k = &pick(IsaTables<BlockQuantKernels>{blockquant_kernels_scalar, blockquant_kernels_avx2, blockquant_kernels_avx512,
                                             kBqAvx2Needs, kBqAvx512Needs},
                Isa::Avx512, &nd.level);
-  return nd;
+  nd.plan.assign(nd.k->plan_ints(&w), 0);
+  nd.k->make_plan(&w, nd.plan.data());
+  w.plan = nd.plan.empty() ? nullptr : nd.plan.data();
 }
 
 // ------------------------------------------------------------------ BlockQuantMatMul
 BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
-  node_ = read_bq_node(info, at, 1);
+  read_bq_node(info, at, 1, node_);
   has_bias_ = input_present(info, 2);
   if (has_bias_) {
     int is_const = 0;
@@ -254,7 +255,7 @@ void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
 // ------------------------------------------------------------------ BlockQuantGather
 BlockQuantGatherKernel::BlockQuantGatherKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
-  node_ = read_bq_node(info, at, 0);
+  read_bq_node(info, at, 0, node_);
   metrics::Node* m = metrics::node(name_);
   m->set({{"bq.format", static_cast<double>(node_.w.format)},
           {"bq.block", static_cast<double>(node_.w.block)},

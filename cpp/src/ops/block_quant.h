@@ -4,6 +4,7 @@
 // custom_ops/reference/blockquant.py; block structs and kernels: kernels/blockquant.h.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "isa.h"
 #include "kernels/blockquant.h"
@@ -35,11 +36,13 @@ constexpr CpuFeature kBqAvx512Needs = CpuFeature::Avx512Vnni;
 // A node's weights, validated (format, shape, finite fp16 scales) and its kernel table.
 struct BqNode {
   BqLayer w{};
+  std::vector<int32_t> plan;  // the kernels' per-node tables (w.plan points into it)
   const BlockQuantKernels* k = nullptr;
   Isa level = Isa::Scalar;
   float bits_per_weight = 0.0f;
 };
-BqNode read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input);
+// (the node is built in place: w.plan points into its own plan)
+void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input, BqNode& nd);
 
 class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
  public:
