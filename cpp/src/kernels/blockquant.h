@@ -119,14 +119,16 @@ struct BlockQuantKernels {
   // construction into plan_ints(w) int32s, handed back in BqLayer::plan); 0: none
   size_t (*plan_ints)(const BqLayer* w);
   void (*make_plan)(const BqLayer* w, int32_t* out);
-  // bytes of one quantized activation row of this layer in this copy's layout (a multiple of 64)
-  size_t (*act_bytes)(const BqLayer* w);
-  // quantizes x[0:K] (the reference's quantize_activations) into out; returns 0 when x holds a NaN
-  // or an infinity (that row's outputs are then NaN: the op writes them)
-  int (*quantize)(const BqLayer* w, const float* x, uint8_t* out);
+  // bytes of one quantized activation row of this layer in this copy's layout (a multiple of 64), for
+  // a product of `rows` activation rows (gemv: 1, gemm: more; the layouts may differ)
+  size_t (*act_bytes)(const BqLayer* w, int64_t rows);
+  // quantizes x[0:K] (the reference's quantize_activations) into out, for a product of `rows` rows;
+  // returns 0 when x holds a NaN or an infinity (that row's outputs are then NaN: the op writes them)
+  int (*quantize)(const BqLayer* w, const float* x, uint8_t* out, int64_t rows);
   // y[n - n0] = x̂ · Ŵ[n] (+ bias[n] when bias) for n in [n0, n1): one activation row (M = 1)
   void (*gemv)(const BqLayer* w, const uint8_t* xq, int64_t n0, int64_t n1, const float* bias, float* y);
   // Y[m * ldy + n - n0] for m in [0, mrows), n in [n0, n1): mrows activation rows at xq + m * xstride
+  // (quantized for a product of mrows >= 2 rows)
   void (*gemm)(const BqLayer* w, const uint8_t* xq, size_t xstride, int64_t mrows, int64_t n0, int64_t n1,
                const float* bias, float* Y, int64_t ldy);
   // out[0:K] = Ŵ[n, 0:K], bit for bit the reference's float32 dequantization

@@ -17,8 +17,9 @@ namespace {
 constexpr int64_t kTaskBytes = 64 * 1024;
 constexpr int64_t kMaxTasks = 8;
 constexpr int64_t kRowGroup = 8;
-// M > 1: output tiles of kTileM activation rows x kTileN weight rows per task
-constexpr int64_t kTileM = 64;
+// M > 1: tasks of kTileN weight rows (decoded once per task into the kernels' panel) x up to kTileM
+// activation rows
+constexpr int64_t kTileM = 512;
 constexpr int64_t kTileN = 64;
 
 std::string fmt_list() {
@@ -151,14 +152,16 @@ class BqCall {
       : k_(k), ctx_(ctx), io_(io), w_(k.node_.w), kr_(*k.node_.k), bias_(bias) {}
 
   void quantize_rows() {
-    ab_ = kr_.act_bytes(&w_);
+    ab_ = kr_.act_bytes(&w_, io_.M);
     const size_t M = static_cast<size_t>(io_.M);
     const size_t floats = (M * ab_ + M + 64) / sizeof(float) + 16;
     uint8_t* base = reinterpret_cast<uint8_t*>(outer_scratch().get(floats));
     xq_ = base;
     finite_ = base + M * ab_;
     const int64_t K = w_.K;
-    auto one = [&](size_t m) noexcept { finite_[m] = static_cast<uint8_t>(kr_.quantize(&w_, io_.X + m * K, xq_ + m * ab_)); };
+    auto one = [&](size_t m) noexcept {
+      finite_[m] = static_cast<uint8_t>(kr_.quantize(&w_, io_.X + m * K, xq_ + m * ab_, io_.M));
+    };
     if (io_.M < 8) {
       for (size_t m = 0; m < M; ++m) one(m);
       return;

@@ -1,0 +1,274 @@
+"""BlockQuantMatMul alone: every block format at the decode (M = 1) and prefill (M = 128) shapes, against
+the time to stream the same bytes from DRAM and against ONNX Runtime's MatMulNBits (int4, symmetric,
+block 32, accuracy_level 4) on the same shape.
+
+    python tests/bench/bench_blockquant_op.py [--formats q4_0,q4_1,...] [--shapes 576x1536,...]
+        [--threads 1,2] [--mib 256] [--min-time 0.3] [--no-prefill] [--json FILE]
+
+Shapes are K x N (inputs x outputs): SmolLM2's 576x576, 576x1536, 1536x576 and its 576x49152 head, and
+1536x8960 / 8960x1536. Formats: the ggml ones and q4_f at blocks 32 and 64 (HQQ's usual group).
+
+M = 1: a model holds L independent layers of the shape (their own random, valid blocks; one input), L
+chosen so that their bytes exceed --mib (default 256 MiB, several times this machine's last-level
+cache): one Run reads every layer's weights once, from DRAM; us per layer = median Run time / L. The
+streaming bound is the time the C streaming loop (tests/bench/attn_stream.c, the same thread count, threads
+timed from the moment they are up) takes to read the same number of bytes from L buffers of the layer's
+size, timed in the same rounds as the runs; bound_x = op time / streaming time (target <= 1.25).
+MatMulNBits runs on the same shape with its own L layers (4 bits + an fp32 scale per 32 weights);
+vs_mnb = MatMulNBits time / op time (target >= 1.2). M = 128: one layer per model (compute-bound), op vs
+MatMulNBits (target >= 1). Sessions take turns in blocks of timed runs after an untimed one, with a pause
+between sessions at > 1 thread (custom_ops.runtime.bench.settle: a pool's threads spin after a Run).
+
+The header names the ISA the op runs at (custom_ops.isa_label()), the CPU model, the commit and the
+date; --json writes the same. Do not time on a machine others are using: the figures are memory-bound.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
+
+import numpy as np  # noqa: E402
+
+SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152), (1536, 8960), (8960, 1536)]
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K", "q4_f/32", "q4_f/64"]
+OPSET, IR = 17, 10
+
+
+def machine() -> dict:
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "?"
+    import custom_ops
+    import onnxruntime as ort
+
+    return {"cpu": model, "cores": os.cpu_count(), "isa": custom_ops.isa_label(), "onnxruntime": ort.__version__,
+            "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _fmt(spec: str) -> tuple[str, int | None]:
+    f, _, b = spec.partition("/")
+    return f, (int(b) if b else None)
+
+
+def _bq_model(K, N, fmt, bs, L, rng) -> tuple[bytes, int]:
+    """L BlockQuantMatMul layers on one input; (model, bytes of one layer's W)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from custom_ops.reference import blockquant as bq
+
+    nodes, inits, outs = [], [], []
+    for i in range(L):
+        W = bq.random_blocks(fmt, N, K, rng, bs)
+        inits.append(numpy_helper.from_array(W, f"W{i}"))
+        a = dict(format=fmt, K=K, N=N)
+        if bs:
+            a["block_size"] = bs
+        nodes.append(helper.make_node("BlockQuantMatMul", ["X", f"W{i}"], [f"Y{i}"], name=f"bq{i}",
+                                      domain="ai.ortlean", **a))
+        outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
+    g = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])], outs,
+                          initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("ai.ortlean", 1)])
+    m.ir_version = IR
+    return m.SerializeToString(), bq.row_bytes(fmt, K, bs) * N
+
+
+def _mnb_model(K, N, L, rng) -> tuple[bytes, int]:
+    """L com.microsoft.MatMulNBits layers (int4, block 32, symmetric, accuracy_level 4), random bytes."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    blk, nblk = 32, -(-K // 32)
+    nodes, inits, outs = [], [], []
+    for i in range(L):
+        B = rng.integers(0, 256, (N, nblk, blk // 2), dtype=np.uint8)
+        sc = rng.uniform(0.001, 0.01, (N * nblk,)).astype(np.float32)
+        inits += [numpy_helper.from_array(B, f"B{i}"), numpy_helper.from_array(sc, f"S{i}")]
+        nodes.append(helper.make_node("MatMulNBits", ["X", f"B{i}", f"S{i}"], [f"Y{i}"], name=f"mnb{i}",
+                                      domain="com.microsoft", K=K, N=N, bits=4, block_size=blk, accuracy_level=4))
+        outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
+    g = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])], outs,
+                          initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = IR
+    return m.SerializeToString(), N * nblk * (blk // 2 + 4)
+
+
+def _session(model: bytes, threads: int, ours: bool):
+    import onnxruntime as ort
+
+    import custom_ops
+
+    if ours:
+        return custom_ops.session(model, threads=threads)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _time_rounds(jobs: dict, min_time: float, threads: int, block: int = 3) -> dict[str, float]:
+    """Median seconds of each job (a callable), taking turns in blocks of `block` timed calls after an
+    untimed one, for at least min_time per job and 4 rounds."""
+    from custom_ops.runtime.bench import settle
+
+    times = {k: [] for k in jobs}
+    t_end = time.perf_counter() + min_time * len(jobs)
+    rounds = 0
+    while rounds < 4 or (time.perf_counter() < t_end and rounds < 200):
+        for name, job in jobs.items():
+            settle(threads)
+            for i in range(block + 1):
+                t = job()
+                if i:
+                    times[name].append(t)
+        rounds += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _runner(sess, feeds):
+    def run():
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        return time.perf_counter() - t0
+    return run
+
+
+def bench_decode(K, N, fmt, bs, threads, mib, min_time, lib, rng) -> list[dict]:
+    from attn_speed import _stream_time
+
+    from custom_ops.reference import blockquant as bq
+
+    layer_bytes = bq.row_bytes(fmt, K, bs) * N
+    L = max(2, -(-(mib << 20) // layer_bytes))
+    model, lb = _bq_model(K, N, fmt, bs, L, rng)
+    mL = max(2, -(-(mib << 20) // (N * -(-K // 32) * 20)))
+    mnb, mlb = _mnb_model(K, N, mL, rng)
+    bufs = [np.ones(lb // 8 + 8, np.uint64) for _ in range(L)]
+    x = {"X": rng.standard_normal((1, K)).astype(np.float32)}
+    rows = []
+    for th in threads:
+        s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
+        for s in (s_op, s_mnb):  # first runs (pool probes, allocations) untimed
+            for _ in range(3):
+                s.run(None, x)
+        jobs = {"op": _runner(s_op, x), "mnb": _runner(s_mnb, x),
+                "stream": lambda: _stream_time(lib, bufs, lb, th)}
+        med = _time_rounds(jobs, min_time, th)
+        op, stream, mn = med["op"] / L, med["stream"] / L, med["mnb"] / mL
+        rows.append({"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": 1, "threads": th, "layers": L,
+                     "layer_bytes": lb, "op_us": op * 1e6, "stream_us": stream * 1e6,
+                     "stream_GBps": lb / stream / 1e9, "op_GBps": lb / op / 1e9, "bound_x": op / stream,
+                     "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op})
+        del s_op, s_mnb
+    return rows
+
+
+def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng) -> list[dict]:
+    model, lb = _bq_model(K, N, fmt, bs, 1, rng)
+    mnb, _ = _mnb_model(K, N, 1, rng)
+    x = {"X": rng.standard_normal((M, K)).astype(np.float32)}
+    rows = []
+    for th in threads:
+        s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
+        for s in (s_op, s_mnb):
+            for _ in range(3):
+                s.run(None, x)
+        med = _time_rounds({"op": _runner(s_op, x), "mnb": _runner(s_mnb, x)}, min_time, th)
+        rows.append({"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": M, "threads": th,
+                     "op_us": med["op"] * 1e6, "mnb_us": med["mnb"] * 1e6, "vs_mnb": med["mnb"] / med["op"],
+                     "GMACps": M * K * N / med["op"] / 1e9})
+    return rows
+
+
+def table(info: dict, rows: list[dict]) -> str:
+    out = [f"BlockQuantMatMul op bench — {info['cpu']} ({info['cores']} cores), ISA {info['isa']}, "
+           f"onnxruntime {info['onnxruntime']}, commit {info['commit']}, {info['date']}, "
+           f"load average {info['load_average']}"]
+    dec = [r for r in rows if r["M"] == 1]
+    if dec:
+        out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the C loop reading the same "
+                "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)",
+                f"{'format':>8} {'K x N':>11} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
+                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}"]
+        for r in dec:
+            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r['threads']:>3} {r['layers']:>6} "
+                       f"{r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
+                       f"{r['op_us']:>8.1f} {r['op_GBps']:>5.1f} {r['bound_x']:>7.2f} {r['mnb_us']:>8.1f} "
+                       f"{r['vs_mnb']:>6.2f}")
+    pre = [r for r in rows if r["M"] > 1]
+    if pre:
+        out += ["", "M = 128 (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)",
+                f"{'format':>8} {'K x N':>11} {'thr':>3} {'op us':>9} {'GMAC/s':>7} {'MNB us':>9} {'vs_mnb':>6}"]
+        for r in pre:
+            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r['threads']:>3} {r['op_us']:>9.1f} "
+                       f"{r['GMACps']:>7.1f} {r['mnb_us']:>9.1f} {r['vs_mnb']:>6.2f}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma list; q4_f/B sets q4_f's block_size")
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="comma list of KxN")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--mib", type=int, default=256, help="weight bytes per M = 1 model (beyond the LLC)")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds of timed runs per job and cell")
+    ap.add_argument("--prefill-m", type=int, default=128)
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--json", help="write the rows and the header here")
+    a = ap.parse_args()
+
+    from attn_speed import _stream_lib
+
+    lib = _stream_lib(Path(tempfile.mkdtemp(prefix="ortlean-bqbench-")))
+    threads = [int(t) for t in a.threads.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    info = machine()
+    print(table(info, []), flush=True)
+    rows = []
+    rng = np.random.default_rng(0)
+    for K, N in shapes:
+        for spec in a.formats.split(","):
+            fmt, bs = _fmt(spec)
+            if not a.no_decode:
+                new = bench_decode(K, N, fmt, bs, threads, a.mib, a.min_time, lib, rng)
+                rows += new
+                print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
+            if not a.no_prefill:
+                new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng)
+                rows += new
+                print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
+    print()
+    print(table(info, rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
