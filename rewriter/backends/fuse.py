@@ -1,12 +1,13 @@
-"""``--fuse=auto|on|off``: the "pre" graph pass that rewrites an optimum Llama-family decoder into
-ONNX Runtime's fused contrib ops (``rewriter.fuse``: GroupQueryAttention with rotary inside and
-packed QKV, SkipSimplifiedLayerNormalization, the shape subgraphs gone) before anything else.
+"""``--fuse=auto|on|off``: the "pre" graph pass that rewrites an optimum decoder export (Llama,
+Qwen2, Mistral, Phi-3, Gemma 2, Gemma 3 …) into ONNX Runtime's fused contrib ops (``rewriter.fuse``:
+GroupQueryAttention with rotary inside, its sliding window and soft-cap, packed QKV,
+SkipSimplifiedLayerNormalization, the shape subgraphs gone) before anything else.
 
 ``auto`` (the default) fuses every decoder the pass can fuse; on any other input (an encoder, a
 decoder whose attention does not match, a graph already fused) the report says why in one line
 and the rewrite goes on unfused. ``on`` asks for the fusion: an input it cannot fuse is an error
 naming the node and the reason. ``off`` skips it. The rotary caches keep ``max_position_embeddings``
-rows when a ``config.json`` sits next to the model (as the genai builder does)."""
+rows when a ``config.json`` sits next to the model (as the genai builder does; 131072 otherwise)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
