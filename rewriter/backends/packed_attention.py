@@ -131,13 +131,15 @@ def _sym(dim):
     return dim if isinstance(dim, int) else str(dim)
 
 
-def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None) -> dict[str, dict[int, list[float]]]:
+def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None, max_pos: int | None = None
+                  ) -> dict[str, dict[int, list[float]]]:
     """Per layer (cache index) and KV head: eps such that a fraction cfg.target_density of the key
     components has |k| > eps, and the per-channel mean |k| (kscale), on the first
-    cfg.calib_tokens tokens of the calibration text (the dense model's present.N.key outputs)."""
+    cfg.calib_tokens tokens of the calibration text (at most the model's ``max_pos`` positions;
+    the dense model's present.N.key outputs)."""
     import onnxruntime as ort
 
-    ids = np.asarray(calib.ids[: cfg.calib_tokens], np.int64)
+    ids = np.asarray(calib.ids[: min(cfg.calib_tokens, max_pos or cfg.calib_tokens)], np.int64)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     sess = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
@@ -159,11 +161,14 @@ def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None) -> dict[str, dic
 
 
 # --------------------------------------------------------------------------- pq key codes
-def rotary_of(model: ir.Model):
+def rotary_of(model: ir.Model, layer: int | None = None):
     """(cos [P, r/2], sin [P, r/2], interleaved) of the first GroupQueryAttention with do_rotary and
-    constant caches, else None."""
+    constant caches — of layer ``layer`` (its past_key_values.N.key) when given: Gemma 3's sliding
+    and global layers rotate with different tables — else None."""
     for g in model.graph:
         if g.op_type != "GroupQueryAttention" or not g.attributes.get_int("do_rotary", 0) or len(g.inputs) < 9:
+            continue
+        if layer is not None and (g.inputs[3] is None or g.inputs[3].name != f"past_key_values.{layer}.key"):
             continue
         cos, sin = (None if v is None else v.const_value for v in g.inputs[7:9])
         if cos is not None and sin is not None:
@@ -725,7 +730,7 @@ class PackedAttentionPass(GraphPassBase):
                                "--attn-target-density")
         if ctx.opts.calib_text and (need_eps or cfg.kscale == "auto" or cfg.mode == "pq") and ctx.io is not None \
                 and ctx.io.has_past:
-            cal = calibrate_eps(ctx.source(), ctx.calib, cfg, io_hint=ctx.io)
+            cal = calibrate_eps(ctx.source(), ctx.calib, cfg, io_hint=ctx.io, max_pos=_max_positions(model, ctx))
         if fused:
             if need_eps:
                 raise OrtleanError("fused graph (GroupQueryAttention): eps-mode key bits need --state-pack-eps E "
@@ -735,9 +740,9 @@ class PackedAttentionPass(GraphPassBase):
             if cfg.mode == "pq":
                 if not cal.get("keys"):
                     raise OrtleanError("--attn-pack-bits pq: the calibration run gave no present.N.key outputs")
-                rot = rotary_of(model)
                 pq = {}
                 for N, kk in sorted(cal["keys"].items()):
+                    rot = rotary_of(model, N)
                     dims = pq_dims(kk.shape[-1], rot)
                     pq[N] = (np.stack([fit_pq_book(kk[h], dims, rot, cfg.pq_keys, seed=N * 64 + h)
                                        for h in range(kk.shape[0])]), dims)
