@@ -243,8 +243,91 @@ def _build_sliding(out: Path) -> None:
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
 
 
+# --------------------------------------------------------------------------- other decoder families (issue 35)
+FAMILY_RECIPE = 1
+_FAM = dict(vocab_size=256, hidden_size=128, head_dim=32, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+MORE_FAMILIES = {
+    # sliding window 8 on every layer (optimum's SDPA export writes it into the additive mask)
+    "mistral": dict(_FAM, cls="MistralConfig", model="MistralForCausalLM", sliding_window=8,
+                    tie_word_embeddings=False),
+    # qkv_proj and gate_up_proj packed in the checkpoint, whole-head rotary
+    "phi3": dict(_FAM, cls="Phi3Config", model="Phi3ForCausalLM", tie_word_embeddings=False),
+    # Phi-4-mini's form: rotary on half of each head, LongRoPE factors (optimum traces the short
+    # ones: the export never switches to the long factors), tied embeddings
+    "phi3-partial-longrope": dict(_FAM, cls="Phi3Config", model="Phi3ForCausalLM", tie_word_embeddings=True,
+                                  partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                                  rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+    # sliding (layer 0) and global (layer 1) layers, soft-capped scores and logits, query_pre_attn_scalar,
+    # (1 + w) norms, pre/post feed-forward norms; exported with eager attention (Gemma 2's own:
+    # transformers' SDPA path drops the soft-cap, which optimum's default export then lacks)
+    "gemma2": dict(_FAM, cls="Gemma2Config", model="Gemma2ForCausalLM", sliding_window=8, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, query_pre_attn_scalar=24, attn_implementation="eager"),
+    # q/k RMSNorms, sliding + global layers with their own rope bases (and linear scaling on the
+    # global one), no position_ids input
+    "gemma3": dict(_FAM, cls="Gemma3TextConfig", model="Gemma3ForCausalLM", sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], rope_theta=1e6, rope_local_base_freq=100.0,
+                   rope_scaling={"rope_type": "linear", "factor": 8.0}),
+}
+
+
+def more_models() -> dict[str, Path]:
+    """Tiny random-weight exports (optimum, ``text-generation-with-past``) of the other decoder
+    families the fusion takes (:data:`MORE_FAMILIES`), each with a word-level tokenizer over its
+    256 ids beside it; built once (child process) and cached like :func:`models`."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from models.cache import artifact_key, atomic_dir, cache_root, versions
+
+    key = artifact_key("tiny-families", {"recipe": FAMILY_RECIPE, "families": MORE_FAMILIES,
+                                          "tools": versions(("torch", "transformers", "optimum-onnx", "onnx"))})
+    target = cache_root() / "test-models" / key
+    if not all((target / f / "model.onnx").is_file() for f in MORE_FAMILIES):
+        with atomic_dir(target) as tmp:
+            if tmp is not None:
+                res = subprocess.run([sys.executable, __file__, "--families", str(tmp)], capture_output=True, text=True,
+                                     env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                if res.returncode != 0:
+                    raise RuntimeError(f"building the tiny decoder families failed:\n{res.stderr[-3000:]}")
+    return {f: target / f for f in MORE_FAMILIES}
+
+
+def _build_families(out: Path) -> None:
+    import shutil
+
+    import torch
+    import transformers
+    from optimum.exporters.onnx import main_export, onnx_export_from_model
+
+    for fam, spec in MORE_FAMILIES.items():
+        spec = dict(spec)
+        cls, arch, attn = spec.pop("cls"), spec.pop("model"), spec.pop("attn_implementation", None)
+        cfg = getattr(transformers, cls)(**spec)
+        torch.manual_seed(0)
+        model = getattr(transformers, arch)(cfg).eval()
+        with torch.no_grad():  # random init gives ~unit norms; spread them so the norms matter
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5) if "gemma" not in fam else p.uniform_(-0.5, 0.5)   # Gemma: (1 + w)
+        hf = out / fam / "hf"
+        model.save_pretrained(hf)
+        _tiny_tokenizer(spec["vocab_size"]).save_pretrained(hf)
+        if attn is None:
+            main_export(str(hf), output=str(out / fam), task="text-generation-with-past", device="cpu",
+                        library_name="transformers", do_validation=False)
+        else:   # main_export loads with the default (SDPA) attention
+            m = getattr(transformers, arch).from_pretrained(hf, attn_implementation=attn).eval()
+            onnx_export_from_model(m, str(out / fam), task="text-generation-with-past", do_validation=False)
+            for f in hf.iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens")) and not (out / fam / f.name).exists():
+                    shutil.copy(f, out / fam / f.name)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--forms":
+    if sys.argv[1] == "--families":
+        _build_families(Path(sys.argv[2]))
+    elif sys.argv[1] == "--forms":
         _build_forms(Path(sys.argv[2]), Path(sys.argv[3]))
     elif sys.argv[1] == "--sliding":
         _build_sliding(Path(sys.argv[2]))
