@@ -36,7 +36,7 @@ from pathlib import Path
 from .cache import atomic_dir, cache_root, file_lock
 
 __all__ = ["LlamaCppError", "Tools", "tools", "debian_mirror", "pick_backend", "cpu_flags", "override_script",
-           "PACKAGES", "SUITE", "VARIANTS"]
+           "PACKAGES", "SUITE", "VARIANTS", "nll_tool", "f32_gguf", "token_nll", "delta_ppl"]
 
 SUITE = "sid"
 PACKAGES = ("llama.cpp-tools", "libllama0", "libggml0", "libc6", "libgcc-s1", "libgomp1", "libstdc++6", "libssl3t64")
@@ -304,6 +304,117 @@ def run_tool(tool: str, args=(), timeout: float | None = None) -> tuple[subproce
     r = t.run(tool, args, capture_output=True, text=True, timeout=timeout)
     be = t.backend.name[len("lib"):-len(".so")] if t.backend else "ggml's default CPU backend"
     return r, f"Debian llama.cpp-tools {t.version}, {be}"
+
+
+# --------------------------------------------------------------------------- quality: llama.cpp's own NLLs
+DEV_PACKAGES = ("libllama-dev", "libggml-dev")   # llama.h / ggml headers, for llama_nll (models/llama_nll.c)
+NLL_SOURCE = Path(__file__).with_name("llama_nll.c")
+
+
+def nll_tool(t: "Tools | None" = None, progress: bool = True) -> Path:
+    """``llama_nll`` (models/llama_nll.c) compiled against the fetched llama.cpp: the headers of Debian's
+    libllama-dev / libggml-dev of the same version (downloaded beside the tools once), linked with the
+    fetched libllama; cached per tools version and source. Needs a C compiler."""
+    import hashlib
+
+    t = t or tools(progress=progress)
+    key = hashlib.sha256(NLL_SOURCE.read_bytes()).hexdigest()[:12]
+    base = t.root.parent
+    exe = base / f"llama_nll-{key}"
+    if exe.is_file():
+        return exe
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise LlamaCppError("llama.cpp's Δppl needs a C compiler (cc) to build its llama_nll tool")
+    inc = base / "dev" / "usr" / "include"
+    with file_lock(base.parent / ".apt.lock"):
+        if not (inc / "llama.h").is_file():
+            state = base.parent / "apt"
+            if not (state / "lists").is_dir():
+                raise LlamaCppError(f"no apt state in {state}: refetch the tools (python -m models.llamacpp --refresh)")
+            dl = base / "dev-debs"
+            dl.mkdir(parents=True, exist_ok=True)
+            if progress:
+                print(f"[ortlean] llama.cpp: headers ({', '.join(DEV_PACKAGES)}) for llama_nll", file=sys.stderr,
+                      flush=True)
+            _apt(["apt-get", "-qq", "download", *DEV_PACKAGES], state, "apt-get download", cwd=dl)
+            for deb in sorted(dl.glob("*.deb")):
+                r = subprocess.run(["dpkg-deb", "-x", str(deb), str(base / "dev")], capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise LlamaCppError(f"dpkg-deb -x {deb.name} failed: {r.stderr.strip()[:200]}")
+            shutil.rmtree(dl)
+        libs = t.root / ARCH_LIBS
+        tmp = exe.with_suffix(".tmp")
+        r = subprocess.run([cc, "-O2", "-o", str(tmp), str(NLL_SOURCE), f"-I{inc}", f"-L{libs}", "-l:libllama.so.0",
+                            "-l:libggml.so.0", "-l:libggml-base.so.0", "-lm", "-Wl,--allow-shlib-undefined"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise LlamaCppError(f"building llama_nll failed: {r.stderr.strip()[-300:]}")
+        tmp.replace(exe)
+    return exe
+
+
+def f32_gguf(gguf: Path, progress: bool = True) -> Path:
+    """The GGUF's weights dequantized to F32 by llama.cpp's own llama-quantize (the source weights as
+    llama.cpp runs them: its reference for a Δppl), cached under the llama.cpp cache by file and size."""
+    import hashlib
+
+    gguf = Path(gguf).resolve()
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    out = _base() / "f32" / f"{gguf.stem}-{key}.F32.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"[ortlean] llama.cpp: {gguf.name} dequantized to F32 by llama-quantize -> {out}", file=sys.stderr,
+              flush=True)
+    tmp = out.with_suffix(".tmp")
+    r, _ = run_tool("llama-quantize", ["--allow-requantize", str(gguf), str(tmp), "F32"])
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise LlamaCppError(f"llama-quantize {gguf.name} F32 failed: {(r.stderr or r.stdout).strip()[-200:]}")
+    tmp.replace(out)
+    return out
+
+
+def token_nll(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bool = True):
+    """Per-token NLLs of ``ids`` under ``gguf`` computed by llama.cpp (llama_nll): consecutive windows of
+    ``window`` tokens, token i + 1 of a window scored by the logits at i — as runtime.perplexity
+    scores the ONNX rows, so the two line up token for token. Returns a float64 array."""
+    import tempfile
+
+    import numpy as np
+
+    if override_script() is not None:
+        raise LlamaCppError("llama.cpp's Δppl is not measured with ORTLEAN_ANCHORS_SCRIPT (it runs llama_nll "
+                            "against the fetched libllama)")
+    t = tools(progress=progress)
+    exe = nll_tool(t, progress=progress)
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "ids.bin"
+        np.asarray(ids, dtype="<i4").tofile(f)
+        cmd = [str(t.loader), "--library-path", os.pathsep.join(map(str, t.lib_dirs)), str(exe), str(gguf), str(f),
+               str(int(window)), str(int(threads))]
+        r = subprocess.run(cmd, env=t.env(), capture_output=True)
+    if r.returncode != 0:
+        raise LlamaCppError(f"llama_nll {Path(gguf).name} failed: {r.stderr.decode(errors='replace').strip()[-300:]}")
+    return np.frombuffer(r.stdout, dtype="<f8").copy()
+
+
+def delta_ppl(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bool = True) -> dict:
+    """llama.cpp's Δppl on ``ids``: the GGUF as it ships against its own weights dequantized to F32
+    (:func:`f32_gguf`), both scored by llama.cpp on the same windows; with the one-sided 95 % upper
+    bound from the paired per-token NLLs (custom_ops.runtime.paired_delta)."""
+    import numpy as np
+
+    from custom_ops.runtime import paired_delta
+
+    q = token_nll(gguf, ids, window, threads, progress)
+    f = token_nll(f32_gguf(gguf, progress), ids, window, threads, progress)
+    d, up = paired_delta(q, f)
+    return {"ppl": float(np.exp(q.mean())), "ppl_f32": float(np.exp(f.mean())), "delta_ppl": d, "delta_ppl_upper": up,
+            "tokens": int(q.size), "reference": "llama.cpp on the GGUF dequantized to F32 (llama-quantize F32)"}
 
 
 def main(argv=None) -> int:

@@ -168,7 +168,12 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
             s = _session(path, threads)
             p = score(s, runtime.ModelIO.from_session(s, path))
             rows[name] = {"path": path, "ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
+            if "token_nll" in d and len(d["token_nll"]) == len(p["token_nll"]):
+                rows[name]["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
             del s
+        lq = llama_quality(ref, peers, ids, window, threads, notes)
+        if lq is not None:
+            rows["llama.cpp"] = lq
         res.update({"peers": rows, "notes": notes})
     else:
         sents = runtime.sentences_from_text(text, sentences)
@@ -190,7 +195,9 @@ def format_eval(r: dict) -> str:
         if "delta_ppl_upper" in r:
             out += f" (one-sided 95 % upper bound {100 * r['delta_ppl_upper']:+.2f} %, paired per-token NLLs)"
         for k, v in (r.get("peers") or {}).items():
-            out += f"\n  {k:<12} ppl {v['ppl']:.3f}, Δppl {100 * v['delta_ppl']:+.2f} % (same text, vs the same dense model)"
+            up = f" (bound {100 * v['delta_ppl_upper']:+.2f} %)" if "delta_ppl_upper" in v else ""
+            vs = v.get("note") or "same text, vs the same dense model"
+            out += f"\n  {k:<12} ppl {v['ppl']:.3f}, Δppl {100 * v['delta_ppl']:+.2f} %{up} ({vs})"
         for n in r.get("notes") or []:
             out += f"\nnote: {n}"
         return out
@@ -379,7 +386,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
                 notes.append(note)
     if quality_text:
         say(f"quality: Δppl of every row on {Path(quality_text).name}")
-        res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say)
+        res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say,
+                                       llama_peers=peers if llama else None)
     decodes = all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean"))
     if (profile or trace_dir) and decodes:
         res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages, say, trace_dir=trace_dir)
@@ -392,8 +400,32 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     return res
 
 
+def llama_quality(ref: str, peers: str, ids, window: int, threads: int, notes: list) -> dict | None:
+    """llama.cpp's Δppl on ``ids`` (``window``-token windows) for the packaged model ``ref`` is an export
+    of: its GGUF against the same weights dequantized to F32, both scored by llama.cpp itself
+    (models.llamacpp.delta_ppl); None with a note when there is no GGUF or llama.cpp cannot run."""
+    name = peer_name(ref, peers)
+    if name is None:
+        return None
+    from models import llamacpp
+    from models.prepare import gguf_path
+
+    try:
+        g = gguf_path(name)
+        if g is None:
+            return None
+        r = llamacpp.delta_ppl(g, ids, window=window, threads=threads)
+    except Exception as e:  # a comparison row we cannot measure is a note, not fatal
+        notes.append(f"llama.cpp Δppl not measured: {str(e).splitlines()[0][:200]}")
+        return None
+    r["note"] = (f"llama.cpp's own Δppl: its GGUF vs the same weights in F32, {r['tokens']} tokens in {window}-token "
+                 "windows (prefill mode)")
+    return r
+
+
 def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, tokenizer: str | None = None,
-                  window: int = 512, windows: int = 8, decode_score: int = 256, say=None) -> dict:
+                  window: int = 512, windows: int = 8, decode_score: int = 256, say=None,
+                  llama_peers: str | None = None) -> dict:
     """Δppl of every model in ``variants`` ({row: path}) against ``ref`` on ``text_path``, all in one
     mode, as ``ortlean eval`` measures one model: teacher-forced ``windows`` x ``window``-token windows,
     or — when any model approximates in decode (PackedAttention with a budget) — decode-mode
@@ -445,6 +477,13 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
         if "token_nll" in d and len(d["token_nll"]) == len(p["token_nll"]):
             row["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
         out["rows"][name] = row
+    if llama_peers is not None:   # llama.cpp's row, measured by llama.cpp on the same text
+        if say:
+            say("quality: llama.cpp (its GGUF vs F32)")
+        notes: list = []
+        lq = llama_quality(ref, llama_peers, all_ids[: window * windows], window, threads, notes)
+        out["rows"]["llama.cpp"] = ({k: lq[k] for k in ("ppl", "delta_ppl", "delta_ppl_upper", "note")} if lq
+                                    else {"note": notes[0] if notes else "no GGUF for this model"})
     return out
 
 

@@ -232,7 +232,8 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
             mtype = next((x.get("model_type") for x in lc["rows"] if x.get("model_type")), "")
             row.update(side="peer", path=None, weight_bytes=None,
                        what=f"llama.cpp ({build.strip()}) on the package's GGUF ({mtype})".replace(" ()", ""),
-                       quality_note=lc.get("quality_note") or "not measured here (llama.cpp's own runtime)")
+                       quality_note=(qrows.get("llama.cpp") or {}).get("note") or lc.get("quality_note")
+                       or "not measured here (llama.cpp's own runtime)")
             for x in lc["rows"]:
                 tn = str(x["threads"])
                 if x["test"].startswith("tg"):

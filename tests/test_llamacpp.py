@@ -141,3 +141,34 @@ def test_fetch_and_run_llama_bench_on_the_packaged_gguf(monkeypatch):
     assert [r["test"] for r in rows] == ["pp8@d16", "tg2@d16"], note
     assert all(r["tok_s"] > 0 and r["threads"] == 1 for r in rows) and "Q4_1" in rows[0]["model_type"]
     assert f"llama.cpp-tools {t.version}" in note
+
+
+@pytest.mark.slow
+def test_llama_cpp_delta_ppl_on_the_packaged_gguf(monkeypatch):
+    """llama.cpp's Δppl row is measured by llama.cpp itself (models/llama_nll.c against the fetched
+    libllama): the GGUF and its F32 dequantization scored on the same token windows as the ONNX rows.
+    Its F32 run is the source weights in another engine: per token it agrees with ONNX Runtime's fp32
+    export of the same weights, which is what makes the two Δppl columns comparable."""
+    import numpy as np
+
+    from custom_ops import runtime
+    from models import corpus, prepare
+
+    monkeypatch.delenv("ORTLEAN_ANCHORS_SCRIPT", raising=False)
+    if llamacpp.debian_mirror() is None:
+        pytest.skip("no Debian mirror in this machine's apt sources")
+    import custom_ops
+
+    M = prepare.prepare("smollm2", progress=False) / "model.onnx"
+    tok = runtime.load_tokenizer(M)
+    ids = np.asarray(tok.encode(corpus.text(corpus.EVAL_NOVEL), add_special_tokens=False).ids[:256], np.int64)
+    g = prepare.gguf_path("smollm2")
+    nll_f32 = llamacpp.token_nll(llamacpp.f32_gguf(g), ids, window=128, threads=2)
+    assert nll_f32.shape == (254,) and np.isfinite(nll_f32).all()
+    sess = custom_ops.session(str(M), threads=2)
+    ort = runtime.perplexity(sess, runtime.ModelIO.from_session(sess, M), ids, window=128)
+    assert abs(np.exp(nll_f32.mean()) / ort["ppl"] - 1) < 2e-3, (np.exp(nll_f32.mean()), ort["ppl"])
+    r = llamacpp.delta_ppl(g, ids, window=128, threads=2)
+    assert r["tokens"] == 254 and abs(r["delta_ppl"]) < 0.05 and r["delta_ppl_upper"] >= r["delta_ppl"]
+    with pytest.raises(llamacpp.LlamaCppError, match="outside the model's vocabulary"):
+        llamacpp.token_nll(g, np.array([1, 10 ** 7]), window=128, threads=1)
