@@ -1,7 +1,7 @@
 """The fusion pass on the other decoder families optimum exports (issue 35): Mistral (sliding
 window), Phi-3 (qkv_proj packed in the checkpoint; partial rotary with LongRoPE factors), Gemma 2
-(sliding + global layers, soft-capped scores and logits) and Gemma 3 (q/k norms, two rotary bases,
-no position_ids input) — tiny random-weight exports (tests/tiny_hf.py, MORE_FAMILIES). The fused
+(sliding + global layers, soft-capped scores and logits), Qwen 3 (q/k norms) and Gemma 3 (q/k
+norms, two rotary bases, no position_ids input) — tiny random-weight exports (tests/tiny_hf.py, MORE_FAMILIES). The fused
 graph's logits and cache equal the export's on prefills longer than the window and on decode
 steps after them; the layer forms GroupQueryAttention cannot express stay unfused with the reason;
 PackedAttention (--state-pack binary --calib-text, --attn-exact on) runs on every fused family."""
@@ -34,6 +34,8 @@ EXPECT = {
                                   caches=["cos_cache"]),
     "gemma2": dict(windows=[8, -1], softcap=5.0, scale=24 ** -0.5, rotary=32, qk_norm=False, packed=True,
                    caches=["cos_cache"]),
+    "qwen3": dict(windows=[-1, -1], softcap=0.0, scale=None, rotary=32, qk_norm=True, packed=False,
+                  caches=["cos_cache"]),
     "gemma3": dict(windows=[8, -1], softcap=0.0, scale=256 ** -0.5,  # query_pre_attn_scalar 256 (default)
                    rotary=32, qk_norm=True, packed=False,
                    caches=["cos_cache_local", "cos_cache_global"]),

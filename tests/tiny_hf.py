@@ -264,6 +264,8 @@ MORE_FAMILIES = {
     # transformers' SDPA path drops the soft-cap, which optimum's default export then lacks)
     "gemma2": dict(_FAM, cls="Gemma2Config", model="Gemma2ForCausalLM", sliding_window=8, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0, query_pre_attn_scalar=24, attn_implementation="eager"),
+    # q/k RMSNorms on [B, S, H, D] before the head transpose (Gemma 3's come after it)
+    "qwen3": dict(_FAM, cls="Qwen3Config", model="Qwen3ForCausalLM", tie_word_embeddings=False),
     # q/k RMSNorms, sliding + global layers with their own rope bases (and linear scaling on the
     # global one), no position_ids input
     "gemma3": dict(_FAM, cls="Gemma3TextConfig", model="Gemma3ForCausalLM", sliding_window=8,
