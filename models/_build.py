@@ -83,7 +83,12 @@ def export(model_dir: Path, task: str, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m models._build SOURCE WORK TASK``: optimum export of the HF checkpoint SOURCE."""
+    """``python -m models._build SOURCE WORK TASK``: optimum export of the HF checkpoint SOURCE;
+    ``python -m models._build _hf SRC_DIR GGUF_FILE OUT_DIR``: the fp32 checkpoint of a GGUF
+    (models.prepare.hf_checkpoint)."""
+    if len(argv) == 4 and argv[0] == "_hf":
+        dequantize_gguf(Path(argv[1]), argv[2], Path(argv[3]))
+        return 0
     if len(argv) != 3:
         print("usage: python -m models._build SOURCE_DIR WORK_DIR TASK", file=sys.stderr)
         return 2

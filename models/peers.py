@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 
 from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
-from .prepare import MODELS, RECIPE as PREPARE_RECIPE, PrepareError, _spec, gguf_path, package_versions, source_dir
+from .prepare import PrepareError, _hf_key, _spec, gguf_path, hf_checkpoint
 
 __all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "genai_available",
            "llama_bench", "GENAI_PRECISIONS"]
 
 RECIPE = 1
 GENAI_PRECISIONS = ("fp32", "int4")
-HF_TOOLS = ("torch", "transformers", "gguf")
 GENAI_TOOLS = ("onnxruntime-genai", "onnxruntime", "onnx", "transformers")
 
 
@@ -64,45 +63,6 @@ def _say(progress: bool, msg: str) -> None:
         print(f"[ortlean] {msg}", file=sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# the fp32 Hugging Face checkpoint
-def _hf_key(name: str) -> str:
-    spec = _spec(name)
-    return artifact_key(f"{name}-hf", {"recipe": [PREPARE_RECIPE, RECIPE],
-                                       "package": package_versions(name),
-                                       "tools": versions(HF_TOOLS)})
-
-
-def hf_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
-    """The fp32 HF checkpoint (``config.json``, ``model.safetensors``, tokenizer) of a GGUF-packaged
-    causal LM: ``models._build.dequantize_gguf`` — the step before optimum's export in
-    :func:`models.prepare.prepare` — run once and kept."""
-    spec = _spec(name)
-    if spec.kind != "causal-lm" or not spec.gguf:
-        raise PeerError(f"{name}: peers are built for the GGUF-packaged causal LMs "
-                        f"({[m for m, s in MODELS.items() if s.gguf]})")
-    target = cache_root() / "hf" / _hf_key(name)
-    if (target / "config.json").is_file():
-        return target
-    src = source_dir(name, progress)
-    target = cache_root() / "hf" / _hf_key(name)   # a GGUF in parts: keyed by the versions just installed
-    if (target / "config.json").is_file():
-        return target
-    _say(progress, f"{name}: fp32 checkpoint from {spec.gguf} -> {target} (one-time, "
-                   + ("several minutes, ~8 GB of memory)" if spec.parts else "~30 s)"))
-    with atomic_dir(target) as tmp:
-        if tmp is None:
-            return target
-        work = tmp / "_work"
-        work.mkdir()
-        _run([sys.executable, "-m", "models.peers", "_hf", str(src), spec.gguf, str(tmp)],
-             tmp.parent / f".{target.name}.log", work, f"{name}: dequantizing {spec.gguf}")
-        shutil.rmtree(work)
-    return target
-
-
-# ---------------------------------------------------------------------------------------------
-# onnxruntime-genai builder models
 def genai_available() -> str | None:
     """None when onnxruntime-genai is importable, else the reason (one line, with the fix)."""
     if pkg_version("onnxruntime-genai") is None:
@@ -194,18 +154,3 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
                      "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
                      "model_type": r.get("model_type"), "build": f"{r.get('build_commit')} {r.get('build_number')}"})
     return rows, " ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf) + f" ({how})"
-
-
-def _child(argv: list[str]) -> int:
-    """``python -m models.peers _hf SRC GGUF OUT``: the checkpoint half of models._build."""
-    if len(argv) != 4 or argv[0] != "_hf":
-        print("usage: python -m models.peers _hf SRC_DIR GGUF_FILE OUT_DIR", file=sys.stderr)
-        return 2
-    from ._build import dequantize_gguf
-
-    dequantize_gguf(Path(argv[1]), argv[2], Path(argv[3]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))

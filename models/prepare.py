@@ -513,10 +513,8 @@ def prepare(name: str, force: bool = False, progress: bool = True) -> Path:
     checkpoint = None
     if spec.gguf:
         # the fp32 checkpoint the export is made from stays in the cache: the genai peer builder
-        # builds its fp32 / int4 models from the same one (models.peers.hf_checkpoint)
-        from . import peers
-
-        checkpoint = peers.hf_checkpoint(name, progress=progress)
+        # builds its fp32 / int4 models from the same one (hf_checkpoint)
+        checkpoint = hf_checkpoint(name, progress=progress)
     with atomic_dir(target, force=force) as tmp:
         if tmp is None:  # another process built it while we waited for the lock
             return target
@@ -603,3 +601,53 @@ sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# the fp32 Hugging Face checkpoint of a GGUF-packaged model (the export's and the genai peers' source)
+HF_TOOLS = ("torch", "transformers", "gguf")
+HF_RECIPE = 1       # the checkpoint step's own recipe (beside RECIPE, which covers the tokenizer it writes)
+
+
+def _hf_key(name: str) -> str:
+    return artifact_key(f"{name}-hf", {"recipe": [RECIPE, HF_RECIPE], "package": package_versions(name),
+                                       "tools": versions(HF_TOOLS)})
+
+
+def hf_checkpoint(name: str = "smollm2", progress: bool = True) -> Path:
+    """The fp32 HF checkpoint (``config.json``, ``model.safetensors``, tokenizer) of a GGUF-packaged
+    causal LM: ``models._build.dequantize_gguf`` — the step before optimum's export in
+    :func:`prepare` — run once (in a child process: torch stays out of this one) and kept; the
+    onnxruntime-genai peer builder (models.peers) builds from the same one."""
+    spec = _spec(name)
+    if spec.kind != "causal-lm" or not spec.gguf:
+        raise PrepareError(f"{name}: an fp32 checkpoint is made for the GGUF-packaged causal LMs "
+                           f"({[m for m, s in MODELS.items() if s.gguf]})")
+    target = cache_root() / "hf" / _hf_key(name)
+    if (target / "config.json").is_file():
+        return target
+    src = source_dir(name, progress)
+    target = cache_root() / "hf" / _hf_key(name)   # a GGUF in parts: keyed by the versions just installed
+    if (target / "config.json").is_file():
+        return target
+    _say(progress, f"{name}: fp32 checkpoint from {spec.gguf} -> {target} (one-time, "
+                   + ("several minutes, ~8 GB of memory)" if spec.parts else "~30 s)"))
+    with atomic_dir(target) as tmp:
+        if tmp is None:
+            return target
+        work = tmp / "_work"
+        work.mkdir()
+        log = tmp.parent / f".{target.name}.log"
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        parent = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([parent] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+        with open(log, "wb") as fh:
+            rc = subprocess.run([sys.executable, "-m", "models._build", "_hf", str(src), spec.gguf, str(tmp)],
+                                stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(work)).returncode
+        if rc != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            raise PrepareError(f"{name}: dequantizing {spec.gguf} failed (exit {rc}):\n{tail}")
+        shutil.rmtree(work)
+    return target
