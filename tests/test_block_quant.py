@@ -405,3 +405,23 @@ def test_gather_indices_int32_and_errors():
 def test_op_isa_reported():
     isas = custom_ops.op_isas()
     assert isas["BlockQuantMatMul"] == isas["BlockQuantGather"] and isas["BlockQuantMatMul"] in ("scalar", "avx2", "avx512")
+
+
+@requires_native
+def test_nonfinite_guard_recomputes_in_double():
+    """A finite row whose float32 partial products overflow (two blocks of +-3e38 against huge weights
+    that cancel exactly) comes out NaN from the kernels; the guard recomputes it in double (0, as the
+    reference) and counts it; a row whose exact result overflows stays infinite."""
+    K, N = 64, 3
+    blk = np.concatenate([np.frombuffer(np.float16(60000.0).tobytes(), np.uint8), np.full(32, 127, np.uint8)])
+    W = np.tile(blk, (N, 2))  # q8_0: every weight 60000 * 127
+    s = custom_ops.session(bq_model(W, "q8_0", K, N, name="bq_guard"), threads=1)
+    X = np.zeros((2, K), np.float32)
+    X[0, :32], X[0, 32:] = 3e38, -3e38
+    X[1] = 3e38
+    custom_ops.reset_metrics()
+    y = s.run(None, {"X": X})[0]
+    ref = bq.op(X, W, format="q8_0", K=K, N=N)
+    assert np.array_equal(y[0], ref[0]) and np.all(y[0] == 0)
+    assert np.all(np.isposinf(y[1])) and np.all(np.isposinf(ref[1]))
+    assert custom_ops.metrics()["bq_guard"]["bq.nonfinite_recomputes"] == 2
