@@ -14,7 +14,7 @@ namespace {
 
 // M = 1: weight bytes per pool task at least this (a matvec task restarts the streams: fewer, larger
 // tasks) and at most kMaxTasks tasks; rows per task a multiple of kRowGroup (the kernels' row groups)
-constexpr int64_t kTaskBytes = 64 * 1024;
+constexpr int64_t kTaskBytes = 48 * 1024;
 constexpr int64_t kMaxTasks = 8;
 constexpr int64_t kRowGroup = 8;
 // M > 1: tasks of kTileN weight rows (decoded once per task into the kernels' panel) x up to kTileM
@@ -177,7 +177,10 @@ class BqCall {
     const int64_t N = w_.N;
     if (io_.M == 1) {
       const int64_t total = N * w_.row_bytes;
-      int64_t nt = k_.pool_.width() == 1 ? 1 : std::min<int64_t>(kMaxTasks, std::max<int64_t>(1, total / kTaskBytes));
+      // an even number of tasks (2 .. kMaxTasks) unless the pool is one thread: ORT's pool hands tasks
+      // out dynamically, and 3 tasks on 2 threads leave one thread a third of the work to wait for
+      int64_t nt = std::min<int64_t>(kMaxTasks, std::max<int64_t>(2, total / kTaskBytes));
+      nt = k_.pool_.width() == 1 ? 1 : nt & ~int64_t{1};
       int64_t rows = (N + nt - 1) / nt;
       rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
       nt = (N + rows - 1) / rows;
