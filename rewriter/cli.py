@@ -339,10 +339,11 @@ def cmd_inspect(args) -> int:
     print("ops: " + ", ".join(f"{k}×{v}" for k, v in info["ops"].items()))
     if custom:
         print(f"\n{len(custom)} ortlean nodes:")
+        width = max(len(c["op"]) for c in custom)
         for c in custom:
             a = c["attributes"]
             extra = ", ".join(f"{k}={_short(v)}" for k, v in a.items() if k not in ("layer", "target"))
-            print(f"  {c['op']:<12} {c['name']}  [{a.get('target', '?')}]  {extra}")
+            print(f"  {c['op']:<{width}} {c['name']}  [{a.get('target', '?')}]  {extra}")
     print(f"\n{len(cands)} dense weight MatMuls:")
     for c in info["dense_candidates"]:
         print(f"  {c['name']}  {c['target']}/{c['role']}  block {c['block']}  {c['shape'][0]}x{c['shape'][1]}"

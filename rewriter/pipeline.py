@@ -203,6 +203,7 @@ def run(cfg: RewriteConfig) -> dict:
         "seconds": round(time.time() - t0, 1),
         "resources": res.summary(),
     }
+    summary["notes"] = [line for b in [*weight, *passes] for line in getattr(b, "notes", lambda s: [])(summary)]
     if cfg.report:
         report.write_json_atomic(Path(cfg.report), summary)
     return summary

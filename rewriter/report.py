@@ -125,6 +125,7 @@ def format_report(summary: dict) -> str:
                 by[r["backend"]] = by.get(r["backend"], 0) + 1
         how = f" ({', '.join(f'{k}: {v}' for k, v in by.items())})" if by else ""
         lines.append(f"{summary['factored']} rewritten by graph passes{how}, {summary['kept_dense']} left as they were")
+    lines += summary.get("notes") or []
     if summary["output"]:
         lines.append(f"wrote {', '.join(summary['written'])}")
         g = summary.get("genai")

@@ -1,8 +1,23 @@
-"""``--weights fp32|int8|int4``: the weight precision of every layer no other backend takes
-(the lm_head included) — ONNX Runtime's ``com.microsoft.MatMulNBits``, each weight quantized by
-ORT's own block quantizer (``rewriter.quantize``: the code ``MatMulNBitsQuantizer`` runs per node;
-block size, symmetry and ``accuracy_level`` are ``rewriter.quantize.DEFAULTS``, chosen by
-``tests/bench/bench_weights.py``).
+"""``--weights auto|fp32|int8|int4|gguf[,FALLBACK]``: the weight precision of every layer no other
+backend takes (the lm_head included).
+
+- ``int8`` / ``int4``: ONNX Runtime's ``com.microsoft.MatMulNBits``, each weight quantized by ORT's
+  own block quantizer (``rewriter.quantize``: the code ``MatMulNBitsQuantizer`` runs per node; block
+  size, symmetry and ``accuracy_level`` are ``rewriter.quantize.DEFAULTS``, chosen by
+  ``tests/bench/bench_weights.py``).
+- ``gguf`` (with ``--gguf FILE.gguf``, or by itself on a packaged model's export): every weight
+  whose values are a GGUF tensor's dequantized blocks — transposed, rows permuted, several tensors
+  concatenated — becomes ortlean's ``BlockQuantMatMul`` holding those blocks' bytes, copied, never
+  re-quantized, and checked bit-exact (``rewriter.builders.gguf``); a weight the GGUF does not hold
+  is refused by name, unless a fallback follows the comma: ``gguf,fp32`` keeps it, ``gguf,int8`` /
+  ``gguf,int4`` quantize it to MatMulNBits, ``gguf,q8_0`` (or q5_1, q5_0, q4_1, q4_0) to
+  BlockQuantMatMul blocks with the gguf package's own quantizer. A bias Add right after the MatMul
+  (Qwen2's q/k/v) folds into the op's bias input. The token embedding tied to the head reads the
+  head's blocks through ``BlockQuantGather`` (``--weights-embed shared``); an untied embedding that
+  a GGUF tensor holds becomes a BlockQuantGather of its own blocks.
+- ``auto`` (the default): ``gguf`` when ``--gguf`` is given or the model is a packaged model's
+  export whose GGUF is known (``models.prepare.packaged_name`` / ``gguf_path``), else ``fp32``
+  (``auto,FALLBACK``: the fallback for what the GGUF does not hold; without a GGUF, every layer).
 
 It is the LAST entry of ``WEIGHT_BACKENDS``: the pipeline tries backends in order and the first
 non-dense plan takes a layer, so this one sees exactly the layers the others left dense. Its plans
@@ -13,10 +28,12 @@ backend loses to the guard is quantized instead (``fallback``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
+from ..errors import OrtleanError
 from ..kit import gaps, surgery
 from ..kit.backend import GraphPassBase, Plan, WeightBackendBase
 from ..kit.candidates import Candidate, GroupCandidate
@@ -24,31 +41,94 @@ from ..kit.options import Options, flag, from_args, onoff
 from .. import quantize
 
 MS_DOMAIN = "com.microsoft"
+SOURCES = ("auto", "gguf", *quantize.WEIGHTS)
+FALLBACKS = ("fp32", "int8", "int4", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def parse_weights(spec: str) -> tuple[str, str | None]:
+    """"gguf,q8_0" -> ("gguf", "q8_0"); names the flag and value when it is not one of the forms."""
+    parts = [p.strip() for p in str(spec).split(",")]
+    src, fb = parts[0], (parts[1] if len(parts) > 1 else None)
+    if len(parts) > 2 or src not in SOURCES or (fb is not None and (src not in ("auto", "gguf") or fb not in FALLBACKS)):
+        raise OrtleanError(f"--weights {spec!r}: one of {', '.join(SOURCES)}, or gguf,FALLBACK / auto,FALLBACK with "
+                           f"FALLBACK one of {', '.join(FALLBACKS)} (what the GGUF does not hold becomes)")
+    return src, fb
 
 
 @dataclass
 class WeightsConfig(Options):
-    weights: str = flag("--weights", "fp32", "precision of the weights no other backend takes: fp32 (as they are) | "
-                        "int8 | int4 (ONNX Runtime MatMulNBits, lm_head included; default fp32)",
-                        choices=quantize.WEIGHTS)
-    embed: str = flag("--weights-embed", "shared", "with --weights int8|int4, a token embedding tied to the "
-                      "lm_head: shared (default: it reads the head's quantized blocks through "
-                      "GatherBlockQuantized, no bytes of its own, as ORT's model builder does) | fp32 (keeps "
-                      "its float32 table)", choices=quantize.EMBED)
+    weights: str = flag("--weights", "auto", "precision of the weights no other backend takes: auto (default: gguf "
+                        "when --gguf is given or the model is a packaged model's export with a known GGUF, else fp32) "
+                        "| fp32 (as they are) | int8 | int4 (ONNX Runtime MatMulNBits, lm_head included) | gguf (the "
+                        "GGUF's own blocks in BlockQuantMatMul, bit-exact; a weight the GGUF does not hold is an "
+                        "error) | gguf,FALLBACK with FALLBACK fp32, int8, int4, q8_0, q5_1, q5_0, q4_1 or q4_0 (what "
+                        "the GGUF does not hold is kept / quantized to that)", metavar="SPEC")
+    gguf: str | None = flag("--gguf", None, "with --weights gguf|auto: the GGUF file whose blocks the model's weights "
+                            "are (default for a packaged model's export: the GGUF it was built from)",
+                            metavar="FILE.gguf")
+    embed: str = flag("--weights-embed", "shared", "the token embedding: shared (default: tied to the lm_head, it "
+                      "reads the head's quantized blocks — GatherBlockQuantized with int8|int4, BlockQuantGather with "
+                      "gguf — no bytes of its own; with gguf an untied embedding the GGUF holds reads its own "
+                      "blocks) | fp32 (keeps its float32 table)", choices=quantize.EMBED)
     enabled: bool = False
     targets: tuple = ("mlp", "attn", "head")
+    source: str = "fp32"            # resolved: fp32 | int8 | int4 | gguf
+    fallback: str | None = None     # resolved: what a weight the GGUF does not hold becomes
+    requested: str = "auto"         # --weights as given
+    packaged: str | None = None     # the packaged model whose GGUF is used by default
+
+    def resolve(self, model_path) -> None:
+        """Decide ``source`` / ``fallback`` / ``gguf`` from the flags and the model path, and set
+        ``weights`` to the effective spec ("gguf", "gguf,q8_0", "int4", "fp32" …)."""
+        self.requested = self.weights
+        src, fb = parse_weights(self.weights)
+        if self.gguf is not None and src not in ("auto", "gguf"):
+            raise OrtleanError(f"--gguf {self.gguf}: only with --weights gguf[,FALLBACK] or auto (not {self.weights!r})")
+        if src in ("auto", "gguf") and self.gguf is None and model_path is not None:
+            from models import prepare
+
+            name = prepare.packaged_name(model_path)
+            if name is not None:
+                try:
+                    g = prepare.gguf_path(name)
+                except prepare.PrepareError:
+                    g = None
+                if g is not None and g.is_file():
+                    self.gguf, self.packaged = str(g), name
+        if src == "auto":
+            if self.gguf is not None:
+                src = "gguf"
+            elif fb in (None, "fp32", "int8", "int4"):
+                src, fb = (fb or "fp32"), None
+            else:
+                src = "gguf"        # auto,q8_0 without a GGUF: every layer quantized to q8_0 blocks
+        if src == "gguf" and self.gguf is None and fb is None:
+            raise OrtleanError(f"--weights {self.requested}: needs --gguf FILE.gguf ({model_path} is not a packaged "
+                               "model's export with a known GGUF)")
+        self.source, self.fallback = src, fb
+        self.weights = src if fb is None else f"{src},{fb}"
+
+    def validate(self) -> None:
+        if self.source == "gguf" and self.gguf is not None and not Path(self.gguf).is_file():
+            raise OrtleanError(f"--gguf {self.gguf}: no such file")
 
 
 class WeightsBackend(WeightBackendBase):
     name = "weights"
     op_type = "MatMulNBits"
     Config = WeightsConfig
-    title = "weight precision (ONNX Runtime MatMulNBits, for the layers no other backend takes)"
+    title = "weight precision (ONNX Runtime MatMulNBits or a GGUF's blocks, for the layers no other backend takes)"
     pinned = True        # the quality guard keeps these plans (see the module docstring)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._gguf = None            # builders.gguf.GGUFSource, opened on first use
+        self._untied = None          # (owner head's name, the untied embedding's plan) once looked for
 
     @classmethod
     def config(cls, args, state_pack) -> WeightsConfig:
         cfg = from_args(WeightsConfig, args)
+        cfg.resolve(getattr(args, "model", None))
         cfg.enabled = cfg.weights != "fp32"
         cfg.validate()
         return cfg
@@ -63,12 +143,17 @@ class WeightsBackend(WeightBackendBase):
     def plan(self, cand: Candidate, W: np.ndarray, G: np.ndarray | None, ctx) -> Plan:
         if isinstance(cand, GroupCandidate):
             return Plan.dense(cand, "MatMulNBits quantizes single MatMuls, not a gated group")
-        cfg = quantize.config_for(self.cfg.weights)
+        if self.cfg.source == "gguf":
+            return self._plan_gguf(cand, W, G, ctx)
+        return self._plan_nbits(cand, W, G, ctx, self.cfg.weights)
+
+    def _plan_nbits(self, cand: Candidate, W: np.ndarray, G, ctx, weights: str, why: str = "") -> Plan:
+        cfg = quantize.config_for(weights)
         packed, scales, zp = quantize.quantize_matrix(W, cfg)
         W_hat = quantize.dequantize_matrix(packed, scales, zp, cand.K, cfg)
         gap = gaps.layer_gap(W, W_hat, G)
         stored = packed.nbytes + scales.nbytes + (zp.nbytes if zp is not None else 0)
-        how = (f"block {cfg.block_size}, {'symmetric' if cfg.symmetric else 'zero points'}, "
+        how = (f"{why}block {cfg.block_size}, {'symmetric' if cfg.symmetric else 'zero points'}, "
                f"accuracy_level {cfg.accuracy_level}; {stored / max(4 * cand.params, 1):.3f} of the fp32 bytes"
                + ("" if G is not None else "; gap = weight error (no calibration)"))
         tied = None
@@ -77,11 +162,13 @@ class WeightsBackend(WeightBackendBase):
             if g is not None:
                 tied = g.name
                 how += f"; the tied token embedding ({tied}) reads these blocks (its {4 * W.size / 2**20:.1f} MiB float32 table dropped)"
-        return Plan(self.label, how, gap, cand.params, payload=(packed, scales, zp, cfg, tied),
+        return Plan(f"{weights} (MatMulNBits)", how, gap, cand.params, payload=("nbits", packed, scales, zp, cfg, tied),
                     attrs={"bits": cfg.bits, "block_size": cfg.block_size, "bytes": int(stored)})
 
     def emit(self, graph: ir.Graph, cand: Candidate, plan: Plan, ctx) -> None:
-        packed, scales, zp, cfg, tied = plan.payload
+        if plan.payload[0] == "blocks":
+            return self._emit_blocks(graph, cand, plan)
+        _, packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),
                   surgery.initializer(graph, f"{base}.weight_scales", scales)]
@@ -98,6 +185,230 @@ class WeightsBackend(WeightBackendBase):
         gather = next((n for n in graph if n.name == tied), None) if tied else None
         if gather is not None:
             quantize.share_embedding(graph, gather, node)
+
+    # ------------------------------------------------------------------ gguf
+    def _source(self):
+        from ..builders.gguf import GGUFSource
+
+        if self._gguf is None and self.cfg.gguf is not None:
+            self._gguf = GGUFSource(self.cfg.gguf)
+        return self._gguf
+
+    def _plan_gguf(self, cand: Candidate, W: np.ndarray, G, ctx) -> Plan:
+        from ..builders import gguf as gg
+
+        src = self._source()
+        WT = np.ascontiguousarray(W.T)
+        m = src.match(WT) if src is not None else None
+        if m is not None and m.complete and all(src.tensors[t].is_float for t in set(m.tensor.tolist())):
+            held = ", ".join(f"{src.tensors[t].name} ({src.tensors[t].type_name})" for t in dict.fromkeys(m.tensor.tolist()))
+            return Plan.dense(cand, f"kept fp32: the GGUF holds it as floats ({held}), not in blocks")
+        if m is not None and m.complete:
+            try:
+                parts = src.assemble(WT, m)
+            except OrtleanError as e:
+                raise OrtleanError(f"--weights gguf: node {cand.name!r} ({cand.K}x{cand.N}): {e}") from None
+            return self._blocks_plan(cand, W, parts, gg.parts_source(parts), 0.0, ctx, exact=True)
+        why = (src.describe_miss(m, cand.K) if src is not None else "no GGUF given")
+        fb = self.cfg.fallback
+        if fb is None:
+            raise OrtleanError(f"--weights {self.cfg.requested}: node {cand.name!r} ({cand.K}x{cand.N}, weight "
+                               f"{cand.weight.name}): {why}; --weights gguf,q8_0 (or gguf,int8 | gguf,int4 | gguf,fp32) "
+                               "quantizes (keeps) what the GGUF does not hold")
+        note = f"not in the GGUF ({why}): " if src is not None else ""
+        if fb == "fp32":
+            return Plan.dense(cand, f"kept fp32: {note}--weights {self.cfg.weights}")
+        if fb in ("int8", "int4"):
+            return self._plan_nbits(cand, W, G, ctx, fb, why=f"{note}quantized with ORT's MatMulNBits quantizer; ")
+        Wq = gg.quantize(fb, WT)
+        W_hat = gg.dequantize(fb, Wq, cand.K)
+        gap = gaps.layer_gap(W, W_hat.T, G)
+        part = gg.Part(fb, 0, cand.N, cand.K, Wq, [], "quantized")
+        return self._blocks_plan(cand, W, [part], f"quantize:{fb}", gap, ctx, exact=False,
+                                 why=f"{note}quantized to {fb} with gguf.quants.quantize"
+                                     + ("" if G is not None else " (gap = weight error, no calibration)"))
+
+    def _blocks_plan(self, cand: Candidate, W: np.ndarray, parts: list, source: str, gap: float, ctx, *,
+                     exact: bool, why: str = "") -> Plan:
+        stored = int(sum(p.W.nbytes for p in parts))
+        fmts = "+".join(dict.fromkeys(p.format for p in parts))
+        bpw = 8.0 * stored / max(cand.params, 1)
+        if exact:
+            srcs = "; ".join(f"{'+'.join(p.tensors)}" + (f" ({p.layout})" if p.layout != "as stored" else "")
+                             for p in parts)
+            how = (f"BlockQuantMatMul {fmts} (gguf {srcs}), {bpw:.2f} bits/weight; bit-exact: dequantized bytes "
+                   "equal the source initializer")
+        else:
+            how = f"BlockQuantMatMul {fmts}, {bpw:.2f} bits/weight; {why}"
+        if len(parts) > 1:
+            how += f"; {len(parts)} nodes (one per format) and a Concat"
+        add = _bias_add(cand.node, cand.N)
+        if add is not None:
+            how += "; bias Add folded into the op"
+        embed = None
+        if cand.target == "head" and self.cfg.embed == "shared" and ctx is not None and ctx.model is not None:
+            g = quantize.tied_embedding(ctx.model.graph, W)
+            if g is not None and len(parts) == 1:
+                embed = ("tied", g.name, None)
+                how += (f"; the tied token embedding ({g.name}) reads these blocks through BlockQuantGather (its "
+                        f"{4 * W.size / 2**20:.1f} MiB float32 table dropped)")
+            elif g is None:
+                embed = self._untied_embedding(cand, ctx)
+                if embed is not None:
+                    how += (f"; the untied token embedding ({embed[1]}) becomes a BlockQuantGather of its own GGUF "
+                            f"blocks ({'+'.join(embed[2].tensors)}, {embed[2].format}, bit-exact)")
+        label = f"{'gguf' if exact else self.cfg.fallback} (BlockQuantMatMul)"
+        return Plan(label, how, gap, cand.params, payload=("blocks", parts, source, gap, embed),
+                    attrs={"format": fmts, "bits_per_weight": round(bpw, 4), "bytes": stored, "source": source,
+                           "bit_exact": exact})
+
+    def _untied_embedding(self, cand: Candidate, ctx):
+        """("own", gather name, Part) when ``cand`` is the first head the rewrite plans and the model
+        has an embedding Gather (axis 0, constant float32 [V, D] table, runtime indices) tied to no
+        head whose table the GGUF holds in one format (rows in any order); else None."""
+        if self._untied is None:
+            self._untied = self._find_untied(ctx)
+        owner, found = self._untied
+        return found if cand.name == owner else None
+
+    def _find_untied(self, ctx) -> tuple:
+        src = self._gguf
+        heads = [c for c in ctx.todo if c.target == "head" and not isinstance(c, GroupCandidate)]
+        if src is None or not heads:
+            return None, None
+        for node in ctx.model.graph:
+            tab = _embedding_table(node)
+            if tab is None:
+                continue
+            T = np.ascontiguousarray(tab.const_value.numpy())
+            if any((c.N, c.K) == T.shape and np.array_equal(c.weight_array().T, T) for c in heads):
+                continue        # tied to a head: that head's blocks serve it
+            m = src.match(T)
+            if not m.complete or any(src.tensors[t].format is None for t in set(m.tensor.tolist())):
+                continue
+            parts = src.assemble(T, m)
+            if len(parts) == 1:
+                return heads[0].name, ("own", node.name, parts[0])
+        return None, None
+
+    def _emit_blocks(self, graph: ir.Graph, cand: Candidate, plan: Plan) -> None:
+        _, parts, source, gap, embed = plan.payload
+        node = cand.node
+        base = surgery.safe_name(cand.name)
+        add = _bias_add(node, cand.N)
+        bias = add[1].const_value.numpy().reshape(-1).astype(np.float32) if add is not None else None
+        multi = len(parts) > 1
+        new, weights = [], []
+        for i, p in enumerate(parts):
+            sfx = f"_{i}" if multi else ""
+            w = surgery.initializer(graph, f"{base}.weight_{p.format}{sfx}", p.W)
+            b = surgery.initializer(graph, f"{base}.bias{sfx}", bias[p.start:p.stop]) if bias is not None else None
+            attrs = {"format": p.format, "K": int(cand.K), "N": int(p.N), "layer": cand.label, "target": cand.target,
+                     "source": source, "bits_per_weight": float(p.bits_per_weight), "params_dense": int(cand.K * p.N),
+                     "params_stored": int(cand.K * p.N), "gap": float(gap)}
+            new.append(surgery.op_node("BlockQuantMatMul", [cand.input, w, b], attrs, name=f"{cand.name}_BQ{sfx}"))
+            weights.append(w)
+        graph.insert_before(node, new)
+        out = new[0].outputs[0]
+        if multi:
+            cat = ir.Node("", "Concat", [n.outputs[0] for n in new], [ir.AttrInt64("axis", -1)],
+                          name=f"{cand.name}_BQ/Concat")
+            graph.insert_before(node, cat)
+            out = cat.outputs[0]
+        _take_over(graph, node, add, out)
+        if embed is not None:
+            kind, gname, part = embed
+            gather = next((n for n in graph if n.name == gname), None)
+            if gather is not None:
+                if kind == "tied":
+                    _gather_blocks(graph, gather, weights[0], parts[0].format, int(cand.K), int(cand.N), "head",
+                                   source, cand.label)
+                else:
+                    w = surgery.initializer(graph, f"{surgery.safe_name(gname)}.weight_{part.format}", part.W)
+                    _gather_blocks(graph, gather, w, part.format, part.K, part.N, "head",
+                                   "gguf:" + ",".join(part.tensors), "embed")
+
+    def notes(self, summary: dict) -> list[str]:
+        """The summary's line on a GGUF-sourced rewrite: how many layers hold the GGUF's blocks and
+        the written model's bytes (model file + external data) beside the GGUF file's."""
+        if self.cfg.source != "gguf":
+            return []
+        n = sum(1 for r in summary["layers"] if str(r["backend"]).startswith("gguf"))
+        line = f"weights: {n} layers hold the GGUF's blocks, bit-exact"
+        if self._gguf is not None:
+            line += f" ({self._gguf.path.name})"
+            files = [Path(p) for p in summary.get("written") or [] if Path(p).suffix in (".onnx", ".data")]
+            size = sum(p.stat().st_size for p in files if p.is_file())
+            if size:
+                line += (f"; the model's files {size / 1e6:.1f} MB ({' + '.join(p.name for p in files)}) vs the "
+                         f"GGUF's {self._gguf.file_bytes / 1e6:.1f} MB ({size / self._gguf.file_bytes:.2f}x)")
+        return [line]
+
+
+def _embedding_table(node: ir.Node) -> ir.Value | None:
+    """The constant float32 [V, D] table of an embedding Gather (axis 0, indices computed at run time)."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    axis = node.attributes.get("axis")
+    t, idx = node.inputs
+    if (axis is not None and axis.as_int() != 0) or t is None or t.const_value is None or idx is None:
+        return None
+    if idx.const_value is not None or len(t.const_value.shape) != 2 or t.const_value.dtype != ir.DataType.FLOAT:
+        return None
+    return t
+
+
+def _bias_add(node: ir.Node, N: int):
+    """(Add node, bias value) when the MatMul's only consumer is an Add of a constant float32 [N]
+    (either operand order) and the MatMul output is no graph output; else None."""
+    out = node.outputs[0]
+    uses = list(out.uses())
+    if out.is_graph_output() or len(uses) != 1:
+        return None
+    add = uses[0].node
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
+        return None
+    other = add.inputs[1 - uses[0].idx]
+    if other is None or other.const_value is None or not other.is_initializer():
+        return None
+    c = other.const_value
+    if c.dtype != ir.DataType.FLOAT or [int(d) for d in c.shape] not in ([N], [1, N], [1, 1, N]):
+        return None
+    return add, other
+
+
+def _take_over(graph: ir.Graph, node: ir.Node, add, out: ir.Value) -> None:
+    """``out`` takes the place of the MatMul's output (of its bias Add's when folded); the MatMul,
+    the Add and the weights nothing else uses go."""
+    old = add[0].outputs[0] if add is not None else node.outputs[0]
+    name = old.name
+    out.type, out.shape = old.type, old.shape
+    old.replace_all_uses_with(out, replace_graph_outputs=True)
+    if add is not None:
+        graph.remove(add[0], safe=True)
+        surgery.drop_if_unused(graph, add[1])
+    weight_in = node.inputs[1]
+    graph.remove(node, safe=True)
+    surgery.drop_if_unused(graph, weight_in)
+    out.name = name
+
+
+def _gather_blocks(graph: ir.Graph, gather: ir.Node, w: ir.Value, fmt: str, K: int, N: int, target: str,
+                   source: str, layer: str) -> None:
+    """Replace the embedding ``gather`` by BlockQuantGather over the blocks ``w`` ([N rows of K])."""
+    qk = 8.0 * int(w.const_value.shape[1]) / K
+    attrs = {"format": fmt, "K": K, "N": N, "layer": layer, "target": target, "source": source,
+             "bits_per_weight": float(qk), "params_dense": K * N, "params_stored": K * N}
+    node = surgery.op_node("BlockQuantGather", [w, gather.inputs[1]], attrs, name=f"{gather.name}_BQ")
+    graph.insert_before(gather, node)
+    table = gather.inputs[0]
+    old = gather.outputs[0]
+    name = old.name
+    node.outputs[0].type, node.outputs[0].shape = old.type, old.shape
+    old.replace_all_uses_with(node.outputs[0], replace_graph_outputs=True)
+    graph.remove(gather, safe=True)
+    node.outputs[0].name = name
+    surgery.drop_if_unused(graph, table)
 
 
 # --------------------------------------------------------------------------- --weights-pack (a "post" graph pass)

@@ -11,6 +11,7 @@ makes one instance per enabled backend, ``Backend(config)``, and calls, in this 
     b.calibration_hook(ctx) -> hook | None     # hook: sees every calibration activation (default: none)
     b.plan(cand, W, G, ctx) -> Plan            # decision for one layer ("dense" says why)
     b.emit(graph, cand, plan, ctx)             # replace cand.node by its op
+    b.notes(summary) -> list[str]              # hook: lines for the report's end (default: none)
 
 Weight backends are tried in registry order per layer; the first whose plan is not "dense" takes
 it (the weight backend is exclusive per MatMul). `emit` also runs on in-memory trial models
@@ -168,6 +169,10 @@ class _Configured:
         cfg = options.from_args(cls.Config, args)
         cfg.validate()
         return cfg
+
+    def notes(self, summary: dict) -> list[str]:
+        """Hook: lines for the end of the report, given the rewrite's summary (default: none)."""
+        return []
 
 
 class WeightBackendBase(_Configured, ABC):
