@@ -447,11 +447,13 @@ def _smollm2():
     return d / "model.onnx", g
 
 
-@pytest.mark.parametrize("fuse", ["on", "off"])
+# the fused graph costs ~1 min of ORT's fusion on top (slow); the unfused one checks every layer against its initializer
+@pytest.mark.parametrize("fuse", [pytest.param("on", marks=pytest.mark.slow), "off"])
 def test_smollm2_every_layer_bit_exact(tmp_path, fuse):
     model, g = _smollm2()
     out, rep = tmp_path / "out.onnx", tmp_path / "r.json"
-    assert cli.main(["rewrite", str(model), "-o", str(out), f"--fuse={fuse}", "--report", str(rep), "-q"]) == 0
+    assert cli.main(["rewrite", str(model), "-o", str(out), f"--fuse={fuse}", "--attn-exact", "off", "--report", str(rep),
+                     "-q"]) == 0
     summary = json.loads(rep.read_text())
     assert summary["config"]["backends"]["weights"]["weights"] == "gguf"     # auto on a packaged export
     m = ir.load(str(out))

@@ -142,7 +142,7 @@ class WeightsBackend(WeightBackendBase):
 
     def plan(self, cand: Candidate, W: np.ndarray, G: np.ndarray | None, ctx) -> Plan:
         if isinstance(cand, GroupCandidate):
-            return Plan.dense(cand, "MatMulNBits quantizes single MatMuls, not a gated group")
+            return Plan.dense(cand, f"--weights {self.cfg.weights} takes single MatMuls, not a gated group")
         if self.cfg.source == "gguf":
             return self._plan_gguf(cand, W, G, ctx)
         return self._plan_nbits(cand, W, G, ctx, self.cfg.weights)
