@@ -146,17 +146,23 @@ def run(cfg: RewriteConfig) -> dict:
         # (lowest gap first) whose whole-model loss on held-out calibration text meets the budget
         if chosen and cfg.quality_budget is not None:
             if not cfg.calib_text:   # only pinned plans get here without it (the others calibrate)
-                lossy = sorted({p.decision for _, _, p in chosen})
-                raise OrtleanError(f"{', '.join(lossy)} changes the model's outputs, and --quality-budget "
-                                   f"{cfg.quality_budget} is checked on held-out text: give --calib-text FILE "
-                                   "(or --quality-budget off to write the model unmeasured)")
-            try:
-                chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress,
-                                                 fallback)
-                ctx.weights_loss = max(0.0, quality["loss"])
-            except BudgetRefused as e:
-                refused = str(e)
-                quality, chosen = e.quality, []
+                # plans whose weights are the source's bit for bit (--weights gguf) change no weight: they
+                # are written unmeasured, as the kernels' own numerics are; any other precision is a loss
+                lossy = sorted({p.decision for _, _, p in chosen if not p.attrs.get("bit_exact")})
+                if lossy:
+                    raise OrtleanError(f"{', '.join(lossy)} changes the model's outputs, and --quality-budget "
+                                       f"{cfg.quality_budget} is checked on held-out text: give --calib-text FILE "
+                                       "(or --quality-budget off to write the model unmeasured)")
+                quality = {"skipped": "no --calib-text: the weights are the source's bit for bit (the ops' int8 "
+                                      "activations were not measured; give --calib-text to measure them)"}
+            else:
+                try:
+                    chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress,
+                                                     fallback)
+                    ctx.weights_loss = max(0.0, quality["loss"])
+                except BudgetRefused as e:
+                    refused = str(e)
+                    quality, chosen = e.quality, []
             res.mark("quality guard")
         for c, b, plan in chosen:
             b.emit(model.graph, c, plan, ctx)
