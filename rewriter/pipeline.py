@@ -98,6 +98,13 @@ def run(cfg: RewriteConfig) -> dict:
     ctx.weight_backends = weight
     res.mark("load")
     graph_records = _graph_passes(passes, "pre", model, ctx, res)
+    if weight and not any(getattr(b.cfg, "explicit", True) for b in weight) and not candidates.find_candidates(model):
+        # a default that found nothing to take (--weights auto on a packaged model's export whose weights are
+        # already quantized, e.g. a rewrite of a rewrite): not an error when something else was asked for
+        weight = ctx.weight_backends = []
+        if not [p for p in passes if getattr(p.cfg, "explicit", True)]:
+            raise OrtleanError(f"{inp}: nothing to rewrite: no float weight MatMul for --weights auto, and no other "
+                               "backend asked (--fuse=on, --tt=on, --kwta=on, --state-pack=... )")
 
     records: dict[str, LayerRecord] = {}
     chosen: list[tuple] = []        # (cand, backend, plan)

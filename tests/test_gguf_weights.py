@@ -432,6 +432,31 @@ def test_auto_without_gguf_is_fp32(tiny, tmp_path):
     assert (c.source, c.weights) == ("gguf", "gguf")
 
 
+def test_auto_on_a_packaged_export(tiny, tmp_path, monkeypatch):
+    """--weights auto (no flag) on a directory whose ortlean.json names a packaged model: that model's
+    GGUF; a rewrite of the rewrite (ortlean.json is copied beside it) has no float weight left, which
+    auto does not turn into an error of its own when something else is asked — and says so when not."""
+    import shutil
+
+    from models import prepare
+
+    monkeypatch.setattr(prepare, "gguf_path", lambda name: tiny["gguf"])
+    src = tmp_path / "pkg" / "model.onnx"
+    src.parent.mkdir()
+    shutil.copy(tiny["model"], src)
+    (src.parent / "ortlean.json").write_text(json.dumps({"name": "smollm2"}))
+    out = tmp_path / "a" / "model.onnx"
+    assert cli.main(["rewrite", str(src), "-o", str(out), "--weights", "auto,q8_0", "--quality-budget", "off", "-q"]) == 0
+    m, _ = _nodes(out)
+    assert sum(n.op_type == "BlockQuantMatMul" for n in m.graph.node) == 10 and (out.parent / "ortlean.json").is_file()
+    again = tmp_path / "b" / "model.onnx"
+    p = subprocess.run([sys.executable, "-c", "import sys, models.prepare as p; p.gguf_path = lambda n: __import__('pathlib').Path(sys.argv[1]); "
+                        "from rewriter import cli; sys.exit(cli.main(sys.argv[2:]))", str(tiny["gguf"]), "rewrite",
+                        str(out), "-o", str(again), "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "nothing to rewrite" in p.stderr and not again.exists(), p.stderr
+    assert cli.main(["rewrite", str(src), "-o", str(tmp_path / "c" / "model.onnx"), "-q"]) == 2   # /extra: refused
+
+
 def test_packaged_export_lookup(tmp_path):
     from models import prepare
 

@@ -108,6 +108,12 @@ class WeightsConfig(Options):
         self.source, self.fallback = src, fb
         self.weights = src if fb is None else f"{src},{fb}"
 
+    @property
+    def explicit(self) -> bool:
+        """Asked for by a flag (not --weights auto's choice for a packaged model's export): a model with
+        no float weight MatMul is then an error, not a rewrite with nothing for this backend."""
+        return not self.requested.startswith("auto") or (self.gguf is not None and self.packaged is None)
+
     def validate(self) -> None:
         if self.source == "gguf" and self.gguf is not None and not Path(self.gguf).is_file():
             raise OrtleanError(f"--gguf {self.gguf}: no such file")
