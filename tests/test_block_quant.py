@@ -134,6 +134,40 @@ def test_reference_is_gguf_dequantize_on_smollm2():
     assert seen == {"q4_1", "q8_0"}
 
 
+def _qwen_gguf():
+    """The Qwen2.5-Coder-1.5B Q4_K_M GGUF if `ortlean models prepare` (or gguf_path) already joined it; never downloads."""
+    from models.cache import cache_root
+
+    found = sorted((cache_root() / "gguf").glob("qwen2.5-coder-1.5b-gguf-*/*.gguf"))
+    return found[0] if found else None
+
+
+def _check_gguf_tensors(path, keep) -> set:
+    from gguf import GGUFReader, quants
+
+    seen = set()
+    for t in GGUFReader(str(path)).tensors:
+        if t.tensor_type.name not in bq.FROM_GGML or not keep(t):
+            continue
+        fmt, K = bq.FROM_GGML[t.tensor_type.name], int(t.shape[0])
+        W = np.asarray(t.data).reshape(-1, bq.row_bytes(fmt, K))
+        ours = bq.dequantize(W, fmt, K)
+        theirs = quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(ours.shape)
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), t.name
+        seen.add(fmt)
+    return seen
+
+
+@pytest.mark.large  # gguf's reader takes ~20-50 s over the 1.5B model's metadata (its 151k-token vocabulary)
+def test_reference_is_gguf_dequantize_on_qwen_attention():
+    """Qwen2.5-Coder-1.5B's first-layer q (Q4_K) and v (Q6_K) projections, bit for bit (when its GGUF is cached)."""
+    path = _qwen_gguf()
+    if path is None:
+        pytest.skip("Qwen2.5-Coder-1.5B GGUF not prepared (ortlean models prepare qwen2.5-coder-1.5b)")
+    keep = lambda t: t.name in ("blk.0.attn_q.weight", "blk.0.attn_v.weight")  # noqa: E731
+    assert _check_gguf_tensors(path, keep) == {"q4_K", "q6_K"}
+
+
 def test_q4_f_layout_and_quantizer():
     from gguf import quants
 
