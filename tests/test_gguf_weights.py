@@ -521,3 +521,44 @@ def test_smollm2_every_layer_bit_exact(tmp_path, fuse):
     assert len(rows) == layers * per + 1 and all("bit-exact" in r["decision"] for r in rows)
     size = sum(p.stat().st_size for p in out.parent.iterdir() if p.name.startswith("out.onnx"))
     assert size <= 1.15 * g.stat().st_size
+
+
+# --------------------------------------------------------------------------- Qwen2.5-Coder-1.5B (Q4_K_M: Q4_K and Q6_K)
+@pytest.mark.large
+def test_qwen_unfused_every_layer_from_its_gguf(tmp_path):
+    """Qwen2's q/k/v biases fold into the op, attn_v / ffn_down come in Q6_K beside Q4_K, the untied
+    embedding reads its own Q4_K blocks, the head is output.weight (Q6_K)."""
+    from models import prepare
+
+    name = "qwen2.5-coder-1.5b"
+    if not prepare.is_prepared(name):
+        pytest.skip(f"{name} is not prepared (`ortlean models prepare {name}`)")
+    model = prepare.model_dir(name) / "model.onnx"
+    g = prepare.gguf_path(name, progress=False)
+    out, rep = tmp_path / "out.onnx", tmp_path / "r.json"
+    assert cli.main(["rewrite", str(model), "-o", str(out), "--fuse=off", "--attn-exact", "off", "--report", str(rep),
+                     "-q"]) == 0
+    m = ir.load(str(out))
+    bq = [n for n in m.graph if n.op_type == "BlockQuantMatMul"]
+    assert len(bq) == 28 * 7 + 1 and not candidates.find_candidates(m)
+    assert sum(len(n.inputs) == 3 for n in bq) == 28 * 3                  # q, k, v: the bias folded
+    fmts = {n.attributes["format"].value for n in bq}
+    assert fmts == {"q4_K", "q6_K"}
+    (gather,) = [n for n in m.graph if n.op_type == "BlockQuantGather"]
+    assert gather.attributes["source"].value == "gguf:token_embd.weight"
+    orig = ir.load(str(model))
+    table = next(n for n in orig.graph if n.op_type == "Gather" and n.inputs[0].const_value is not None
+                 and len(n.inputs[0].const_value.shape) == 2).inputs[0].const_value.numpy()
+    ids = np.array([0, 1, 151643, 151645, 151935, 4096], np.int64)
+    a = {k: v.value for k, v in gather.attributes.items()}
+    rows = blockquant.gather(gather.inputs[0].const_value.numpy(), ids, format=a["format"], K=a["K"], N=a["N"])
+    assert np.array_equal(rows.view(np.uint32), table[ids].view(np.uint32))
+    by_name = {n.name: n for n in orig.graph}
+    for n in bq:                                                            # layer 0, the last and the head
+        if not any(s in n.name for s in ("layers.0/", "layers.27/", "lm_head")):
+            continue
+        a = {k: v.value for k, v in n.attributes.items()}
+        ref = by_name[n.name.removesuffix("_BQ")].inputs[1].const_value.numpy().T
+        got = blockquant.dequantize(n.inputs[1].const_value.numpy(), a["format"], a["K"])
+        assert np.array_equal(got.view(np.uint32), np.ascontiguousarray(ref).view(np.uint32)), n.name
+    assert out.stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("out.onnx*.data")) <= 1.15 * g.stat().st_size
