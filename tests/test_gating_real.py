@@ -63,7 +63,8 @@ def _gated_nodes(path) -> set[str]:
 def test_event_mode_disables_itself_on_text(smol, tmp_path, novels):
     out = tmp_path / "event.onnx"
     rc = cli.main(["rewrite", str(smol), "-o", str(out), "--event-driven=on", "--include", "*layers.1[0-4]/mlp/*",
-                   "--event-gap-every", "4", "--quality-budget", "off", "-q"])
+                   "--event-gap-every", "4", "--quality-budget", "off", "--weights", "fp32", "-q"])  # gating alone
+    # fuses gate+up (with a --weights backend beside it, each keeps its own node)
     assert rc == 0
     s = custom_ops.session(str(out), threads=2)
     io = runtime.ModelIO.from_session(s)
