@@ -338,9 +338,12 @@ _BQ_ATTRS = (
 )
 _BQ_RULES = (Rule("block_size is for q4_f; another format takes only its own block (q4_K, q5_K, q6_K: 256, the others: 32)",
                   lambda a: a["format"] == "q4_f" or a.get("block_size") in (None, BQ_BLOCK.get(a["format"]))),)
+_BQ_ACT = Attr("act_bits", "int", default=8, valid=Valid(choices=(8, 16)),
+               doc="activation integers per block of 32: 8 (int8, ggml's q8_0) or 16 (int16: the rounding ~256x finer)")
 SCHEMAS += (
     OpSchema("BlockQuantMatMul", inputs=(Port("X"), Port("W", "uint8"), Port("bias", optional=True)),
-             outputs=(Port("Y"),), attrs=_BQ_ATTRS, reference="custom_ops.reference.blockquant:op", rules=_BQ_RULES),
+             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:4], _BQ_ACT, *_BQ_ATTRS[4:]),
+             reference="custom_ops.reference.blockquant:op", rules=_BQ_RULES),
     OpSchema("BlockQuantGather", inputs=(Port("W", "uint8"), Port("indices", "int64")),
              outputs=(Port("Y"),), attrs=_BQ_ATTRS, reference="custom_ops.reference.blockquant:gather",
              rules=_BQ_RULES),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +30,14 @@ CASES = [(f, None) for f in bq.FORMATS if f != "q4_f"] + [("q4_f", b) for b in b
 IDS = [f if b is None else f"{f}_{b}" for f, b in CASES]
 
 
-def bq_model(W, fmt, K, N, block_size=None, bias=None, bias_input=False, name="bq", attrs=None, xshape=None) -> bytes:
-    """One BlockQuantMatMul node; bias a constant (or a graph input with bias_input)."""
+def bq_model(W, fmt, K, N, block_size=None, bias=None, bias_input=False, name="bq", attrs=None, xshape=None,
+             act_bits=None) -> bytes:
+    """One BlockQuantMatMul node; bias a constant (or a graph input with bias_input); act_bits None: absent."""
     a = dict(format=fmt, K=K, N=N, **(attrs or {}))
     if block_size is not None:
         a["block_size"] = block_size
+    if act_bits is not None:
+        a["act_bits"] = act_bits
     inits = [numpy_helper.from_array(np.asarray(W), "W")]
     inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, xshape)]
     ins = ["X", "W"]
@@ -64,9 +68,9 @@ def gather_model(W, fmt, K, N, block_size=None, name="bqg", itype=TensorProto.IN
     return m.SerializeToString()
 
 
-def tolerance(X, W, fmt, K, block_size=None):
+def tolerance(X, W, fmt, K, block_size=None, act_bits=8):
     """|Δ| allowed between any float32 summation and the exact product: 1e-5 · (|x̂| · (|s q| + |m|)ᵀ)."""
-    q, d, _ = bq.quantize_activations(X)
+    q, d, _ = bq.quantize_activations(X, act_bits)
     xh = bq.dequantize_activations(q, d, K)
     return 1e-5 * (np.abs(xh) @ bq.magnitude(W, fmt, K, block_size).T) + 1e-30
 
@@ -191,6 +195,29 @@ def test_q4_f_layout_and_quantizer():
         bq.block_of("q4_K", 32)
 
 
+def test_activation_quantization_16():
+    """act_bits 16: int16 per block of 32, d = amax / 32767, the same rounding, zero and non-finite rules."""
+    x = np.zeros((3, 40), np.float32)
+    x[0, :32] = np.linspace(-1, 1, 32)
+    x[0, 5] = 0.5 / 32767 * 3  # 1.5 after scaling (amax 1): ties to even, 2
+    x[1, 0] = 1e-36          # 32767 / amax overflows: a zero block
+    x[2, 33] = -np.inf
+    q, d, fin = bq.quantize_activations(x, 16)
+    assert q.dtype == np.int16 and q.shape == (3, 2, 32)
+    assert d[0, 0] == np.float32(1) / np.float32(32767) and q[0, 0, 0] == -32767 and q[0, 0, 31] == 32767
+    assert q[0, 0, 5] == 2
+    assert np.all(q[1, 0] == 0) and d[1, 0] == 0 and list(fin) == [True, True, False]
+    q8, d8, _ = bq.quantize_activations(x[1:2], 8)
+    assert d8[0, 0] == np.float32(1e-36) / np.float32(127)  # 127 / 1e-36 is finite: int8 keeps the block
+    xr = np.random.default_rng(0).standard_normal((4, 100)).astype(np.float32)
+    for bits, Q in ((8, 127), (16, 32767)):  # |x - x̂| <= d_x / 2 (+ the float32 rounding of x · Q / amax)
+        q, d, _ = bq.quantize_activations(xr, bits)
+        err = np.abs(bq.dequantize_activations(q, d, 100) - xr)
+        assert np.all(err <= np.repeat(d, 32, axis=1)[:, :100] * 0.5001)
+    with pytest.raises(ValueError, match="act_bits must be 8 or 16, got 4"):
+        bq.quantize_activations(xr, 4)
+
+
 def test_activation_quantization():
     x = np.zeros((4, 40), np.float32)
     x[0, :32] = np.linspace(-1, 1, 32)
@@ -229,6 +256,12 @@ def test_reference_op_and_gather_semantics():
     Wbad[4, 144 + 2:144 + 4] = [0x00, 0x7C]  # row 4, block 1: dmin = +inf
     with pytest.raises(ValueError, match="row 4 block 1"):
         bq.op(X, Wbad, format="q4_K", K=K, N=N)
+    Y16 = bq.op(X, W, b, format="q4_K", K=K, N=N, act_bits=16)  # int16 activations: ~256x closer to float
+    exact = X.astype(np.float64) @ D.T.astype(np.float64) + b
+    f = np.isfinite(Y16)
+    assert np.abs(Y16 - exact)[f].max() < np.abs(Y - exact)[f].max() / 30
+    with pytest.raises(ValueError, match="act_bits must be 8 or 16, got 12"):
+        bq.op(X, W, format="q4_K", K=K, N=N, act_bits=12)
 
 
 def test_schema_rules():
@@ -237,7 +270,10 @@ def test_schema_rules():
     assert s.problems({"format": "q4_K", "K": 5, "N": 2, "block_size": 256}) == []
     assert s.problems({"format": "q4_0", "K": 5, "N": 2, "block_size": 64})
     assert s.problems({"format": "q3_K", "K": 5, "N": 2})
+    assert s.problems({"format": "q4_0", "K": 5, "N": 2, "act_bits": 16}) == []
+    assert s.problems({"format": "q4_0", "K": 5, "N": 2, "act_bits": 12})
     assert schema.get("BlockQuantGather").inputs[1].type == "int64"
+    assert "act_bits" not in {a.name for a in schema.get("BlockQuantGather").attrs}
 
 
 def test_reference_backend_runs_the_ops():
@@ -249,6 +285,8 @@ def test_reference_backend_runs_the_ops():
     X = rng.standard_normal((3, K)).astype(np.float32)
     y = custom_ops.session(bq_model(W, "q5_1", K, N), backend="reference").run(None, {"X": X})[0]
     assert np.array_equal(y, bq.op(X, W, format="q5_1", K=K, N=N))
+    y = custom_ops.session(bq_model(W, "q5_1", K, N, act_bits=16), backend="reference").run(None, {"X": X})[0]
+    assert np.array_equal(y, bq.op(X, W, format="q5_1", K=K, N=N, act_bits=16))
     ids = np.array([4, -5, 0], np.int64)
     g = custom_ops.session(gather_model(W, "q5_1", K, N), backend="reference").run(None, {"ids": ids})[0]
     assert np.array_equal(g, bq.gather(W, ids, format="q5_1", K=K, N=N))
@@ -259,24 +297,30 @@ SHAPES = [(40, 1), (40, 17), (576, 3), (576, 191), (1000, 17), (1000, 1), (2400,
 MS = (1, 3, 128)
 
 
-def _check_all(cases, shapes, ms, seed=0) -> list:
-    """Kernel vs reference: every case x shape x M, with and without bias; returns the failures."""
+def _check_all(cases, shapes, ms, seed=0, act=(8, 16)) -> list:
+    """Kernel vs reference: every case x shape x M x act_bits, with and without bias; returns the failures.
+    The rows of X have very different magnitudes, and one row is int16's worst case: every block holds
+    +-amax (all x at the clamp) so that every int32 partial sum is as large as it gets."""
     bad = []
     for ci, (fmt, bs) in enumerate(cases):
         for K, N in shapes:
             rng = np.random.default_rng([seed, ci, K, N])
             W = bq.random_blocks(fmt, N, K, rng, bs)
             b = rng.standard_normal(N).astype(np.float32)
-            plain = custom_ops.session(bq_model(W, fmt, K, N, bs, name=f"k_{fmt}"), threads=2)
-            biased = custom_ops.session(bq_model(W, fmt, K, N, bs, b, name=f"kb_{fmt}"), threads=2)
-            for M in ms:
-                X = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
-                tol = tolerance(X, W, fmt, K, bs)
-                for s, bias in ((plain, None), (biased, b)):
-                    y = s.run(None, {"X": X})[0]
-                    r = within(y, bq.op(X, W, bias, format=fmt, K=K, N=N, block_size=bs), tol + 1e-6 * (bias is not None))
-                    if not r <= 1.0:
-                        bad.append((fmt, bs, K, N, M, bias is not None, r))
+            for ab in act:
+                plain = custom_ops.session(bq_model(W, fmt, K, N, bs, name=f"k_{fmt}", act_bits=ab), threads=2)
+                biased = custom_ops.session(bq_model(W, fmt, K, N, bs, b, name=f"kb_{fmt}", act_bits=ab), threads=2)
+                for M in (*ms, -1):  # -1: the worst row alone (M = 1)
+                    X = (rng.standard_normal((abs(M), K)) * rng.uniform(0.1, 10, (abs(M), 1))).astype(np.float32)
+                    if M != 1:
+                        X[-1] = np.where(rng.random(K) < 0.5, -3.0, 3.0)
+                    tol = tolerance(X, W, fmt, K, bs, ab)
+                    for s, bias in ((plain, None), (biased, b)):
+                        y = s.run(None, {"X": X})[0]
+                        ref = bq.op(X, W, bias, format=fmt, K=K, N=N, block_size=bs, act_bits=ab)
+                        r = within(y, ref, tol + 1e-6 * (bias is not None))
+                        if not r <= 1.0:
+                            bad.append((fmt, bs, K, N, M, ab, bias is not None, r))
     return bad
 
 
@@ -335,29 +379,32 @@ def test_leading_dims_bias_input_and_metrics():
 
 
 @requires_native
+@pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("fmt,bs", [("q4_0", None), ("q8_0", None), ("q4_K", None), ("q4_f", 64)])
-def test_prefill_rows_equal_decode_rows(fmt, bs):
+def test_prefill_rows_equal_decode_rows(fmt, bs, act_bits):
     """Row m of an M = 128 call equals the M = 1 call on that row, up to float summation order."""
     rng = np.random.default_rng(9)
     K, N = 576, 200
     W = bq.random_blocks(fmt, N, K, rng, bs)
-    s = custom_ops.session(bq_model(W, fmt, K, N, bs), threads=2)
+    s = custom_ops.session(bq_model(W, fmt, K, N, bs, act_bits=act_bits), threads=2)
     X = rng.standard_normal((128, K)).astype(np.float32)
     Y = s.run(None, {"X": X})[0]
-    tol = tolerance(X, W, fmt, K, bs)
+    tol = tolerance(X, W, fmt, K, bs, act_bits)
     for m in (0, 1, 63, 127):
         y1 = s.run(None, {"X": X[m:m + 1]})[0]
         assert np.all(np.abs(y1[0] - Y[m]) <= 2 * tol[m])
 
 
 @requires_native
-def test_against_dense_ort_matmul():
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_against_dense_ort_matmul(act_bits):
     """BlockQuantMatMul equals ORT's MatMul on Ŵᵀ fed the quantized activations x̂ (within float32
     summation), and MatMul on the raw x within the activation rounding (|x − x̂| ≤ d_x / 2 per entry)."""
     import onnxruntime as ort
 
     rng = np.random.default_rng(10)
     K, N, M = 576, 300, 6
+    errs = []
     for fmt in ("q4_1", "q8_0", "q5_K"):
         W = bq.random_blocks(fmt, N, K, rng)
         Wd = bq.dequantize(W, fmt, K)
@@ -368,9 +415,9 @@ def test_against_dense_ort_matmul():
         dm = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
         dm.ir_version = 10
         dense = ort.InferenceSession(dm.SerializeToString(), providers=["CPUExecutionProvider"])
-        ours = custom_ops.session(bq_model(W, fmt, K, N), threads=2)
+        ours = custom_ops.session(bq_model(W, fmt, K, N, act_bits=act_bits), threads=2)
         X = rng.standard_normal((M, K)).astype(np.float32)
-        q, d, _ = bq.quantize_activations(X)
+        q, d, _ = bq.quantize_activations(X, act_bits)
         xh = bq.dequantize_activations(q, d, K).astype(np.float32)  # x̂ is exact in float32 here
         y = ours.run(None, {"X": X})[0]
         y_hat = dense.run(None, {"X": xh})[0]
@@ -379,15 +426,19 @@ def test_against_dense_ort_matmul():
         y_raw = dense.run(None, {"X": X})[0]
         step = (np.repeat(d, 32, axis=1)[:, :K] / 2).astype(np.float64)  # |x − x̂| ≤ d_x / 2
         assert np.all(np.abs(y - y_raw) <= step @ np.abs(Wd.T).astype(np.float64) + 2e-5 * mag + 1e-6)
+        errs.append(np.abs(y - y_raw).max() / np.abs(y_raw).max())
+    if act_bits == 16:  # int16 activations: the rounding ~256x below int8's, float32 sums dominate
+        assert max(errs) < 1e-4
 
 
 @requires_native
-def test_zero_huge_and_nan_rows():
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_zero_huge_and_nan_rows(act_bits):
     rng = np.random.default_rng(11)
     K, N = 100, 33
-    for fmt, bs in (("q4_0", None), ("q5_1", None), ("q6_K", None), ("q4_f", 16)):
+    for fmt, bs in (("q4_0", None), ("q5_1", None), ("q6_K", None), ("q4_f", 16), ("q8_0", None)):
         W = bq.random_blocks(fmt, N, K, rng, bs)
-        s = custom_ops.session(bq_model(W, fmt, K, N, bs, name="bq_edge"), threads=2)
+        s = custom_ops.session(bq_model(W, fmt, K, N, bs, name="bq_edge", act_bits=act_bits), threads=2)
         X = rng.standard_normal((6, K)).astype(np.float32)
         X[0] = 0.0
         X[1] *= 1e30                       # huge, finite products
@@ -396,8 +447,8 @@ def test_zero_huge_and_nan_rows():
         X[4, :32] = 1e-39                  # a block of subnormals: quantized to zero
         for xs in [X] + [X[m:m + 1] for m in range(6)]:  # all rows at once, then each alone
             y = s.run(None, {"X": xs})[0]
-            yr = bq.op(xs, W, format=fmt, K=K, N=N, block_size=bs)
-            assert within(y, yr, tolerance(xs, W, fmt, K, bs) + 1e-30) <= 1
+            yr = bq.op(xs, W, format=fmt, K=K, N=N, block_size=bs, act_bits=act_bits)
+            assert within(y, yr, tolerance(xs, W, fmt, K, bs, act_bits) + 1e-30) <= 1
         y = s.run(None, {"X": X})[0]
         assert np.all(y[0] == 0) and np.isnan(y[2]).all() and np.isnan(y[3]).all() and np.isfinite(y[1]).all()
 
@@ -442,20 +493,38 @@ def test_op_isa_reported():
 
 
 @requires_native
-def test_nonfinite_guard_recomputes_in_double():
+def test_act_bits_refused_naming_the_node_and_reported():
+    rng = np.random.default_rng(14)
+    W = bq.random_blocks("q4_0", 5, 64, rng)
+    for bits, msg in ((12, "attribute act_bits must be 8 or 16, got 12"), (32, "act_bits must be in [8, 16]"),
+                      (0, "act_bits must be in [8, 16]")):
+        with pytest.raises(Exception, match=rf"node 'bq_bits'.*{re.escape(msg)}"):
+            custom_ops.session(bq_model(W, "q4_0", 64, 5, name="bq_bits", act_bits=bits))
+    custom_ops.session(bq_model(W, "q4_0", 64, 5, name="bq_bits16", act_bits=16)).run(None, {"X": np.ones((1, 64), np.float32)})
+    custom_ops.session(bq_model(W, "q4_0", 64, 5, name="bq_bits8")).run(None, {"X": np.ones((1, 64), np.float32)})
+    m = custom_ops.metrics()
+    assert m["bq_bits16"]["bq.act_bits"] == 16 and m["bq_bits8"]["bq.act_bits"] == 8
+
+
+@requires_native
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_nonfinite_guard_recomputes_in_double(act_bits):
     """A finite row whose float32 partial products overflow (two blocks of +-3e38 against huge weights
     that cancel exactly) comes out NaN from the kernels; the guard recomputes it in double (0, as the
     reference) and counts it; a row whose exact result overflows stays infinite."""
     K, N = 64, 3
     blk = np.concatenate([np.frombuffer(np.float16(60000.0).tobytes(), np.uint8), np.full(32, 127, np.uint8)])
     W = np.tile(blk, (N, 2))  # q8_0: every weight 60000 * 127
-    s = custom_ops.session(bq_model(W, "q8_0", K, N, name="bq_guard"), threads=1)
+    s = custom_ops.session(bq_model(W, "q8_0", K, N, name="bq_guard", act_bits=act_bits), threads=1)
     X = np.zeros((2, K), np.float32)
     X[0, :32], X[0, 32:] = 3e38, -3e38
     X[1] = 3e38
     custom_ops.reset_metrics()
     y = s.run(None, {"X": X})[0]
-    ref = bq.op(X, W, format="q8_0", K=K, N=N)
-    assert np.array_equal(y[0], ref[0]) and np.all(y[0] == 0)
+    ref = bq.op(X, W, format="q8_0", K=K, N=N, act_bits=act_bits)
+    if act_bits == 8:  # x̂ · w holds <= 49 bits: the double sums are exact
+        assert np.array_equal(y[0], ref[0]) and np.all(y[0] == 0)
+    else:  # int16: x̂ · w needs ~57 bits, double sums round (both ~1e-16 of the terms' 2.3e45 * 64)
+        assert within(y[:1], ref[:1], tolerance(X[:1], W, "q8_0", K, None, 16)) <= 1
     assert np.all(np.isposinf(y[1])) and np.all(np.isposinf(ref[1]))
     assert custom_ops.metrics()["bq_guard"]["bq.nonfinite_recomputes"] == 2

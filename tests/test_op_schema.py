@@ -20,7 +20,7 @@ from conftest import requires_native  # noqa: E402
 
 pytestmark = requires_native
 OPS = ("TTMatMul", "ProcSparseMatMul", "EventGatedMatMul", "PackedAttention", "BlockQuantMatMul", "BlockQuantGather")
-OPS_WITH_DEFAULTS = OPS[:4]  # the BlockQuant ops' only default is gap = NaN (not measured)
+OPS_WITH_DEFAULTS = OPS[:5]  # BlockQuantGather's only default is gap = NaN (not measured)
 
 
 def _attr(name, value):
@@ -45,6 +45,12 @@ def _case(op: str, rng, variant: str = ""):
                  numpy_helper.from_array(rng.standard_normal((6, B)).astype(np.float32), "deltas")]
         return ({"X": rng.standard_normal((2, K)).astype(np.float32)}, inits,
                 dict(shape=[K, N], block=B, seed=7, base_scale=0.05), ["X", "row_ptr", "block_idx", "deltas"], 1)
+    if op == "BlockQuantMatMul":
+        from custom_ops.reference import blockquant as bq
+
+        K, N = 64, 5
+        inits = [numpy_helper.from_array(bq.random_blocks("q4_1", N, K, rng), "W")]
+        return {"X": rng.standard_normal((2, K)).astype(np.float32)}, inits, dict(format="q4_1", K=K, N=N), ["X", "W"], 1
     if op == "EventGatedMatMul":
         K, N = 40, 24
         inits = [numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "W")]
@@ -78,7 +84,7 @@ def test_schema_lists_every_op_with_typed_defaults():
     assert schema["PackedAttention"]["eps_heads"] == [] and schema["TTMatMul"]["gap"] is None
     # required attributes have no default
     assert "modes_k" not in schema["TTMatMul"] and "block" not in schema["ProcSparseMatMul"]
-    assert schema["BlockQuantMatMul"] == schema["BlockQuantGather"] == {"gap": None}
+    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8} and schema["BlockQuantGather"] == {"gap": None}
 
 
 @pytest.mark.parametrize("op,variant", [(op, "") for op in OPS_WITH_DEFAULTS] + [("PackedAttention", "approx")])

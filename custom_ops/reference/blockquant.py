@@ -34,9 +34,10 @@ Where the integers sit:
 rounded to float32 first), so it equals ``gguf.quants.dequantize`` bit for bit (tests/test_block_quant.py).
 
 Activations (the op's numerics): each row of X is quantized on its own in blocks of 32 along K (the
-last block zero-padded): amax = max|x| over the block, d_x = amax / 127, q = rint(x · (127 / amax))
-(float32 operations, round half to even), clamped to [−127, 127]; a block whose 127 / amax is not
-finite (all zero, or amax < 127 / FLT_MAX ≈ 3.7e-37) has q = 0, d_x = 0. x̂ = d_x · q (exact).
+last block zero-padded) to integers of act_bits bits (attribute, 8 default | 16), Q = 127 | 32767:
+amax = max|x| over the block, d_x = amax / Q, q = rint(x · (Q / amax)) (float32 operations, round half
+to even), clamped to [−Q, Q]; a block whose Q / amax is not finite (all zero, or amax < Q / FLT_MAX,
+≈ 3.7e-37 | 9.6e-35) has q = 0, d_x = 0. x̂ = d_x · q (exact).
 Y = x̂ · Ŵᵀ + bias: the exact product of the quantized activations with the exact weights (here in
 float64, rounded to float32 once); the kernels sum in float32 in any order. A row of X holding a NaN or
 an infinity gives a row of NaN. Rows never interact, so Y does not depend on M.
@@ -67,6 +68,7 @@ FROM_GGML = {v: k for k, v in GGML_TYPE.items()}
 SCALE_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q4_K": (0, 2),
                 "q5_K": (0, 2), "q6_K": (208,), "q4_f": (0, 2)}
 ACT_BLOCK = 32  # activation quantization block
+ACT_BITS = (8, 16)  # activation integers: int8 (default) or int16 per block of 32
 
 
 def block_of(fmt: str, block_size: int | None = None) -> int:
@@ -226,11 +228,19 @@ def magnitude(W, fmt: str, K: int, block_size: int | None = None) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ activations
-def quantize_activations(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 [..., K] -> (q int8 [..., nbx, 32], d float32 [..., nbx], finite bool [...]):
-    per block of 32 (zero-padded) amax = max|x|, d = amax / 127, q = clip(rint(x · (127 / amax)), ±127)
-    in float32 (ties to even); blocks whose 127 / amax is not finite are q = 0, d = 0. `finite`: the
-    row holds no NaN / infinity (a row that does gives NaN outputs)."""
+def act_qmax(act_bits: int = 8) -> int:
+    """The largest activation integer: 127 (act_bits 8) or 32767 (act_bits 16)."""
+    if act_bits not in ACT_BITS:
+        raise ValueError(f"act_bits must be 8 or 16, got {act_bits}")
+    return (1 << (act_bits - 1)) - 1
+
+
+def quantize_activations(x, act_bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [..., K] -> (q int8 | int16 [..., nbx, 32], d float32 [..., nbx], finite bool [...]):
+    per block of 32 (zero-padded), with Q = act_qmax(act_bits): amax = max|x|, d = amax / Q,
+    q = clip(rint(x · (Q / amax)), ±Q) in float32 (ties to even); blocks whose Q / amax is not finite
+    are q = 0, d = 0. `finite`: the row holds no NaN / infinity (a row that does gives NaN outputs)."""
+    Q = np.float32(act_qmax(act_bits))
     x = np.asarray(x, np.float32)
     K = x.shape[-1]
     nbx = -(-K // ACT_BLOCK)
@@ -239,11 +249,11 @@ def quantize_activations(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xb = xp.reshape(x.shape[:-1] + (nbx, ACT_BLOCK))
     with np.errstate(all="ignore"):
         amax = np.abs(xb).max(axis=-1)
-        inv = np.float32(127) / amax
-        d = amax / np.float32(127)
+        inv = Q / amax
+        d = amax / Q
         ok = np.isfinite(inv) & np.isfinite(amax)
         q = np.rint(xb * inv[..., None])
-        q = np.where(ok[..., None], np.clip(q, -127, 127), 0).astype(np.int8)
+        q = np.where(ok[..., None], np.clip(q, -Q, Q), 0).astype(np.int8 if act_bits == 8 else np.int16)
     d = np.where(ok, d, np.float32(0)).astype(np.float32)
     return q, d, np.isfinite(x).all(axis=-1)
 
@@ -269,9 +279,18 @@ def _attrs(attrs: dict) -> tuple[str, int, int, int | None]:
     return fmt, K, N, bs
 
 
+def _act_bits(attrs: dict) -> int:
+    a = attrs.get("act_bits")
+    a = 8 if a is None else int(a)
+    act_qmax(a)  # ValueError unless 8 | 16
+    return a
+
+
 def op(X, W, bias=None, **attrs) -> np.ndarray:
-    """BlockQuantMatMul: Y = x̂ · Ŵᵀ + bias (module docstring)."""
+    """BlockQuantMatMul: Y = x̂ · Ŵᵀ + bias (module docstring); attrs: format, K, N, [block_size],
+    [act_bits] (8 | 16, absent: 8)."""
     fmt, K, N, bs = _attrs(attrs)
+    act_bits = _act_bits(attrs)
     _layer(W, fmt, K, N, bs)
     check_scales(W, fmt, K, bs)
     X = np.asarray(X, np.float32)
@@ -282,7 +301,7 @@ def op(X, W, bias=None, **attrs) -> np.ndarray:
         if bias.shape != (N,):
             raise ValueError(f"bias has shape {list(bias.shape)}, expected [{N}]")
     Wd = dequantize(W, fmt, K, bs).astype(np.float64)
-    q, d, finite = quantize_activations(X)
+    q, d, finite = quantize_activations(X, act_bits)
     Y = dequantize_activations(q, d, K) @ Wd.T
     if bias is not None:
         Y = Y + bias.astype(np.float64)

@@ -16,6 +16,8 @@ namespace ortlean {
 constexpr int kBqQK = 32;      // q4_0 .. q8_0, and the activation block
 constexpr int kBqQKK = 256;    // q4_K, q5_K, q6_K super-blocks
 constexpr int kBqActBlock = 32;
+// the largest activation integer of act_bits 8 | 16
+constexpr int kBqActMax8 = 127, kBqActMax16 = 32767;
 
 // w = d * (q - 8); element j < 16: low nibble of qs[j], j + 16: its high nibble
 struct BlockQ4_0 {
@@ -108,6 +110,7 @@ struct BqLayer {
   int format;           // BqFormat
   int block;            // weights per block (QK)
   int type_size;        // bytes per block
+  int act_bits;         // activation integers: 8 (int8) | 16 (int16) per block of 32
   const int32_t* plan;  // the ISA copy's per-node tables (make_plan), or nullptr
 };
 

@@ -36,18 +36,19 @@ uint16_t ld16(const uint8_t* p) {
 
 // Rows of X, quantized as the reference (custom_ops/reference/blockquant.py) into float64 x̂:
 // the non-finite guard's recompute, off the hot path.
-void dequantized_activations(const float* x, int64_t K, std::vector<double>& xh) {
+void dequantized_activations(const float* x, int64_t K, int act_bits, std::vector<double>& xh) {
+  const float qm = static_cast<float>(act_bits == 16 ? kBqActMax16 : kBqActMax8);
   xh.assign(static_cast<size_t>(K), 0.0);
   for (int64_t k0 = 0; k0 < K; k0 += kBqActBlock) {
     const int64_t n = std::min<int64_t>(kBqActBlock, K - k0);
     float amax = 0.0f;
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[k0 + i]));
-    const float inv = 127.0f / amax;
+    const float inv = qm / amax;
     if (!(inv <= FLT_MAX)) continue;
-    const float d = amax / 127.0f;
+    const float d = amax / qm;
     for (int64_t i = 0; i < n; ++i) {
       float v = std::nearbyint(x[k0 + i] * inv);
-      v = std::min(127.0f, std::max(-127.0f, v));
+      v = std::min(qm, std::max(-qm, v));
       xh[static_cast<size_t>(k0 + i)] = static_cast<double>(d) * static_cast<double>(v);
     }
   }
@@ -55,8 +56,9 @@ void dequantized_activations(const float* x, int64_t K, std::vector<double>& xh)
 
 }  // namespace
 
-void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input, BqNode& nd) {
+void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input, int act_bits, BqNode& nd) {
   BqLayer& w = nd.w;
+  w.act_bits = act_bits;
   std::string fmt;
   int64_t K = 0, N = 0;
   at.read({{"format", &fmt}, {"K", &K}, {"N", &N}});
@@ -124,7 +126,10 @@ void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_in
 // ------------------------------------------------------------------ BlockQuantMatMul
 BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
-  read_bq_node(info, at, 1, node_);
+  int64_t act_bits = 8;
+  at.read({{"act_bits", &act_bits}});
+  if (act_bits != 8 && act_bits != 16) fail("attribute act_bits must be 8 or 16, got " + std::to_string(act_bits));
+  read_bq_node(info, at, 1, static_cast<int>(act_bits), node_);
   has_bias_ = input_present(info, 2);
   if (has_bias_) {
     int is_const = 0;
@@ -141,6 +146,7 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
   m->set({{"bq.format", static_cast<double>(node_.w.format)},
           {"bq.block", static_cast<double>(node_.w.block)},
           {"bq.bits_per_weight", 8.0 * node_.w.type_size / node_.w.block},
+          {"bq.act_bits", static_cast<double>(node_.w.act_bits)},
           {"bq.isa", static_cast<double>(node_.level)}});
   m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}, {&m_nonfinite_, "bq.nonfinite_recomputes"}});
 }
@@ -216,7 +222,7 @@ class BqCall {
       for (int64_t n = 0; n < N; ++n) ok &= std::isfinite(y[n]);
       if (ok) continue;
       metrics::add(k_.m_nonfinite_, 1.0);
-      dequantized_activations(io_.X + m * K, K, xh);
+      dequantized_activations(io_.X + m * K, K, w_.act_bits, xh);
       wrow.resize(static_cast<size_t>(K));
       for (int64_t n = 0; n < N; ++n) {
         kr_.dequant_row(&w_, n, wrow.data());
@@ -261,7 +267,7 @@ void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
 // ------------------------------------------------------------------ BlockQuantGather
 BlockQuantGatherKernel::BlockQuantGatherKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
-  read_bq_node(info, at, 0, node_);
+  read_bq_node(info, at, 0, 8, node_);
   metrics::Node* m = metrics::node(name_);
   m->set({{"bq.format", static_cast<double>(node_.w.format)},
           {"bq.block", static_cast<double>(node_.w.block)},

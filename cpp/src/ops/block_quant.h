@@ -3,6 +3,7 @@
 // block of 32, and Ŵ[indices]. Contract: DEVELOPERS.md and docs/block-quant.md; semantics:
 // custom_ops/reference/blockquant.py; block structs and kernels: kernels/blockquant.h.
 #pragma once
+#include <array>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,16 @@ constexpr AttrSpec kBqOwnAttrs[] = {
     attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
 };
 constexpr auto kBqAttrs = join(kBqOwnAttrs, kLayerMetadata);
+// BlockQuantMatMul's own: the activation integers, 8 (int8, default) | 16 (int16) bits per block of 32
+constexpr AttrSpec kBqActAttrs[] = {attr_int("act_bits", 8).range(8, 16)};
+template <size_t A, size_t B>
+constexpr std::array<AttrSpec, A + B> join_bq(const std::array<AttrSpec, A>& a, const AttrSpec (&b)[B]) {
+  std::array<AttrSpec, A + B> r{};
+  for (size_t i = 0; i < A; ++i) r[i] = a[i];
+  for (size_t i = 0; i < B; ++i) r[A + i] = b[i];
+  return r;
+}
+constexpr auto kBqMatMulAttrs = join_bq(kBqAttrs, kBqActAttrs);
 
 // The extra CPU features of the copies: F16C (AVX2), AVX512_VNNI (AVX-512; without it the AVX2 copy runs).
 constexpr CpuFeature kBqAvx2Needs = CpuFeature::F16c;
@@ -41,8 +52,8 @@ struct BqNode {
   Isa level = Isa::Scalar;
   float bits_per_weight = 0.0f;
 };
-// (the node is built in place: w.plan points into its own plan)
-void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input, BqNode& nd);
+// (the node is built in place: w.plan points into its own plan); act_bits: 8 | 16 (the gather: 8)
+void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_input, int act_bits, BqNode& nd);
 
 class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
  public:
@@ -50,7 +61,7 @@ class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
   // X, W, [bias]
   static constexpr IoSpec kInputs[] = {{kF32}, {kU8}, {kF32, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}};
-  static constexpr auto kAttrs = kBqAttrs;
+  static constexpr auto kAttrs = kBqMatMulAttrs;
 
   explicit BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info);  // throws on an invalid node
   void Compute(Ort::KernelContext& ctx) const;
