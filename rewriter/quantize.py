@@ -285,24 +285,63 @@ def quantize_matrix(W, cfg: QuantConfig):
 
 
 def dequantize_matrix(packed, scales, zero_points, K: int, cfg: QuantConfig):
-    """Ŵ [K, N] float32 that MatMulNBits computes with (for the gap of a quantized layer)."""
-    import numpy as np
+    """Ŵ [K, N] float32 that MatMulNBits computes with."""
+    return Dequantized(packed, scales, zero_points, K, cfg).columns(0, packed.shape[0])
 
-    N, kb, _ = packed.shape
-    bits = cfg.bits
-    if bits == 8:
-        q = packed.reshape(N, kb, -1).astype(np.int32)
-    elif bits == 4:
-        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(N, kb, -1).astype(np.int32)
-    else:
-        raise ValueError(f"dequantize: {bits} bits not supported")
-    q = q[:, :, : cfg.block_size]
-    mid = 1 << (bits - 1)
-    if zero_points is None:
-        zp = np.full((N, kb), mid, np.int32)
-    elif bits == 8:
-        zp = zero_points.reshape(N, -1)[:, :kb].astype(np.int32)
-    else:
-        zp = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(N, -1)[:, :kb].astype(np.int32)
-    w = (q - zp[:, :, None]).astype(np.float32) * scales.reshape(N, kb)[:, :, None]
-    return np.ascontiguousarray(w.reshape(N, kb * cfg.block_size)[:, :K].T)
+
+def dequantized(packed, scales, zero_points, K: int, cfg: QuantConfig) -> "Dequantized":
+    """Ŵ as :func:`dequantize_matrix` gives it, as a view that dequantizes only the columns asked
+    for (``What[:, j0:j1]``; ``np.asarray(What)`` for all of them): ``kit.gaps.layer_gap`` measures a
+    block of columns at a time, so a quantized lm_head's float copy (1536 x 151936: 0.9 GB, and
+    its intermediates several times that) is never made whole."""
+    return Dequantized(packed, scales, zero_points, K, cfg)
+
+
+class Dequantized:
+    """Ŵ of one MatMulNBits weight, dequantized on demand by output columns (see dequantized)."""
+
+    def __init__(self, packed, scales, zero_points, K: int, cfg: QuantConfig):
+        if cfg.bits not in (4, 8):
+            raise ValueError(f"dequantize: {cfg.bits} bits not supported")
+        self.packed, self.scales, self.zero_points, self.K, self.cfg = packed, scales, zero_points, int(K), cfg
+        self.shape = (int(K), int(packed.shape[0]))
+        self.dtype = __import__("numpy").dtype("float32")
+        self.ndim = 2
+
+    def columns(self, j0: int, j1: int):
+        """Ŵ[:, j0:j1] float32."""
+        import numpy as np
+
+        packed = self.packed[j0:j1]
+        n, kb, _ = packed.shape
+        bits, bs = self.cfg.bits, self.cfg.block_size
+        if bits == 8:
+            q = packed.reshape(n, kb, -1)[:, :, :bs].astype(np.float32)
+        else:
+            q = np.empty((n, kb, packed.shape[2] * 2), np.float32)
+            q[:, :, 0::2] = packed & 0x0F
+            q[:, :, 1::2] = packed >> 4
+            q = q[:, :, :bs]
+        mid = 1 << (bits - 1)
+        zp = self.zero_points
+        if zp is None:
+            z = np.float32(mid)
+        elif bits == 8:
+            z = zp[j0:j1].reshape(n, -1)[:, :kb].astype(np.float32)[:, :, None]
+        else:
+            zz = zp[j0:j1]
+            z = np.stack([zz & 0x0F, zz >> 4], axis=-1).reshape(n, -1)[:, :kb].astype(np.float32)[:, :, None]
+        q -= z
+        q *= self.scales[j0:j1].reshape(n, kb)[:, :, None]
+        return np.ascontiguousarray(q.reshape(n, kb * bs)[:, : self.K].T)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, tuple) and len(idx) == 2 and idx[0] == slice(None) and isinstance(idx[1], slice):
+            j0, j1, step = idx[1].indices(self.shape[1])
+            if step == 1:
+                return self.columns(j0, j1)
+        return self.__array__()[idx]
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.columns(0, self.shape[1])
+        return a if dtype is None else a.astype(dtype)

@@ -156,7 +156,7 @@ class WeightsBackend(WeightBackendBase):
     def _plan_nbits(self, cand: Candidate, W: np.ndarray, G, ctx, weights: str, why: str = "") -> Plan:
         cfg = quantize.config_for(weights)
         packed, scales, zp = quantize.quantize_matrix(W, cfg)
-        W_hat = quantize.dequantize_matrix(packed, scales, zp, cand.K, cfg)
+        W_hat = quantize.dequantized(packed, scales, zp, cand.K, cfg)   # never whole: the gap goes by columns
         gap = gaps.layer_gap(W, W_hat, G)
         stored = packed.nbytes + scales.nbytes + (zp.nbytes if zp is not None else 0)
         how = (f"{why}block {cfg.block_size}, {'symmetric' if cfg.symmetric else 'zero points'}, "

@@ -41,7 +41,34 @@ def channel_gap(W: np.ndarray, W_hat: np.ndarray, G: np.ndarray | None) -> float
     return float(np.sqrt(np.mean(np.maximum(num[ok], 0.0) / den[ok])))
 
 
-def layer_gap(W: np.ndarray, W_hat: np.ndarray, G: np.ndarray | None) -> float:
+# columns per step of layer_gap: its float64 temporaries stay near 64 MiB whatever the layer's size
+# (an lm_head of 1536 x 151936 in float64 is 1.9 GB per array)
+GAP_CHUNK_BYTES = 64 << 20
+
+
+def layer_gap(W: np.ndarray, W_hat, G: np.ndarray | None) -> float:
     """The gap a layer must meet: the larger of the Frobenius and the channel-averaged relative
-    output errors on the calibration inputs."""
-    return max(output_gap(W, W_hat, G), channel_gap(W, W_hat, G))
+    output errors on the calibration inputs — ``max(output_gap, channel_gap)``, computed a block
+    of output columns at a time from each column's error and weight energies. ``W_hat`` may be an
+    array or anything whose ``[:, j0:j1]`` gives those columns (e.g. ``rewriter.quantize``'s
+    dequantized view): the full Ŵ and the float64 copies are never made."""
+    K, N = W.shape
+    step = max(1, GAP_CHUNK_BYTES // max(8 * K, 1))
+    num = np.empty(N, np.float64)
+    den = np.empty(N, np.float64)
+    for j in range(0, N, step):
+        w = np.asarray(W[:, j: j + step], np.float64)
+        e = w - np.asarray(W_hat[:, j: j + step], np.float64)
+        if G is None:
+            num[j: j + step] = np.einsum("kn,kn->n", e, e)
+            den[j: j + step] = np.einsum("kn,kn->n", w, w)
+        else:
+            num[j: j + step] = np.einsum("kn,kn->n", G @ e, e)
+            den[j: j + step] = np.einsum("kn,kn->n", G @ w, w)
+    if G is None:
+        out = math.sqrt(max(float(num.sum()), 0.0)) / max(math.sqrt(max(float(den.sum()), 0.0)), 1e-30)
+    else:
+        out = math.sqrt(max(float(num.sum()), 0.0) / max(float(den.sum()), 1e-30))
+    ok = den > 1e-12 * max(float(den.max(initial=0.0)), 1e-300)
+    ch = float(np.sqrt(np.mean(np.maximum(num[ok], 0.0) / den[ok]))) if ok.any() else 0.0
+    return max(out, ch)

@@ -1,0 +1,67 @@
+"""What keeps a large rewrite's memory down, piece by piece (issue 35 item 3): the layer gap computed a
+block of columns at a time from a lazily dequantized Ŵ, equal to the whole-matrix formulas."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rewriter import quantize
+from rewriter.kit import gaps
+
+
+def _old_dequantize(packed, scales, zero_points, K, cfg):
+    """dequantize_matrix as it was (the whole Ŵ through int32 intermediates): the reference."""
+    N, kb, _ = packed.shape
+    bits = cfg.bits
+    if bits == 8:
+        q = packed.reshape(N, kb, -1).astype(np.int32)
+    else:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(N, kb, -1).astype(np.int32)
+    q = q[:, :, : cfg.block_size]
+    mid = 1 << (bits - 1)
+    if zero_points is None:
+        zp = np.full((N, kb), mid, np.int32)
+    elif bits == 8:
+        zp = zero_points.reshape(N, -1)[:, :kb].astype(np.int32)
+    else:
+        zp = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(N, -1)[:, :kb].astype(np.int32)
+    w = (q - zp[:, :, None]).astype(np.float32) * scales.reshape(N, kb)[:, :, None]
+    return np.ascontiguousarray(w.reshape(N, kb * cfg.block_size)[:, :K].T)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("K, N", [(64, 1), (100, 77), (96, 130), (33, 5)])
+def test_lazy_dequantized_equals_whole(bits, symmetric, K, N):
+    cfg = quantize.QuantConfig(bits=bits, block_size=32, symmetric=symmetric, accuracy_level=4)
+    W = np.random.default_rng(K * N + bits).standard_normal((K, N)).astype(np.float32)
+    packed, scales, zp = quantize.quantize_matrix(W, cfg)
+    ref = _old_dequantize(packed, scales, zp, K, cfg)
+    np.testing.assert_array_equal(quantize.dequantize_matrix(packed, scales, zp, K, cfg), ref)
+    D = quantize.dequantized(packed, scales, zp, K, cfg)
+    assert D.shape == (K, N)
+    np.testing.assert_array_equal(np.asarray(D), ref)
+    for j0, j1 in ((0, N), (0, 1), (N // 3, N), (N - 1, N + 5)):
+        np.testing.assert_array_equal(D[:, j0:j1], ref[:, j0:j1])
+    np.testing.assert_array_equal(D[3], ref[3])          # any other index: through the whole array
+
+
+@pytest.mark.parametrize("with_gram", [False, True])
+@pytest.mark.parametrize("chunk", [8, 1 << 26])
+def test_layer_gap_in_column_blocks_equals_the_formulas(monkeypatch, with_gram, chunk):
+    rng = np.random.default_rng(1)
+    K, N = 48, 301
+    W = rng.standard_normal((K, N)).astype(np.float32) * np.exp(rng.standard_normal(N)).astype(np.float32)
+    W[:, 7] = 0.0                                         # a dead channel: excluded from the channel gap
+    W_hat = (W + 0.05 * rng.standard_normal((K, N))).astype(np.float32)
+    X = rng.standard_normal((200, K))
+    G = X.T @ X if with_gram else None
+    monkeypatch.setattr(gaps, "GAP_CHUNK_BYTES", chunk * 8 * K)
+    want = max(gaps.output_gap(W, W_hat, G), gaps.channel_gap(W, W_hat, G))
+    assert gaps.layer_gap(W, W_hat, G) == pytest.approx(want, rel=1e-12)
+    cfg = quantize.QuantConfig(bits=4, block_size=32, symmetric=True, accuracy_level=4)
+    p, s, z = quantize.quantize_matrix(W, cfg)
+    D = quantize.dequantized(p, s, z, K, cfg)
+    full = _old_dequantize(p, s, z, K, cfg)
+    assert gaps.layer_gap(W, D, G) == pytest.approx(max(gaps.output_gap(W, full, G), gaps.channel_gap(W, full, G)),
+                                                    rel=1e-12)
