@@ -105,6 +105,9 @@ def run(cfg: RewriteConfig) -> dict:
         if not [p for p in passes if getattr(p.cfg, "explicit", True)]:
             raise OrtleanError(f"{inp}: nothing to rewrite: no float weight MatMul for --weights auto, and no other "
                                "backend asked (--fuse=on, --tt=on, --kwta=on, --state-pack=... )")
+    # the dense reference the measurements compare with (ctx.source()): the model before any plan is
+    # emitted — a clone sharing its tensors (no weight is copied)
+    ctx.reference = model.clone()
 
     records: dict[str, LayerRecord] = {}
     chosen: list[tuple] = []        # (cand, backend, plan)
@@ -145,8 +148,12 @@ def run(cfg: RewriteConfig) -> dict:
                 reasons.append(plan)
             else:
                 records[c.name] = report.all_dense(c, reasons)
+            W = None
+            for m in getattr(c, "members", None) or [c]:   # its pages stay in the page cache, not in our RSS
+                modelfile.release_pages(m.weight.const_value)
         bar.close()
         W = G = None  # a view of a memory-mapped external weight would block saving (BufferError)
+        modelfile.release_all(model)
         res.mark("plan")
 
         # end-to-end quality guard: per-layer gaps compound; keep the largest set of rewritten layers
@@ -231,6 +238,7 @@ def _graph_passes(passes: list, stage: str, model, ctx: Context, res: Resources 
             continue
         recs = gp.run(model, ctx)
         out += recs
+        modelfile.release_all(model)   # weights the pass read: their pages back to the page cache
         if res is not None:
             res.mark(gp.name)
         if stage == "pre" and any(r.get("backend") != "dense" for r in recs):

@@ -25,7 +25,7 @@ from custom_ops.schema import DOMAIN
 
 from ..builders.attention import find_attention
 from ..errors import OrtleanError
-from ..kit import modelfile, options, surgery, timing
+from ..kit import modelfile, options, stream, surgery, timing
 from ..kit.backend import GraphPassBase
 from ..kit.options import Options, flag
 from ..kit.quality import BudgetRefused, remaining_budget
@@ -137,12 +137,8 @@ def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None, max_pos: int | N
     components has |k| > eps, and the per-channel mean |k| (kscale), on the first
     cfg.calib_tokens tokens of the calibration text (at most the model's ``max_pos`` positions;
     the dense model's present.N.key outputs)."""
-    import onnxruntime as ort
-
     ids = np.asarray(calib.ids[: min(cfg.calib_tokens, max_pos or cfg.calib_tokens)], np.int64)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    sess = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+    sess = stream.session(source, threads=2)   # a large model: segment by segment (kit.stream)
     io = runtime.ModelIO.from_session(sess)
     if io_hint is not None:   # symbolic KV dims (genai builder) from the rewrite's resolved I/O
         io.fill_from(io_hint)
@@ -515,7 +511,7 @@ WINDOWS = (256, 128, 64)  # 128: at budget 0.25 on SmolLM2 as good as 256 or bet
 MIN_SPEEDUP = 1.05
 
 
-def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
+def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
     """--attn-tune on the PackedAttention nodes apply_gqa wrote: among the budgets and windows whose
     decode-mode Δppl on the calibration text against ``ref`` (the same model with exact attention)
     is within --quality-budget, the fastest by the op's measured decode step at the calibration
@@ -566,7 +562,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
         # what the weights left of the budget (the budget covers every change, issue 34)
         qb = remaining_budget(float(ctx.opts.quality_budget), ctx.weights_loss)
         threads = max(2, ctx.threads)
-        s_ref = custom_ops.session(ref, threads=threads)
+        s_ref = stream.session(ref, threads, stream=False)
         ref_res = [_decode_nll(s_ref, x, C, score, io_hint=ctx.io) for x in spans]
         nll_ref = np.concatenate([r[0] for r in ref_res])
         ref_states = [r[1] for r in ref_res]
@@ -586,7 +582,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
                 continue
             for w in ws:
                 _set_attrs(model, {"budget": float(b), "window": int(w), "min_context": 0})
-                sess = custom_ops.session(modelfile.serialized(model), threads=threads)
+                sess = stream.session(model, threads, stream=False)   # the model's arrays, not a copy
                 res = [_decode_nll(sess, x, C, score, st) for x, st in zip(spans, states)]
                 states = [r[1] for r in res]
                 d, up = runtime.paired_delta(np.concatenate([r[0] for r in res]), nll_ref)
@@ -627,7 +623,7 @@ def tune_gqa(model: ir.Model, ref: bytes, cfg: AttnConfig, ctx, max_pos: int | N
             # the context (the same spans, their prefills' first rows), min_context at least the
             # shortest context from which on every check passes
             _set_attrs(model, {"budget": float(best[0]), "window": int(best[1]), "min_context": 0})
-            sess = custom_ops.session(modelfile.serialized(model), threads=threads)
+            sess = stream.session(model, threads, stream=False)
             checks = []
             for c in (C // 4, C // 2, 3 * C // 4):
                 if c < 16:
@@ -748,7 +744,7 @@ class PackedAttentionPass(GraphPassBase):
                                        for h in range(kk.shape[0])]), dims)
             max_pos = _max_positions(model, ctx)
             measure = ctx.opts.quality_budget is not None   # every setting is measured against the budget
-            ref = modelfile.serialized(model) if measure and ctx.opts.calib_text else None  # the exact-attention twin
+            ref = model.clone() if measure and ctx.opts.calib_text else None  # the exact-attention twin
             recs = apply_gqa(model, cfg, kscale=ks, pq=pq)
             if (cfg.tune == "auto" or measure) and any(r["backend"] == "packed_attention" for r in recs):
                 tune = tune_gqa(model, ref, cfg, ctx, max_pos)
@@ -763,7 +759,7 @@ class PackedAttentionPass(GraphPassBase):
                         r["decision"] += "; per-channel key scale (calibrated)"
             return recs
         approx = 0 < cfg.budget < 1 and ctx.opts.quality_budget is not None
-        ref = modelfile.serialized(model) if approx and ctx.opts.calib_text else None   # exact attention
+        ref = model.clone() if approx and ctx.opts.calib_text else None   # exact attention
         recs = apply(model, cfg, eps_heads=cal.get("eps") if need_eps else None,
                      kscale=cal.get("kscale") if cfg.kscale == "auto" else None)
         if cfg.kscale == "auto" and not cal and any(r.get("cache") for r in recs):
@@ -780,7 +776,7 @@ class PackedAttentionPass(GraphPassBase):
         return recs
 
 
-def measure_decode(ref: bytes | None, model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
+def measure_decode(ref: "ir.Model | bytes | None", model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None) -> dict:
     """Decode-mode Δppl of `model` (PackedAttention written, its settings fixed) against `ref` (the
     same model with exact attention) on --attn-tune-windows spans of the calibration text, each a
     prefill of up to --attn-tune-context tokens and --attn-tune-score scored decode steps; raises
@@ -802,12 +798,12 @@ def measure_decode(ref: bytes | None, model: ir.Model, cfg: AttnConfig, ctx, max
     threads = max(2, ctx.threads)
 
     def nll_of(model_or_bytes) -> np.ndarray:   # the growing-state loop where the graph has no shared KV
-        sess = custom_ops.session(model_or_bytes, threads=threads)
+        sess = stream.session(model_or_bytes, threads, stream=False)
         io = runtime.ModelIO.from_session(sess).fill_from(ctx.io)
         return np.asarray(runtime.decode_perplexity(sess, io, ids, context=C, score=score, windows=n_sp)["token_nll"])
 
     nll_ref = nll_of(ref)
-    nll = nll_of(modelfile.serialized(model))
+    nll = nll_of(model)
     d, up = runtime.paired_delta(nll, nll_ref)
     qb = remaining_budget(float(ctx.opts.quality_budget), ctx.weights_loss)
     out = {"metric": "decode-mode Δppl vs the same model with exact attention", "budget": qb, "context": int(C),

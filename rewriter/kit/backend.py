@@ -32,7 +32,7 @@ import numpy as np
 import onnx_ir as ir
 
 from . import options
-from . import modelfile
+from . import modelfile, stream
 from .calib import CalibText, CalibrationHook
 from .candidates import Candidate
 from .options import RewriteConfig, StatePack
@@ -84,8 +84,9 @@ class Context:
         self.quality = Quality(self)        # the end-to-end probe and trial models (built on first use)
         self.weights_loss = 0.0             # what the weight backends' plans cost against the source (the guard's
                                             # measurement): the post passes spend what is left of --quality-budget
+        self.reference: ir.Model | None = None  # the model before any plan is emitted (the pipeline's clone)
         self._calib: CalibText | None = None
-        self._source: bytes | None = None
+        self._source = None
 
     @property
     def model_path(self) -> Path:
@@ -107,13 +108,20 @@ class Context:
             self._calib = CalibText(self.model_path, self.opts.calib_text, self.opts.tokenizer)
         return self._calib
 
-    def source(self) -> str | bytes:
-        """The model to run in ONNX Runtime as the dense reference: its file, or, after a "pre"
-        graph pass changed it, the loaded model serialized."""
-        if not self.modified:
-            return str(self.model_path)
+    def source(self):
+        """The dense reference to run in ONNX Runtime (``kit.stream.session`` takes each form; so
+        does ``kit.calib.collect_grams``): the model as it was after the "pre" graph passes, before
+        any plan was emitted (``reference``, kept by the pipeline) — its file when no pass changed
+        it, else serialized; a model whose weights exceed ``kit.stream.STREAM_BYTES`` as a
+        segment-by-segment runner (``kit.stream.Streamed``: never its weights whole in memory)."""
         if self._source is None:
-            self._source = modelfile.serialized(self.model)
+            ref = self.reference if self.reference is not None else self.model
+            if stream.weight_bytes(ref) > stream.STREAM_BYTES:
+                self._source = stream.Streamed(ref, threads=self.threads)
+            elif not self.modified:
+                self._source = str(self.model_path)
+            else:
+                self._source = modelfile.serialized(ref)
         return self._source
 
 

@@ -67,21 +67,64 @@ def _with_extra_outputs(source: str | bytes, names: list[str]) -> bytes:
     return proto.SerializeToString()
 
 
-def collect_grams(source: str | bytes, io, value_names: list[str], calib: CalibText, max_tokens: int, window: int,
+def collect_grams(source, io, value_names: list[str], calib: CalibText, max_tokens: int, window: int,
                   threads: int | None = None, progress: bool = True,
                   hook: CalibrationHook | None = None) -> dict[str, Gram]:
     """Gram XᵀX of every value in `value_names` over the calibration windows of the model
-    `source` (a path: external data stays where it is, or serialized bytes)."""
-    import onnxruntime as ort
+    `source` (a path: external data stays where it is; serialized bytes; or a
+    ``kit.stream.Streamed`` runner of a large model: every window through one segment at a time,
+    the activations folded into the Grams as each segment computes them)."""
     from tqdm.auto import tqdm
 
-    import custom_ops
+    from .stream import Streamed
 
     windows = calibration_windows(io, calib, max_tokens, window)
     if not windows:
         raise OrtleanError(f"--calib-text {calib.path}: produced no tokens")
     names = list(dict.fromkeys(value_names))
     grams: dict[str, Gram] = {}
+
+    def add(n: str, x) -> None:
+        x = np.asarray(x, dtype=np.float32)
+        x = x.reshape(-1, x.shape[-1])
+        if hook is not None:
+            hook(n, x)
+        g = x.T @ x  # float32 per window (≤ a few hundred rows), accumulated in float64
+        if n in grams:
+            grams[n].G += g
+            grams[n].rows += x.shape[0]
+            grams[n].absmax = max(grams[n].absmax, float(np.abs(x).max(initial=0.0)))
+        else:
+            grams[n] = Gram(G=g.astype(np.float64), rows=x.shape[0], absmax=float(np.abs(x).max(initial=0.0)))
+
+    feeds = [runtime.feeds(io, np.asarray(ids, dtype=np.int64)[None, :]) for ids in windows]
+    if isinstance(source, Streamed):
+        # folded in window order per value, as the loop below does (the same sums)
+        ready: dict[str, dict[int, np.ndarray]] = {n: {} for n in names}
+        nxt = dict.fromkeys(names, 0)
+
+        def consume(w, n, x):
+            ready[n][w] = x
+            while nxt[n] in ready[n]:
+                add(n, ready[n].pop(nxt[n]))
+                nxt[n] += 1
+        source.run_many(names, feeds, consume, progress="calibrate" if progress else None)
+        return grams
+    sess = _calibration_session(source, names, threads)
+    bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
+    for ids, f in zip(windows, feeds):
+        for n, x in zip(names, sess.run(names, f)):
+            add(n, x)
+        bar.update(len(ids))
+    bar.close()
+    return grams
+
+
+def _calibration_session(source: str | bytes, names: list[str], threads: int | None):
+    import onnxruntime as ort
+
+    import custom_ops
+
     cm = _with_extra_outputs(source, names)
     so = ort.SessionOptions()
     if not isinstance(source, bytes):  # external data (if any) stays where it is: ORT reads it from the model's directory
@@ -91,26 +134,7 @@ def collect_grams(source: str | bytes, io, value_names: list[str], calib: CalibT
         so.intra_op_num_threads = threads
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep tensors as named
     # a model already holding ortlean ops needs them registered (native, or the references)
-    sess = custom_ops.session(cm, so=so, backend="auto")
-    bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
-    for ids in windows:
-        feeds = runtime.feeds(io, np.asarray(ids, dtype=np.int64)[None, :])
-        outs = sess.run(names, feeds)
-        for n, x in zip(names, outs):
-            x = np.asarray(x, dtype=np.float32)
-            x = x.reshape(-1, x.shape[-1])
-            if hook is not None:
-                hook(n, x)
-            g = x.T @ x  # float32 per window (≤ a few hundred rows), accumulated in float64
-            if n in grams:
-                grams[n].G += g
-                grams[n].rows += x.shape[0]
-                grams[n].absmax = max(grams[n].absmax, float(np.abs(x).max(initial=0.0)))
-            else:
-                grams[n] = Gram(G=g.astype(np.float64), rows=x.shape[0], absmax=float(np.abs(x).max(initial=0.0)))
-        bar.update(len(ids))
-    bar.close()
-    return grams
+    return custom_ops.session(cm, so=so, backend="auto")
 
 
 def calibration_windows(io, calib: CalibText, max_tokens: int, window: int) -> list[list[int]]:

@@ -12,20 +12,15 @@ import onnx_ir as ir
 from custom_ops import runtime
 from custom_ops.schema import DOMAIN
 
-from . import modelfile
+from . import stream
 from .calib import CalibText
 
 
 def session(model, threads: int):
-    """An onnxruntime session on `model` (path or bytes) with the ortlean ops registered
-    (native library, else the numpy references)."""
-    import onnxruntime as ort
-
-    import custom_ops
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    return custom_ops.session(model, so=so, backend="auto")
+    """An onnxruntime session on `model` (a path, bytes, or a loaded model: run without a copy of
+    its weights, segment by segment when they exceed kit.stream.STREAM_BYTES) with the ortlean ops
+    registered (native library, else the numpy references)."""
+    return stream.session(model, threads)
 
 
 class QualityProbe:
@@ -45,7 +40,7 @@ class QualityProbe:
                 held = ids[-quality_tokens:]
             self.ids = np.asarray(held, dtype=np.int64)
             self.window = min(256, len(self.ids))
-            self.ref = runtime.perplexity(sess, io, self.ids, window=self.window)["nll"]
+            self.ref = stream.perplexity(sess, io, self.ids, self.window)["nll"]
         else:
             sents = runtime.sentences_from_text(calib.text, 4 * max(8, quality_tokens // 16))
             self.sents = sents[1::4][: max(8, quality_tokens // 16)]  # not the calibration sentences' order
@@ -67,21 +62,23 @@ class QualityProbe:
         sess = session(model, self.threads)
         if self.io.kind == "causal-lm":
             io = runtime.ModelIO.from_session(sess).fill_from(self.io)  # a rewrite may add states (event caches)
-            nll = runtime.perplexity(sess, io, self.ids, window=self.window)["nll"]
+            nll = stream.perplexity(sess, io, self.ids, self.window)["nll"]
             return float(np.exp(nll - self.ref) - 1.0)
         e = runtime.embeddings(sess, self.io, self.tok, self.sents)
         cos = np.sum(e * self.ref, axis=1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(self.ref, axis=1) + 1e-30)
         return float(1.0 - cos.mean())
 
 
-def trial_model(model: ir.Model, chosen, ctx) -> bytes:
-    """`model` (not modified) with the plans `chosen` [(candidate, backend, plan)] emitted, serialized."""
+def trial_model(model: ir.Model, chosen, ctx) -> ir.Model:
+    """`model` (not modified) with the plans `chosen` [(candidate, backend, plan)] emitted: a clone
+    sharing the model's tensors and the plans' arrays (run it with :func:`session`: nothing is
+    copied)."""
     m = model.clone()
     nodes = {id(a): b for a, b in zip(model.graph, m.graph)}
     for c, b, plan in chosen:
         b.emit(m.graph, c.rebind(nodes, m.graph), plan, ctx)
     m.opset_imports.setdefault(DOMAIN, 1)
-    return modelfile.serialized(m)
+    return m
 
 
 class Quality:

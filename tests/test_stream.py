@@ -1,0 +1,198 @@
+"""kit.stream: a loaded model runs in ONNX Runtime without a copy of its weights (Runnable), and a
+large one segment by segment (Streamed) with the same outputs as one session (issue 35 item 3)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+import toy
+from custom_ops import runtime
+from rewriter.fuse import fuse_decoder
+from rewriter.kit import modelfile, stream
+
+
+@pytest.fixture(scope="module")
+def qwen_external(tmp_path_factory) -> Path:
+    """The tiny Qwen2 optimum export saved with its weights (and a Constant's value) in one data file."""
+    import tiny_hf
+
+    import shutil
+
+    d = tmp_path_factory.mktemp("qwen-ext")
+    src = tiny_hf.models()["qwen2"]
+    onnx.save(onnx.load(str(src / "model.onnx")), str(d / "model.onnx"),
+              save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx_data",
+              size_threshold=64, convert_attribute=True)
+    shutil.copy(src / "config.json", d / "config.json")
+    toy.write_tokenizer(d / "tokenizer.json")      # word-level, ids within the tiny vocabulary
+    return d / "model.onnx"
+
+
+def _ids(n=40, seed=0):
+    return np.random.default_rng(seed).integers(3, 250, n)
+
+
+def _plain(path_or_bytes):
+    import custom_ops
+
+    return custom_ops.session(path_or_bytes, threads=1, backend="auto")
+
+
+def test_runnable_shares_in_memory_tensors_and_maps_external_ones(qwen_external, monkeypatch):
+    """A fused model (packed q/k/v made in memory, the rest in the input's data file) runs from a
+    Runnable: in-memory tensors handed over in place (ORT sees a change made to the array after the
+    session is built only when it reads it in place), the external ones referenced, not inlined;
+    the outputs equal the serialized model's."""
+    monkeypatch.setattr(stream, "SHARE_BYTES", 1024)
+    model = modelfile.load_model(qwen_external)
+    fused, _ = fuse_decoder(model)
+    r = stream.runnable(fused)
+    assert r.folder == str(qwen_external.parent.resolve()) and r.shared
+    ext = [t for t in r.proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert len(ext) >= len(r.shared) + 4                       # the untouched weights stay external
+    inline = {t.name for t in r.proto.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    assert not inline & set(r.shared)
+    # what stays inline is small, or larger than the input's data file (no placeholder fits it)
+    room = (qwen_external.parent / "model.onnx_data").stat().st_size
+    assert all(fused.graph.initializers[n].const_value.nbytes < 1024 or fused.graph.initializers[n].const_value.nbytes > room
+               for n in inline)
+    saved = sum(a.nbytes for a in r.shared.values()) + sum(t.nbytes for _, o, t in modelfile.external_tensors(fused)
+                                                           if isinstance(o, ir.Value))
+    assert len(r.serialized()) < len(modelfile.serialized(fused)) - saved + 1000
+    sess = stream.session(fused, threads=1, stream=False)
+    ref = _plain(modelfile.serialized(fused))
+    io = runtime.ModelIO.from_session(ref)
+    f = runtime.feeds(io, _ids()[None, :])
+    for a, b in zip(sess.run(None, f), ref.run(None, f)):
+        np.testing.assert_array_equal(a, b)
+    # in place: the shared array is the model's own tensor memory
+    name, arr = next(iter(r.shared.items()))
+    assert np.shares_memory(arr, fused.graph.initializers[name].const_value.numpy())
+    # the model is unchanged by it
+    assert all(not isinstance(v.const_value, ir.ExternalTensor) or v.const_value.location == "model.onnx_data"
+               for v in fused.graph.initializers.values())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["optimum", "fused"])
+@pytest.mark.parametrize("segment_bytes", [1, 40_000, 1 << 40], ids=["node", "layer", "whole"])
+def test_streamed_equals_one_session(qwen_external, fused, segment_bytes):
+    model = modelfile.load_model(qwen_external)
+    if fused:
+        model, _ = fuse_decoder(model)
+    ref = _plain(modelfile.serialized(model))
+    s = stream.Streamed(model, threads=1, segment_bytes=segment_bytes)
+    assert len(s.segments) > (20 if segment_bytes == 1 else 2 if segment_bytes == 40_000 else 0)
+    assert [a.name for a in s.get_inputs()] == [a.name for a in ref.get_inputs()]
+    assert [a.name for a in s.get_outputs()] == [a.name for a in ref.get_outputs()]
+    io, io_s = runtime.ModelIO.from_session(ref), runtime.ModelIO.from_session(s)
+    assert io_s.inputs == io.inputs and io_s.outputs == io.outputs and io_s.past_to_present == io.past_to_present
+    f = runtime.feeds(io, _ids()[None, :])
+    for a, b in zip(s.run(None, f), ref.run(None, f)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # many windows: each segment's session built once; intermediate values are streamed out
+    feeds = [runtime.feeds(io, _ids(n, seed)[None, :]) for seed, n in enumerate((7, 12, 30))]
+    mm = next(n.outputs[0].name for n in model.graph if n.op_type in ("MatMul", "MatMulNBits"))
+    got: dict = {}
+    s.run_many(["logits", mm], feeds, lambda w, n, a: got.setdefault((w, n), a))
+    assert s.sessions_built <= 2 * len(s.segments)
+    plain = _plain(_with_output(model, mm))
+    for w, f in enumerate(feeds):
+        lo, x = plain.run(["logits", mm], f)
+        np.testing.assert_allclose(got[w, "logits"], lo, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[w, mm], x, rtol=1e-5, atol=1e-5)
+
+
+def _with_output(model: ir.Model, name: str) -> bytes:
+    proto = onnx.load_from_string(modelfile.serialized(model))
+    proto.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    return proto.SerializeToString()
+
+
+def test_streamed_perplexity_equals_runtime_perplexity(qwen_external):
+    model = modelfile.load_model(qwen_external)
+    ref = _plain(str(qwen_external))
+    io = runtime.ModelIO.from_session(ref)
+    ids = _ids(150, 3)
+    for window in (16, 64, 150, 400):
+        want = runtime.perplexity(ref, io, ids, window=window)
+        got = stream.perplexity(stream.Streamed(model, threads=1, segment_bytes=40_000), io, ids, window)
+        assert got["tokens"] == want["tokens"] and got["windows"] == want["windows"]
+        assert abs(got["nll"] - want["nll"]) < 1e-5 * max(1.0, abs(want["nll"]))
+
+
+def test_session_picks_streamed_for_large_models(qwen_external, monkeypatch):
+    model = modelfile.load_model(qwen_external)
+    monkeypatch.setattr(stream, "STREAM_BYTES", 1000)
+    assert isinstance(stream.session(model, threads=1), stream.Streamed)
+    assert not isinstance(stream.session(model, threads=1, stream=False), stream.Streamed)
+    monkeypatch.setattr(stream, "STREAM_BYTES", 1 << 40)
+    assert not isinstance(stream.session(model, threads=1), stream.Streamed)
+
+
+def test_streamed_model_with_external_data_and_no_library_ops(tmp_path):
+    """toy's plain decoder (no KV cache) with external data: a Streamed run equals the file's session."""
+    from test_external_data import save_layout
+
+    src = save_layout(onnx.load(str(toy.build(tmp_path / "t" / "m.onnx", tokenizer=False))), tmp_path / "in", "one_file")
+    model = modelfile.load_model(src)
+    s = stream.Streamed(model, threads=1, segment_bytes=20_000)
+    assert len(s.segments) > 3
+    ref = _plain(str(src))
+    f = {"input_ids": np.random.default_rng(0).integers(2, 50, (1, 9))}
+    for a, b in zip(s.run(None, f), ref.run(None, f)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the rewrite, streamed
+RECIPES = {
+    # the quality guard: the dense reference's perplexity and every trial model, run streamed
+    "int4-guard": ["--weights", "int4", "--quality-budget", "1.0"],
+    # Grams of every weight's input from the dense reference (calibration), streamed
+    "tt": ["--tt=on", "--tt-target=all", "--tt-gap=0.3", "--tt-speed-check=off", "--quality-budget=off", "--fuse=off"],
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_rewrite_streamed_equals_rewrite_whole(qwen_external, tmp_path, monkeypatch, recipe):
+    """The same rewrite with every measurement of the dense reference and of the trials run whole, and
+    segment by segment (ORTLEAN_STREAM_BYTES below the model's weights): the same layer decisions,
+    the same gaps and losses (to float rounding), the same written weights."""
+    import json
+
+    from rewriter import cli
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(toy.text(1500))
+    reports = {}
+    runs = []
+    real = stream.Streamed.run_many
+    monkeypatch.setattr(stream.Streamed, "run_many", lambda self, *a, **k: (runs.append(len(self.segments)),
+                                                                            real(self, *a, **k))[1])
+    for mode, limit in (("whole", 1 << 40), ("streamed", 1000)):
+        if mode == "streamed":
+            assert runs == []
+        monkeypatch.setattr(stream, "STREAM_BYTES", limit)
+        monkeypatch.setattr(stream, "SEGMENT_BYTES", 60_000)
+        out, rep = tmp_path / mode / "model.onnx", tmp_path / f"{mode}.json"
+        assert cli.main(["rewrite", str(qwen_external), "-o", str(out), *RECIPES[recipe], "--calib-text", str(calib),
+                         "--calib-tokens", "256", "--calib-window", "64", "--quality-tokens", "128", "-q",
+                         "--report", str(rep)]) == 0
+        reports[mode] = json.loads(rep.read_text())
+    assert runs and min(runs) > 3      # the streamed rewrite ran its measurements segment by segment
+    a, b = reports["whole"], reports["streamed"]
+    assert [(r["layer"], r["backend"]) for r in a["layers"]] == [(r["layer"], r["backend"]) for r in b["layers"]]
+    for ra, rb in zip(a["layers"], b["layers"]):
+        if ra["gap"] is not None:
+            assert abs(ra["gap"] - rb["gap"]) < 1e-4 * max(1.0, abs(ra["gap"])), ra["layer"]
+    if a["quality"] and "loss" in a["quality"]:
+        assert abs(a["quality"]["loss"] - b["quality"]["loss"]) < 1e-4
+        for k, v in a["quality"].get("trials", {}).items():
+            assert abs(v - b["quality"]["trials"][k]) < 1e-4, k
+    if recipe == "int4-guard":   # quantization does not depend on the measurement: the same bytes
+        wa = {t.name: t.raw_data for t in onnx.load(str(tmp_path / "whole" / "model.onnx")).graph.initializer}
+        wb = {t.name: t.raw_data for t in onnx.load(str(tmp_path / "streamed" / "model.onnx")).graph.initializer}
+        assert wa == wb
