@@ -196,3 +196,53 @@ def test_rewrite_streamed_equals_rewrite_whole(qwen_external, tmp_path, monkeypa
         wa = {t.name: t.raw_data for t in onnx.load(str(tmp_path / "whole" / "model.onnx")).graph.initializer}
         wb = {t.name: t.raw_data for t in onnx.load(str(tmp_path / "streamed" / "model.onnx")).graph.initializer}
         assert wa == wb
+
+
+@pytest.mark.parametrize("form", ["optimum", "fused-int4"])
+def test_last_position_logits_keeps_decode_steps(qwen_external, form):
+    """The decode view: the head reads the last position only; every decode step's logits are the
+    model's own, bit for bit, and the prefill's last row is the model's last row."""
+    from rewriter.quantize import quantize_weights
+
+    model = modelfile.load_model(qwen_external)
+    if form == "fused-int4":
+        model, _ = fuse_decoder(model)
+        model = ir.serde.deserialize_model(onnx.load_from_string(modelfile.serialized(model)))   # in memory
+        model, _ = quantize_weights(model, "int4")
+    view = stream.last_position_logits(model)
+    assert view is not None and any(n.op_type == "Slice" and n.name == "ortlean_last_position" for n in view.graph)
+    assert not any(n.name == "ortlean_last_position" for n in model.graph)        # the model is not changed
+    a = stream.session(model, threads=1, stream=False)
+    b = stream.session(model, threads=1, stream=False, last_logits=True)
+    io = runtime.ModelIO.from_session(a)
+    ids = _ids(20, 5)
+    oa = runtime.run(a, io, runtime.feeds(io, ids[None, :12]))
+    ob = runtime.run(b, io, runtime.feeds(io, ids[None, :12]))
+    assert oa["logits"].shape[1] == 12 and ob["logits"].shape[1] == 1
+    np.testing.assert_allclose(ob["logits"][:, -1], oa["logits"][:, -1], rtol=1e-5, atol=1e-5)
+    pa, pb, n = io.next_state(oa), io.next_state(ob), 12
+    for t in range(12, 19):
+        sa = runtime.run(a, io, runtime.feeds(io, ids[None, t:t + 1], pa, n))
+        sb = runtime.run(b, io, runtime.feeds(io, ids[None, t:t + 1], pb, n))
+        np.testing.assert_array_equal(sa["logits"], sb["logits"]) if t > 12 else None
+        pa, pb, n = io.next_state(sa), io.next_state(sb), n + 1
+    # the past each step left is the model's own (the prefill's K/V rows do not depend on the head)
+    for k in pa:
+        np.testing.assert_allclose(pa[k], pb[k], rtol=1e-6, atol=1e-6)
+
+
+def test_last_position_logits_refuses_what_it_cannot_see():
+    """No logits output, or a head whose input feeds something else: None (the model is used as it is)."""
+    x = ir.val("x", ir.DataType.FLOAT, [1, "T", 8])
+    w = ir.Value(name="W", const_value=ir.tensor(np.ones((8, 4), np.float32)))
+    mm = ir.Node("", "MatMul", [x, w], name="head", num_outputs=1)
+    mm.outputs[0].name = "logits"
+    other = ir.Node("", "Relu", [x], name="other", num_outputs=1)
+    other.outputs[0].name = "hidden"
+    g = ir.Graph([x], [mm.outputs[0], other.outputs[0]], nodes=[mm, other], initializers=[w], opset_imports={"": 17})
+    assert stream.last_position_logits(ir.Model(g, ir_version=10)) is None      # the head's input feeds another node
+    assert stream.last_position_logits(ir.Model(g, ir_version=10), logits="nope") is None
+    g.remove(other, safe=False)
+    g.outputs.pop()
+    v = stream.last_position_logits(ir.Model(g, ir_version=10))                  # the head alone reads it: sliced
+    assert v is not None and [n.op_type for n in v.graph] == ["Slice", "MatMul"]

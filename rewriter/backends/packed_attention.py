@@ -562,7 +562,7 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
         # what the weights left of the budget (the budget covers every change, issue 34)
         qb = remaining_budget(float(ctx.opts.quality_budget), ctx.weights_loss)
         threads = max(2, ctx.threads)
-        s_ref = stream.session(ref, threads, stream=False)
+        s_ref = stream.session(ref, threads, stream=False, last_logits=True)   # decode loops read no prefill logits
         ref_res = [_decode_nll(s_ref, x, C, score, io_hint=ctx.io) for x in spans]
         nll_ref = np.concatenate([r[0] for r in ref_res])
         ref_states = [r[1] for r in ref_res]
@@ -582,7 +582,7 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
                 continue
             for w in ws:
                 _set_attrs(model, {"budget": float(b), "window": int(w), "min_context": 0})
-                sess = stream.session(model, threads, stream=False)   # the model's arrays, not a copy
+                sess = stream.session(model, threads, stream=False, last_logits=True)   # the model's arrays, not a copy
                 res = [_decode_nll(sess, x, C, score, st) for x, st in zip(spans, states)]
                 states = [r[1] for r in res]
                 d, up = runtime.paired_delta(np.concatenate([r[0] for r in res]), nll_ref)
@@ -623,7 +623,7 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
             # the context (the same spans, their prefills' first rows), min_context at least the
             # shortest context from which on every check passes
             _set_attrs(model, {"budget": float(best[0]), "window": int(best[1]), "min_context": 0})
-            sess = stream.session(model, threads, stream=False)
+            sess = stream.session(model, threads, stream=False, last_logits=True)
             checks = []
             for c in (C // 4, C // 2, 3 * C // 4):
                 if c < 16:
@@ -798,7 +798,7 @@ def measure_decode(ref: "ir.Model | bytes | None", model: ir.Model, cfg: AttnCon
     threads = max(2, ctx.threads)
 
     def nll_of(model_or_bytes) -> np.ndarray:   # the growing-state loop where the graph has no shared KV
-        sess = stream.session(model_or_bytes, threads, stream=False)
+        sess = stream.session(model_or_bytes, threads, stream=False, last_logits=True)
         io = runtime.ModelIO.from_session(sess).fill_from(ctx.io)
         return np.asarray(runtime.decode_perplexity(sess, io, ids, context=C, score=score, windows=n_sp)["token_nll"])
 

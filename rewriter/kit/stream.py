@@ -146,6 +146,44 @@ def runnable(model: ir.Model) -> Runnable:
     return Runnable(proto, folder, shared)
 
 
+# --------------------------------------------------------------------------- decode view
+_HEAD_OPS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "MatMulNBits"), ("ai.ortlean", "BlockQuantMatMul")}
+
+
+def last_position_logits(model: ir.Model, logits: str = "logits") -> ir.Model | None:
+    """A clone of ``model`` (tensors shared) whose ``logits`` output holds the last position only:
+    the final hidden states go through ``Slice(axis 1, -1:)`` before the head. Decode steps (one new
+    token) compute exactly what they computed; a prefill no longer makes — and pays the head's
+    product for — a [T, vocabulary] array nobody reads (a 4,096-token prefill of a 151,936-token
+    vocabulary: 2.5 GB of logits). None when the head is not found as a product (or several
+    products and a Concat) whose activation input feeds nothing else."""
+    m = model.clone()
+    out = next((v for v in m.graph.outputs if v.name == logits), None)
+    if out is None or out.producer() is None:
+        return None
+    p = out.producer()
+    heads = [p] if (p.domain, p.op_type) in _HEAD_OPS else \
+        [x.producer() for x in p.inputs if x is not None and x.producer() is not None] if p.op_type == "Concat" else []
+    if not heads or any(h is None or (h.domain, h.op_type) not in _HEAD_OPS for h in heads):
+        return None
+    x = heads[0].inputs[0]
+    if x is None or any(h.inputs[0] is not x for h in heads) or x.is_graph_output() or \
+            any(u.node not in heads for u in x.uses()):
+        return None
+    if p.op_type == "Concat" and p.attributes.get_int("axis", -1) not in (-1, 2):
+        return None
+    ints = lambda name, vals: ir.Value(name=name, const_value=ir.tensor(np.array(vals, np.int64), name=name))
+    starts, ends, axes = ints("ortlean_last_start", [-1]), ints("ortlean_last_end", [1 << 62]), ints("ortlean_last_axis", [1])
+    for c in (starts, ends, axes):
+        m.graph.initializers[c.name] = c
+    sl = ir.Node("", "Slice", [x, starts, ends, axes], name="ortlean_last_position", num_outputs=1)
+    sl.outputs[0].name = f"{x.name}_last"
+    m.graph.insert_before(heads[0], sl)
+    for h in heads:
+        h.replace_input_with(0, sl.outputs[0])
+    return m
+
+
 # --------------------------------------------------------------------------- sessions
 def _options(threads: int | None, so=None, prepack: bool = True):
     import onnxruntime as ort
@@ -159,17 +197,22 @@ def _options(threads: int | None, so=None, prepack: bool = True):
     return so
 
 
-def session(model, threads: int | None = None, *, so=None, backend: str = "auto", stream: bool | None = None):
+def session(model, threads: int | None = None, *, so=None, backend: str = "auto", stream: bool | None = None,
+            last_logits: bool = False):
     """An ONNX Runtime session on ``model`` — a path, serialized bytes, a loaded ``ir.Model`` (run
     without a copy of its weights: :func:`runnable`), a :class:`Runnable` or a :class:`Streamed`
     runner (returned as it is) — with the ortlean ops registered. A loaded model whose weights
-    exceed :data:`STREAM_BYTES` becomes a :class:`Streamed` runner unless ``stream=False``."""
+    exceed :data:`STREAM_BYTES` becomes a :class:`Streamed` runner unless ``stream=False``.
+    ``last_logits``: a loaded model's logits of the last position only (:func:`last_position_logits`,
+    for decode loops that read no prefill logits; the model as it is where the head is not found)."""
     import custom_ops
 
     if isinstance(model, Streamed):
         return model
     if isinstance(model, Path):
         model = str(model)
+    if isinstance(model, ir.Model) and last_logits:
+        model = last_position_logits(model) or model
     if isinstance(model, ir.Model):
         if stream or (stream is None and weight_bytes(model) > STREAM_BYTES):
             return Streamed(model, threads=threads, backend=backend)

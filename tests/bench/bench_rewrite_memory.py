@@ -9,7 +9,7 @@ The rewrite runs in a child process (``python -m rewriter.cli rewrite MODEL -o D
 --report DIR/report.json``); its peak RSS comes from the kernel (``os.wait4``'s ru_maxrss: the
 child's own high-water mark, memory-mapped file pages included), its RSS is also sampled every
 0.2 s (anonymous and file-backed parts, for the timeline in the JSON), the wall time is the
-child's. The output's bytes are every file the rewrite wrote for the model (``model.onnx`` and its
+child's; its output goes to DIR/rewrite.log as it runs. The output's bytes are every file the rewrite wrote for the model (``model.onnx`` and its
 external data). Printed: peak, wall, output bytes, the bound and whether it held, and the
 rewrite's own stage table (seconds and peak RSS at the end of each stage). Run it on an otherwise
 idle machine for figures to report; ``--json`` keeps them with commit, machine and date.
@@ -50,7 +50,8 @@ def run(model: str, flags: list[str], out_dir: Path, interval: float = 0.2) -> d
     cmd = [sys.executable, "-m", "rewriter.cli", "rewrite", model, "-o", str(out), *flags, "--report", str(report)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = open(out_dir / "rewrite.log", "wb")     # the rewrite's own output, as it goes
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
     samples: list[tuple[float, int, int]] = []
     done = threading.Event()
 
@@ -62,8 +63,9 @@ def run(model: str, flags: list[str], out_dir: Path, interval: float = 0.2) -> d
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    text = proc.stdout.read().decode(errors="replace")
     _, status, usage = os.wait4(proc.pid, 0)
+    log.close()
+    text = (out_dir / "rewrite.log").read_text(errors="replace")
     wall = time.monotonic() - t0
     done.set()
     th.join()
