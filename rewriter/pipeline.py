@@ -50,17 +50,24 @@ class Resources:
     """Wall time and resident memory of one rewrite, stage by stage (the closing line of the report
     and ``summary["resources"]``)."""
 
-    def __init__(self):
+    def __init__(self, progress: bool = False):
         self.t0 = time.monotonic()
         self.last = self.t0
         self.stages: list[dict] = []
+        self.progress = progress
 
     def mark(self, stage: str) -> None:
-        """`stage` just ended: its seconds, the peak RSS so far and the RSS now."""
+        """`stage` just ended: its seconds, the peak RSS so far and the RSS now (a line on stderr
+        with progress on: a long rewrite says where it is)."""
         now = time.monotonic()
         peak, cur = _rss_mb()
         self.stages.append({"stage": stage, "seconds": round(now - self.last, 2), "peak_rss_mb": round(peak),
                             "rss_mb": round(cur)})
+        if self.progress:
+            import sys
+
+            print(f"[ortlean] {stage}: {now - self.last:.1f} s (RSS {cur / 1024:.2f} GiB, peak so far "
+                  f"{peak / 1024:.2f} GiB)", file=sys.stderr, flush=True)
         self.last = now
 
     def summary(self) -> dict:
@@ -83,7 +90,7 @@ def run(cfg: RewriteConfig) -> dict:
     from tqdm.auto import tqdm
 
     t0 = time.time()
-    res = Resources()
+    res = Resources(progress=cfg.progress)
     cfg.validate()
     weight = _enabled(cfg, backends.WEIGHT_BACKENDS)
     passes = _enabled(cfg, backends.GRAPH_PASSES)
