@@ -18,8 +18,8 @@ keeps in malloc'd memory on 4 KiB pages (glibc advises nothing unless started wi
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``). ``huge_pages_for_process()``, called once the sessions
 exist, moves the process's resident anonymous memory (the heap, malloc's mapped chunks: initializers
 and prepacked weights, whoever allocated them) onto 2 MiB pages with ``MADV_COLLAPSE`` (Linux 6.1+):
-SmolLM2 int4 decode measured 6-8 % faster after 128 tokens (1 thread; tests/bench/results/longctx/
-huge_ab_s27.log, ``tests/bench/bench_longctx.py --huge-weights off|on``).
+SmolLM2 int4 decode measured 6-8 % faster after 128 tokens (1 thread; tests/bench/results/huge-pages-ab.log,
+``tests/bench/bench_longctx.py --huge-weights off|on``).
 """
 from __future__ import annotations
 

@@ -505,7 +505,7 @@ def quality_floor(context: int, checks: list[dict], budget: float) -> int:
 
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1875, 0.125, 0.0625)  # 0.1875: pq codes pass there on SmolLM2 where sign bits did not
-WINDOWS = (256, 128, 64)  # 128: at budget 0.25 on SmolLM2 as good as 256 or better (decode-mode Δppl, stop 23)
+WINDOWS = (256, 128, 64)  # 128: at budget 0.25 on SmolLM2 as good as 256 or better (decode-mode Δppl)
 # an approximate budget is chosen over exact int8 only when the op's candidate path is at least this
 # much faster at the calibration context (interleaved medians of one node vary by a few %)
 MIN_SPEEDUP = 1.05

@@ -1282,7 +1282,7 @@ void PackedAttentionKernel::select_kv(KvCall& c, Ort::KernelContext& ctx) const 
 // Each task starts its rows' fetches from DRAM anew: 6 tasks and chunks of up to 1024 keys (SmolLM2 at
 // past 4096, budget 0.1875: 6 tasks of 384 rows on 2 threads, a row's 768 in one task on 1) made the
 // op 2.3 % faster than 16 and 512 (geometric mean of 24 cells: ~4 % with 2 threads, ~1 % with 1; pasts
-// 1024 / 4096 / 8184, budgets 0.25 / 0.1875, attn_speed decode A/B in both slots, results/longctx/op_s28_tasks_*).
+// 1024 / 4096 / 8184, budgets 0.25 / 0.1875, attn_speed decode A/B in both slots; the logs are in git history).
 namespace {
 constexpr int64_t kKvMinChunk = 64, kKvTasks = 6;
 struct AttendSched {  // per-call scheduling arrays (thread-local storage reused across calls)
