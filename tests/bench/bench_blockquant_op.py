@@ -3,24 +3,35 @@ the time to stream the same bytes from DRAM and against ONNX Runtime's MatMulNBi
 block 32, accuracy_level 4) on the same shape.
 
     python tests/bench/bench_blockquant_op.py [--formats q4_0,q4_1,...] [--shapes 576x1536,...]
-        [--threads 1,2] [--mib 256] [--min-time 0.3] [--no-prefill] [--json FILE]
+        [--threads 1,2] [--act-bits 8,16] [--mib N] [--llc-x 4] [--min-time 0.3] [--no-prefill]
+        [--no-in-cache] [--json FILE]
 
 Shapes are K x N (inputs x outputs): SmolLM2's 576x576, 576x1536, 1536x576 and its 576x49152 head, and
 1536x8960 / 8960x1536. Formats: the ggml ones and q4_f at blocks 32 and 64 (HQQ's usual group).
 
-M = 1: a model holds L independent layers of the shape (their own random, valid blocks; one input), L
-chosen so that their bytes exceed --mib (default 256 MiB, several times this machine's last-level
-cache): one Run reads every layer's weights once, from DRAM; us per layer = median Run time / L. The
-streaming bound is the time the C streaming loop (tests/bench/attn_stream.c, the same thread count, threads
-timed from the moment they are up) takes to read the same number of bytes from L buffers of the layer's
-size, timed in the same rounds as the runs; bound_x = op time / streaming time (target <= 1.25).
-MatMulNBits runs on the same shape with its own L layers (4 bits + an fp32 scale per 32 weights);
-vs_mnb = MatMulNBits time / op time (target >= 1.2). M = 128: one layer per model (compute-bound), op vs
-MatMulNBits (target >= 1). Sessions take turns in blocks of timed runs after an untimed one, with a pause
-between sessions at > 1 thread (custom_ops.runtime.bench.settle: a pool's threads spin after a Run).
+M = 1, from DRAM: a model holds L independent layers of the shape (their own random, valid blocks; one
+input), L chosen so that their bytes exceed the layer set size: by default --llc-x (4) times the
+last-level cache that sysfs reports for cpu0 (/sys/devices/system/cpu/cpu0/cache, the highest level),
+capped so that the models, the MatMulNBits twin and the streaming buffers fit in a sixth of MemAvailable
+each (--mib sets it in MiB instead). One Run reads every layer's weights once, from DRAM; us per layer
+= median Run time / L. The streaming bound is the faster of two C loops reading the same number of
+bytes from L buffers of the layer's size with the same threads, timed in the same rounds as the runs:
+tests/bench/attn_stream.c's sequential loop and a loop of four interleaved streams with software
+prefetch (both in C, threads timed from the moment they are up); bound_x = op time / streaming time
+(target <= 1.25). The header prints the LLC size, the layer set size and the streaming rate over one
+set-sized buffer. MatMulNBits runs on the same shape with its own L layers (4 bits + an fp32 scale per
+32 weights); vs_mnb = MatMulNBits time / op time (target >= 1.2).
 
-The header names the ISA the op runs at (custom_ops.isa_label()), the CPU model, the commit and the
-date; --json writes the same. Do not time on a machine others are using: the figures are memory-bound.
+M = 1, in cache (--no-in-cache skips it): L nodes share one W, so a Run reads the same bytes L times
+from the core's caches (the layer must fit its L2): the kernel's own rate, GB/s of weight bytes.
+M = 128: one layer per model (compute-bound), op vs MatMulNBits (target >= 1). --act-bits 8,16 times
+both activation precisions (the act column). Sessions take turns in blocks of timed runs after an
+untimed one, with a pause between sessions at > 1 thread (custom_ops.runtime.bench.settle: a pool's
+threads spin after a Run).
+
+The header names the ISA the op runs at (custom_ops.isa_label()), the CPU model, the commit, the date
+and the load average; --json writes the same. Do not time on a machine others are using: the figures
+are memory-bound.
 """
 from __future__ import annotations
 
@@ -46,6 +57,162 @@ FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K", "q4_f
 OPSET, IR = 17, 10
 
 
+def _size_bytes(text: str) -> int:
+    """sysfs cache sizes: '48K', '2048K', '260M' -> bytes."""
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    return int(t.rstrip("KMG")) * mult
+
+
+def llc() -> dict:
+    """The last-level cache cpu0 sees (the highest level in /sys/devices/system/cpu/cpu0/cache): its
+    level, size in bytes and how many CPUs share it; {} when sysfs does not say."""
+    best: dict = {}
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = int((d / "level").read_text())
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            size = _size_bytes((d / "size").read_text())
+            shared = (d / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if not best or level > best["level"]:
+            best = {"level": level, "bytes": size, "shared_cpus": shared}
+    return best
+
+
+def mem_available() -> int:
+    """MemAvailable (bytes) from /proc/meminfo; 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def set_size(mib: int | None, llc_x: float) -> tuple[int, str]:
+    """Bytes of one M = 1 layer set and why: --mib, else llc_x times the LLC, capped at a sixth of
+    MemAvailable (the op's layers, their serialized model, MatMulNBits' layers and the streaming
+    buffers live at once)."""
+    if mib:
+        return mib << 20, f"--mib {mib}"
+    c = llc()
+    if not c:
+        return 1 << 30, "1 GiB (no LLC size in sysfs)"
+    want = int(llc_x * c["bytes"])
+    avail = mem_available()
+    if avail and want > avail // 6:
+        return avail // 6, (f"{avail // 6 >> 20} MiB: a sixth of MemAvailable, short of {llc_x:g} x the "
+                            f"{c['bytes'] >> 20} MiB LLC")
+    return want, f"{llc_x:g} x the {c['bytes'] >> 20} MiB L{c['level']} cache"
+
+
+_STREAM4_C = r"""
+#include <stddef.h>
+#include <stdint.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <immintrin.h>
+/* bytes [off, off + len) of each of n buffers read as four interleaved streams (quarters of the
+   range), software prefetch pf bytes ahead on each */
+static uint64_t read4(const uint8_t* const* bufs, int n, size_t off, size_t len, size_t pf) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  const size_t q = len / 4 / 64 * 64;
+  for (int b = 0; b < n; ++b) {
+    const uint8_t* p = bufs[b] + off;
+    for (size_t i = 0; i < q; i += 64) {
+      const uint8_t* x0 = p + i; const uint8_t* x1 = x0 + q; const uint8_t* x2 = x1 + q; const uint8_t* x3 = x2 + q;
+      _mm_prefetch((const char*)(x0 + pf), _MM_HINT_T0); _mm_prefetch((const char*)(x1 + pf), _MM_HINT_T0);
+      _mm_prefetch((const char*)(x2 + pf), _MM_HINT_T0); _mm_prefetch((const char*)(x3 + pf), _MM_HINT_T0);
+      a0 = _mm256_xor_si256(a0, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x0), _mm256_loadu_si256((const __m256i*)(x0 + 32))));
+      a1 = _mm256_xor_si256(a1, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x1), _mm256_loadu_si256((const __m256i*)(x1 + 32))));
+      a2 = _mm256_xor_si256(a2, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x2), _mm256_loadu_si256((const __m256i*)(x2 + 32))));
+      a3 = _mm256_xor_si256(a3, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x3), _mm256_loadu_si256((const __m256i*)(x3 + 32))));
+    }
+    for (size_t i = 4 * q; i + 32 <= len; i += 32) a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(p + i)));
+  }
+  a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+  return (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
+}
+static uint64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+typedef struct { const uint8_t* const* bufs; int n; size_t off, len, pf; atomic_int* ready; atomic_int* go; uint64_t end, sink; } part_t;
+static void* worker(void* a) {
+  part_t* p = (part_t*)a;
+  atomic_fetch_add(p->ready, 1);
+  while (!atomic_load(p->go)) {}
+  p->sink = read4(p->bufs, p->n, p->off, p->len, p->pf);
+  p->end = now_ns();
+  return 0;
+}
+/* nanoseconds for `threads` threads to read the first `bytes` of every buffer (each thread a contiguous
+   share of every buffer), from the moment all threads are up to the last one's finish */
+uint64_t stream4_mt(const uint8_t* const* bufs, int n, size_t bytes, int threads, size_t pf) {
+  enum { kMax = 64 };
+  if (threads < 1) threads = 1;
+  if (threads > kMax) threads = kMax;
+  pthread_t th[kMax];
+  part_t part[kMax];
+  atomic_int ready = 0, go = 0;
+  const size_t share = (bytes / (size_t)threads + 63) / 64 * 64;
+  for (int i = 0; i < threads; ++i) {
+    const size_t off = share * (size_t)i < bytes ? share * (size_t)i : bytes;
+    const size_t len = bytes - off < share ? bytes - off : share;
+    part[i] = (part_t){bufs, n, off, len, pf, &ready, &go, 0, 0};
+  }
+  for (int i = 1; i < threads; ++i) pthread_create(&th[i], 0, worker, &part[i]);
+  while (atomic_load(&ready) < threads - 1) {}
+  const uint64_t t0 = now_ns();
+  atomic_store(&go, 1);
+  part[0].sink = read4(bufs, n, part[0].off, part[0].len, pf);
+  uint64_t end = now_ns();
+  for (int i = 1; i < threads; ++i) {
+    pthread_join(th[i], 0);
+    if (part[i].end > end) end = part[i].end;
+  }
+  return end - t0;
+}
+"""
+STREAM4_PREFETCH = 4096
+
+
+def _stream4_lib(tmp: Path):
+    import ctypes
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise SystemExit("op bench: no C compiler for the streaming bound")
+    src, so = tmp / "bq_stream4.c", tmp / "bq_stream4.so"
+    src.write_text(_STREAM4_C)
+    subprocess.run([cc, "-O2", "-mavx2", "-shared", "-fPIC", "-pthread", str(src), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.stream4_mt.restype = ctypes.c_uint64
+    lib.stream4_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
+                               ctypes.c_size_t]
+    return lib
+
+
+def _stream_best(libs, arrays, nbytes: int, threads: int) -> float:
+    """Seconds to read the first nbytes of every array: the faster of attn_stream.c's sequential loop
+    and the four-stream prefetching loop (the bound is the best way found to read the bytes)."""
+    import ctypes
+
+    from attn_speed import _stream_time
+
+    seq_lib, s4_lib = libs
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    t4 = s4_lib.stream4_mt(ptrs, len(arrays), nbytes, threads, STREAM4_PREFETCH) * 1e-9
+    return min(_stream_time(seq_lib, arrays, nbytes, threads), t4)
+
+
 def machine() -> dict:
     model = "?"
     try:
@@ -68,7 +235,8 @@ def machine() -> dict:
 
     return {"cpu": model, "cores": os.cpu_count(), "isa": custom_ops.isa_label(), "onnxruntime": ort.__version__,
             "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
+            "load_average": [round(x, 2) for x in os.getloadavg()], "llc": llc(),
+            "mem_available_bytes": mem_available()}
 
 
 def _fmt(spec: str) -> tuple[str, int | None]:
@@ -76,20 +244,23 @@ def _fmt(spec: str) -> tuple[str, int | None]:
     return f, (int(b) if b else None)
 
 
-def _bq_model(K, N, fmt, bs, L, rng) -> tuple[bytes, int]:
-    """L BlockQuantMatMul layers on one input; (model, bytes of one layer's W)."""
+def _bq_model(K, N, fmt, bs, L, rng, act_bits=8, shared=False) -> tuple[bytes, int]:
+    """L BlockQuantMatMul layers on one input (shared: all on one W, read L times from the caches);
+    (model, bytes of one layer's W)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from custom_ops.reference import blockquant as bq
 
     nodes, inits, outs = [], [], []
     for i in range(L):
-        W = bq.random_blocks(fmt, N, K, rng, bs)
-        inits.append(numpy_helper.from_array(W, f"W{i}"))
+        if not shared or i == 0:
+            inits.append(numpy_helper.from_array(bq.random_blocks(fmt, N, K, rng, bs), f"W{i}"))
         a = dict(format=fmt, K=K, N=N)
         if bs:
             a["block_size"] = bs
-        nodes.append(helper.make_node("BlockQuantMatMul", ["X", f"W{i}"], [f"Y{i}"], name=f"bq{i}",
+        if act_bits != 8:
+            a["act_bits"] = act_bits
+        nodes.append(helper.make_node("BlockQuantMatMul", ["X", "W0" if shared else f"W{i}"], [f"Y{i}"], name=f"bq{i}",
                                       domain="ai.ortlean", **a))
         outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
     g = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])], outs,
@@ -159,75 +330,103 @@ def _runner(sess, feeds):
     return run
 
 
-def bench_decode(K, N, fmt, bs, threads, mib, min_time, lib, rng) -> list[dict]:
-    from attn_speed import _stream_time
-
+def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bits=(8,), in_cache=True) -> list[dict]:
     from custom_ops.reference import blockquant as bq
 
     layer_bytes = bq.row_bytes(fmt, K, bs) * N
-    L = max(2, -(-(mib << 20) // layer_bytes))
-    model, lb = _bq_model(K, N, fmt, bs, L, rng)
-    mL = max(2, -(-(mib << 20) // (N * -(-K // 32) * 20)))
+    L = max(2, -(-set_bytes // layer_bytes))
+    mL = max(2, -(-set_bytes // (N * -(-K // 32) * 20)))
     mnb, mlb = _mnb_model(K, N, mL, rng)
-    bufs = [np.ones(lb // 8 + 8, np.uint64) for _ in range(L)]
     x = {"X": rng.standard_normal((1, K)).astype(np.float32)}
     rows = []
-    for th in threads:
-        s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
-        for s in (s_op, s_mnb):  # first runs (pool probes, allocations) untimed
-            for _ in range(3):
-                s.run(None, x)
-        jobs = {"op": _runner(s_op, x), "mnb": _runner(s_mnb, x),
-                "stream": lambda: _stream_time(lib, bufs, lb, th)}
-        med = _time_rounds(jobs, min_time, th)
-        op, stream, mn = med["op"] / L, med["stream"] / L, med["mnb"] / mL
-        rows.append({"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": 1, "threads": th, "layers": L,
-                     "layer_bytes": lb, "op_us": op * 1e6, "stream_us": stream * 1e6,
-                     "stream_GBps": lb / stream / 1e9, "op_GBps": lb / op / 1e9, "bound_x": op / stream,
-                     "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op})
-        del s_op, s_mnb
+    for ab in act_bits:
+        model, lb = _bq_model(K, N, fmt, bs, L, rng, ab)
+        # the in-cache twin: enough nodes on one W for a Run of ~1 ms of weight bytes at 20 GB/s
+        cL = max(4, min(256, (20 << 20) // max(lb, 1)))
+        cache_model = _bq_model(K, N, fmt, bs, cL, rng, ab, shared=True)[0] if in_cache else None
+        bufs = [np.ones(lb // 8 + 8, np.uint64) for _ in range(L)]
+        for th in threads:
+            s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
+            s_c = _session(cache_model, th, True) if in_cache else None
+            for s in (s_op, s_mnb, s_c):  # first runs (pool probes, allocations) untimed
+                for _ in range(3 if s is not None else 0):
+                    s.run(None, x)
+            jobs = {"op": _runner(s_op, x), "mnb": _runner(s_mnb, x),
+                    "stream": lambda: _stream_best(libs, bufs, lb, th)}
+            if in_cache:
+                jobs["cache"] = _runner(s_c, x)
+            med = _time_rounds(jobs, min_time, th)
+            op, stream, mn = med["op"] / L, med["stream"] / L, med["mnb"] / mL
+            r = {"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": 1, "act_bits": ab, "threads": th,
+                 "layers": L, "layer_bytes": lb, "op_us": op * 1e6, "stream_us": stream * 1e6,
+                 "stream_GBps": lb / stream / 1e9, "op_GBps": lb / op / 1e9, "bound_x": op / stream,
+                 "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op}
+            if in_cache:
+                r.update(cache_layers=cL, cache_us=med["cache"] / cL * 1e6, cache_GBps=lb * cL / med["cache"] / 1e9)
+            rows.append(r)
+            del s_op, s_mnb, s_c
+        del model, cache_model, bufs
     return rows
 
 
-def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng) -> list[dict]:
-    model, lb = _bq_model(K, N, fmt, bs, 1, rng)
+def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng, act_bits=(8,)) -> list[dict]:
     mnb, _ = _mnb_model(K, N, 1, rng)
     x = {"X": rng.standard_normal((M, K)).astype(np.float32)}
     rows = []
-    for th in threads:
-        s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
-        for s in (s_op, s_mnb):
-            for _ in range(3):
-                s.run(None, x)
-        med = _time_rounds({"op": _runner(s_op, x), "mnb": _runner(s_mnb, x)}, min_time, th)
-        rows.append({"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": M, "threads": th,
-                     "op_us": med["op"] * 1e6, "mnb_us": med["mnb"] * 1e6, "vs_mnb": med["mnb"] / med["op"],
-                     "GMACps": M * K * N / med["op"] / 1e9})
+    for ab in act_bits:
+        model, lb = _bq_model(K, N, fmt, bs, 1, rng, ab)
+        for th in threads:
+            s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
+            for s in (s_op, s_mnb):
+                for _ in range(3):
+                    s.run(None, x)
+            med = _time_rounds({"op": _runner(s_op, x), "mnb": _runner(s_mnb, x)}, min_time, th)
+            rows.append({"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": M, "act_bits": ab,
+                         "threads": th, "op_us": med["op"] * 1e6, "mnb_us": med["mnb"] * 1e6,
+                         "vs_mnb": med["mnb"] / med["op"], "GMACps": M * K * N / med["op"] / 1e9})
     return rows
 
 
+def stream_rates(libs, set_bytes: int, threads) -> dict:
+    """GB/s of the streaming bound over one set-sized buffer (median of 5 reads per thread count)."""
+    buf = np.ones(set_bytes // 8, np.uint64)
+    out = {}
+    for th in threads:
+        ts = [_stream_best(libs, [buf], buf.nbytes, th) for _ in range(5)]
+        out[str(th)] = round(buf.nbytes / statistics.median(ts) / 1e9, 1)
+    return out
+
+
 def table(info: dict, rows: list[dict]) -> str:
+    c = info.get("llc") or {}
     out = [f"BlockQuantMatMul op bench — {info['cpu']} ({info['cores']} cores), ISA {info['isa']}, "
            f"onnxruntime {info['onnxruntime']}, commit {info['commit']}, {info['date']}, "
-           f"load average {info['load_average']}"]
+           f"load average {info['load_average']}",
+           f"LLC: {c['bytes'] >> 20} MiB (L{c['level']}, cpus {c['shared_cpus']})" if c else "LLC: unknown (no sysfs)"]
+    if "set_bytes" in info:
+        rates = ", ".join(f"{t} thread{'s' if t != '1' else ''} {g} GB/s" for t, g in info.get("stream_GBps", {}).items())
+        out.append(f"M = 1 layer set: {info['set_bytes'] / 2**20:.0f} MiB ({info['set_why']}); streaming a "
+                   f"buffer of that size: {rates}")
     dec = [r for r in rows if r["M"] == 1]
     if dec:
-        out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the C loop reading the same "
-                "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)",
-                f"{'format':>8} {'K x N':>11} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
-                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}"]
+        cache = any("cache_GBps" in r for r in dec)
+        out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the best C loop reading the same "
+                "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)"
+                + ("; cache = the same layer read from the caches (GB/s)" if cache else ""),
+                f"{'format':>8} {'K x N':>11} {'act':>3} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
+                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}" + (f" {'cache':>6}" if cache else "")]
         for r in dec:
-            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r['threads']:>3} {r['layers']:>6} "
-                       f"{r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
+            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
+                       f"{r['layers']:>6} {r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
                        f"{r['op_us']:>8.1f} {r['op_GBps']:>5.1f} {r['bound_x']:>7.2f} {r['mnb_us']:>8.1f} "
-                       f"{r['vs_mnb']:>6.2f}")
+                       f"{r['vs_mnb']:>6.2f}" + (f" {r['cache_GBps']:>6.1f}" if "cache_GBps" in r else ""))
     pre = [r for r in rows if r["M"] > 1]
     if pre:
         out += ["", "M = 128 (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)",
-                f"{'format':>8} {'K x N':>11} {'thr':>3} {'op us':>9} {'GMAC/s':>7} {'MNB us':>9} {'vs_mnb':>6}"]
+                f"{'format':>8} {'K x N':>11} {'act':>3} {'thr':>3} {'op us':>9} {'GMAC/s':>7} {'MNB us':>9} {'vs_mnb':>6}"]
         for r in pre:
-            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r['threads']:>3} {r['op_us']:>9.1f} "
-                       f"{r['GMACps']:>7.1f} {r['mnb_us']:>9.1f} {r['vs_mnb']:>6.2f}")
+            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
+                       f"{r['op_us']:>9.1f} {r['GMACps']:>7.1f} {r['mnb_us']:>9.1f} {r['vs_mnb']:>6.2f}")
     return "\n".join(out)
 
 
@@ -236,20 +435,31 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma list; q4_f/B sets q4_f's block_size")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="comma list of KxN")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--mib", type=int, default=256, help="weight bytes per M = 1 model (beyond the LLC)")
+    ap.add_argument("--act-bits", default="8", help="comma list of 8 | 16 (the op's act_bits)")
+    ap.add_argument("--mib", type=int, default=None,
+                    help="weight bytes per M = 1 layer set in MiB (default: --llc-x times the LLC, memory permitting)")
+    ap.add_argument("--llc-x", type=float, default=4.0, help="layer set size in multiples of the LLC (default 4)")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds of timed runs per job and cell")
     ap.add_argument("--prefill-m", type=int, default=128)
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--no-in-cache", action="store_true", help="skip the M = 1 in-cache column")
     ap.add_argument("--json", help="write the rows and the header here")
     a = ap.parse_args()
 
     from attn_speed import _stream_lib
 
-    lib = _stream_lib(Path(tempfile.mkdtemp(prefix="ortlean-bqbench-")))
+    tmp = Path(tempfile.mkdtemp(prefix="ortlean-bqbench-"))
+    libs = (_stream_lib(tmp), _stream4_lib(tmp))
     threads = [int(t) for t in a.threads.split(",")]
+    act_bits = tuple(int(b) for b in a.act_bits.split(","))
+    if any(b not in (8, 16) for b in act_bits):
+        raise SystemExit(f"--act-bits {a.act_bits}: each must be 8 or 16")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     info = machine()
+    if not a.no_decode:
+        info["set_bytes"], info["set_why"] = set_size(a.mib, a.llc_x)
+        info["stream_GBps"] = stream_rates(libs, info["set_bytes"], threads)
     print(table(info, []), flush=True)
     rows = []
     rng = np.random.default_rng(0)
@@ -257,11 +467,12 @@ def main() -> None:
         for spec in a.formats.split(","):
             fmt, bs = _fmt(spec)
             if not a.no_decode:
-                new = bench_decode(K, N, fmt, bs, threads, a.mib, a.min_time, lib, rng)
+                new = bench_decode(K, N, fmt, bs, threads, info["set_bytes"], a.min_time, libs, rng, act_bits,
+                                   not a.no_in_cache)
                 rows += new
                 print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
             if not a.no_prefill:
-                new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng)
+                new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng, act_bits)
                 rows += new
                 print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
     print()
