@@ -58,12 +58,12 @@ class Resources:
 
     def mark(self, stage: str) -> None:
         """`stage` just ended: its seconds, the peak RSS so far and the RSS now (a line on stderr
-        with progress on: a long rewrite says where it is)."""
+        with progress on once the rewrite has run 5 s: a long rewrite says where it is)."""
         now = time.monotonic()
         peak, cur = _rss_mb()
         self.stages.append({"stage": stage, "seconds": round(now - self.last, 2), "peak_rss_mb": round(peak),
                             "rss_mb": round(cur)})
-        if self.progress:
+        if self.progress and now - self.t0 >= 5.0:  # a quick rewrite (or an early refusal) stays quiet
             import sys
 
             print(f"[ortlean] {stage}: {now - self.last:.1f} s (RSS {cur / 1024:.2f} GiB, peak so far "

@@ -533,7 +533,7 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     from rewriter import cli
 
     src = tiny["llama"] / "model.onnx"
-    assert _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--quality-budget", "off")[0] == 0
+    assert _rewrite(src, tmp_path / "twin.onnx", "--weights", "int4", "--quality-budget", "off", "--attn-exact", "on")[0] == 0
     assert _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary", "--attn-budget", "0.5",
                     "--attn-window", "16", "--attn-min-context", "32", "--attn-tune", "off")[0] == 0
     out = tmp_path / "bench.json"
@@ -547,7 +547,7 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert dp["past"] == 512 - 20 and set(dp) == {"past", "t1"}  # 4 warm-up + 16 profiled steps fit
     short = dp["t1"]["short_step"]  # every row after 1 token
     assert set(short) == {"dense", "lean", "dense | shared KV", "lean | shared KV"} and min(short.values()) > 0
-    for k in ("dense", "lean"):  # the twin's attention: PackedAttention's exact path (--weights int4's --attn-exact)
+    for k in ("dense", "lean"):  # the twin's attention: PackedAttention's exact path (--attn-exact on)
         prof = dp["t1"][k]
         ops = {x["op_type"]: x for x in prof["rows"]}
         att = ops["PackedAttention"]
