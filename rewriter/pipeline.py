@@ -4,6 +4,7 @@ guard → emit → "post" graph passes → check → save. The backends are the 
 from __future__ import annotations
 
 import fnmatch
+import os
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from custom_ops.schema import DOMAIN
 
 from . import backends, genai, report
 from .errors import OrtleanError
-from .kit import calib, candidates, modelfile
+from .kit import calib, candidates, modelfile, stream
 from .kit.backend import Context
 from .kit.options import RewriteConfig
 from .kit.quality import BudgetRefused, largest_passing
@@ -58,12 +59,18 @@ class Resources:
 
     def mark(self, stage: str) -> None:
         """`stage` just ended: its seconds, the peak RSS so far and the RSS now (a line on stderr
-        with progress on once the rewrite has run 5 s: a long rewrite says where it is)."""
+        with progress on once the rewrite has run 5 s, or always with ORTLEAN_TRACE_MEMORY set: a long
+        rewrite says where it is)."""
         now = time.monotonic()
+        import gc
+
+        gc.collect()
+        stream.release_heap()        # what the stage's sessions freed goes back to the system
         peak, cur = _rss_mb()
         self.stages.append({"stage": stage, "seconds": round(now - self.last, 2), "peak_rss_mb": round(peak),
                             "rss_mb": round(cur)})
-        if self.progress and now - self.t0 >= 5.0:  # a quick rewrite (or an early refusal) stays quiet
+        # a quick rewrite (or an early refusal) stays quiet
+        if (self.progress and now - self.t0 >= 5.0) or os.environ.get("ORTLEAN_TRACE_MEMORY"):
             import sys
 
             print(f"[ortlean] {stage}: {now - self.last:.1f} s (RSS {cur / 1024:.2f} GiB, peak so far "

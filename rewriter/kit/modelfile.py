@@ -17,7 +17,10 @@ import onnx_ir as ir
 from ..errors import OrtleanError
 
 # external data is used when the initializers exceed this (protobuf's hard limit is 2 GiB)
-EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 1_800_000_000))
+# (512 MiB, not protobuf's limit: a single-file model is serialized whole in memory — the proto,
+# then its bytes — twice the model's size on top of the rewrite's own; with external data each
+# tensor is written as it comes)
+EXTERNAL_DATA_THRESHOLD = int(os.environ.get("ORTLEAN_EXTERNAL_DATA_THRESHOLD", 512 << 20))
 # with external data, tensors up to this size stay inline in the model file
 INLINE_TENSOR_BYTES = 1024
 
