@@ -70,6 +70,11 @@ class WeightsConfig(Options):
                       "reads the head's quantized blocks — GatherBlockQuantized with int8|int4, BlockQuantGather with "
                       "gguf — no bytes of its own; with gguf an untied embedding the GGUF holds reads its own "
                       "blocks) | fp32 (keeps its float32 table)", choices=quantize.EMBED)
+    act_bits: str = flag("--weights-act-bits", "auto", "BlockQuantMatMul's activations: integers of 8 or 16 bits per "
+                         "block of 32 (docs/block-quant.md). auto (default): 16 where the weights are the GGUF's own "
+                         "blocks (bit-exact weights: activation rounding is all they lose, and 8-bit rounding is "
+                         "measurable in perplexity, see docs/weights.md), 8 where the weights "
+                         "are quantized here (their own error dominates) | 8 | 16", choices=("auto", "8", "16"))
     enabled: bool = False
     targets: tuple = ("mlp", "attn", "head")
     source: str = "fp32"            # resolved: fp32 | int8 | int4 | gguf
@@ -304,12 +309,14 @@ class WeightsBackend(WeightBackendBase):
         add = _bias_add(node, cand.N)
         bias = add[1].const_value.numpy().reshape(-1).astype(np.float32) if add is not None else None
         multi = len(parts) > 1
+        act_bits = int(self.cfg.act_bits) if self.cfg.act_bits != "auto" else 16 if source.startswith("gguf:") else 8
         new, weights = [], []
         for i, p in enumerate(parts):
             sfx = f"_{i}" if multi else ""
             w = surgery.initializer(graph, f"{base}.weight_{p.format}{sfx}", p.W)
             b = surgery.initializer(graph, f"{base}.bias{sfx}", bias[p.start:p.stop]) if bias is not None else None
-            attrs = {"format": p.format, "K": int(cand.K), "N": int(p.N), "layer": cand.label, "target": cand.target,
+            attrs = {"format": p.format, "K": int(cand.K), "N": int(p.N), "act_bits": act_bits,
+                     "layer": cand.label, "target": cand.target,
                      "source": source, "bits_per_weight": float(p.bits_per_weight), "params_dense": int(cand.K * p.N),
                      "params_stored": int(cand.K * p.N), "gap": float(gap)}
             new.append(surgery.op_node("BlockQuantMatMul", [cand.input, w, b], attrs, name=f"{cand.name}_BQ{sfx}"))
