@@ -198,14 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", action="store_true", help="print only the calibration novel's path")
     p.add_argument("--eval", action="store_true", help="print only the evaluation novel's path")
 
-    p = sub.add_parser("demo", help="prepare a real model and run rewrite → eval → bench end to end (default recipe: "
-                       "fused graph + int4 weights for causal LMs, int8 for encoders; any backend flag replaces it)")
+    p = sub.add_parser("demo", help="prepare a real model, rewrite it with the best recipes (GGUF-packaged decoders: "
+                       "lossless GGUF weights, and those with tuned long-context PackedAttention; encoders: int8) and "
+                       "measure quality and speed against onnxruntime-genai and llama.cpp in one run; any backend "
+                       "flag replaces the recipes")
     p.add_argument("name", choices=PACKAGED)
     p.add_argument("--out", default=None, help="working directory (default: <cache>/demo/<name>)")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list for the bench (default 1,2)")
     p.add_argument("--no-bench", action="store_true")
-    p.add_argument("--decode-past", type=thread_counts, default=[128, 4096],
-                   help="past lengths of the decode table (causal LMs), comma list (default 128,4096)")
+    p.add_argument("--decode-past", type=thread_counts, default=[128, 4096, 8192],
+                   help="past lengths of the decode table (causal LMs), comma list (default 128,4096,8192; capped "
+                   "by the model's positions)")
+    p.add_argument("--repeats", type=_count(1), default=5, help="timed rounds per row (default 5)")
+    p.add_argument("--steps", type=_count(1), default=8, help="decode steps per past length and round (default 8)")
+    p.add_argument("--fresh", action="store_true", help="rewrite again even when the work directory holds the "
+                   "same recipe's rewrite of the same source by the same ortlean")
     options.add_flags(p, RewriteConfig, only=("quality_budget",))
     _add_backend_flags(p)
     return ap
@@ -549,44 +556,19 @@ def cmd_corpus(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from models import corpus, prepare
-    from models.cache import cache_root
+    from . import demo
 
-    from . import evaluate, pipeline
-
-    d = prepare.prepare(args.name)
-    dense = d / "model.onnx"
-    novels = corpus.novels()
-    work = Path(args.out) if args.out else cache_root() / "demo" / args.name
-    work.mkdir(parents=True, exist_ok=True)
-    causal = prepare.MODELS[args.name].kind == "causal-lm"
     configs = _backend_configs(args)
-    asked = [n for n, c in configs.items() if c.enabled and n != "fuse" and getattr(c, "explicit", True)]  # auto asks nothing
-    if not asked:
-        # the best recipe the tool has: the fused graph (decoders) with MatMulNBits int4 weights
-        # (int8 for encoders, where int4 costs too much cosine); other backends are flags
-        args.weights = "int4" if causal else "int8"
-        configs = _backend_configs(args)
-        asked = ["weights"]
-    tag = "+".join(f"{n}-{configs[n].weights}" if n == "weights" else n for n in asked)
-    out = work / f"model.{tag}.onnx"
-    cfg = RewriteConfig(model=str(dense), output=str(out), backends=configs,
-                        calib_text=str(novels[corpus.CALIB_NOVEL]), report=str(work / f"report.{tag}.json"),
-                        quality_budget=args.quality_budget, progress=True)
-    print(f"== rewrite {dense} ({tag}), calibrated on {corpus.CALIB_NOVEL}")
-    summary = pipeline.run(cfg)
-    print(pipeline.format_report(summary))
-    if not summary["output"]:
-        return EXIT_NOTHING_WRITTEN
-    print(f"\n== quality on held-out {corpus.EVAL_NOVEL}")
-    res = evaluate.evaluate(str(out), str(dense), str(novels[corpus.EVAL_NOVEL]), threads=max(args.threads))
-    print(evaluate.format_eval(res))
-    if not args.no_bench:
-        print("\n== speed (same run, interleaved)")
-        b = evaluate.bench(str(out), str(dense), threads=args.threads, nbits=[8, 4], profile=True,
-                           decode_past=args.decode_past if causal else [128])
-        print(evaluate.format_bench(b))
-    return 0
+    asked = [n for n, c in configs.items() if c.enabled and getattr(c, "explicit", True)
+             and n not in ("fuse", "weights")]   # --fuse/--weights auto ask nothing
+    if getattr(configs.get("weights"), "explicit", False):
+        asked.append("weights")
+    custom = None
+    if asked:
+        def custom(model, output, calib, report):
+            return RewriteConfig(model=model, output=output, backends=configs, calib_text=calib, report=report,
+                                 quality_budget=args.quality_budget, progress=True)
+    return demo.run(args, custom)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,215 @@
+"""`ortlean demo NAME`: the best recipes the tool has for a packaged model, quality first, then speed
+against the peers a user would pick instead — one run, one table, one plot.
+
+For a GGUF-packaged causal LM (SmolLM2, Qwen2.5-Coder) the recipes are
+- **lossless**: every weight MatMul holds the GGUF's own blocks (BlockQuantMatMul, bit-exact), fused
+  graph, exact attention;
+- **long-context**: the same weights with PackedAttention's tuned candidate attention over a quantized
+  KV cache (`--state-pack binary`: pq key codes, budget / window / min_context tuned on the calibration
+  novel within `--quality-budget`).
+Both are calibrated on one Austen novel and measured on another: Δppl against the source weights (the
+fp32 export) for every row — the peers' too (onnxruntime-genai's builder models, llama.cpp's GGUF scored
+by llama.cpp itself) — beside decode tokens/s after 128 / 4k / 8k cached tokens (capped by the model's
+positions), 1 and 2 threads, prefill of 128 tokens. Writes ``results.json`` (ortlean-results/1), a
+markdown table and ``speed-vs-context.png`` into the work directory.
+
+Backend flags on the command line replace the two recipes by one rewrite with those flags. An encoder
+(MiniLM) gets int8 weights (its quality is the embedding cosine).
+
+The rewritten models are kept in the work directory with a stamp of what made them (source model,
+flags, ortlean's commit and library); a later run with the same stamp reuses them (`--fresh` redoes
+them), so a warm demo spends its time measuring.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import OrtleanError
+
+
+def _say(step: int, total: int, msg: str) -> None:
+    print(f"[demo {step}/{total}] {msg}", file=sys.stderr, flush=True)
+
+
+def _stamp(source: Path, flags: list[str]) -> str:
+    """What a rewritten model depends on: the source export, the flags, ortlean's commit and library."""
+    import custom_ops
+
+    from . import results
+
+    lib = Path(custom_ops.library_path())
+    commit, dirty = results.git_commit()
+    parts = {"source": str(source.resolve()), "source_mtime": int(source.stat().st_mtime), "flags": flags,
+             "commit": commit, "dirty": dirty, "library": hashlib.sha256(lib.read_bytes()).hexdigest()[:16]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool) -> dict:
+    """`ortlean rewrite SOURCE -o OUT FLAGS` unless OUT holds a rewrite with the same stamp."""
+    from . import cli
+
+    stamp = _stamp(source, flags)
+    rep, st = out.parent / "report.json", out.parent / "stamp.txt"
+    if not fresh and out.is_file() and rep.is_file() and st.is_file() and st.read_text().strip() == stamp:
+        print(f"  reusing {out} (same source, flags, commit and library; --fresh redoes it)", file=sys.stderr)
+        return json.loads(rep.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    st.unlink(missing_ok=True)
+    from . import pipeline
+    from .kit import options
+
+    args = cli.build_parser().parse_args(["rewrite", str(source), "-o", str(out), "--report", str(rep), *flags])
+    cfg = options.from_args(cli.RewriteConfig, args, model=args.model, output=args.output,
+                            backends=cli._backend_configs(args), progress=True)
+    summary = pipeline.run(cfg)   # its stage lines on stderr; the per-layer table stays in report.json
+    if summary.get("output"):
+        st.write_text(stamp + "\n")
+    return summary
+
+
+def plot(doc: dict, path: Path) -> Path | None:
+    """Decode tokens/s against the context for every row at the largest thread count (one line per
+    model, its fastest driver), Δppl against the source weights in the legend. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from . import results
+
+    ctxs = doc.get("contexts") or []
+    if not ctxs:
+        return None
+    t = str(max(doc["threads"]))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results.pick_rows(doc):
+        per = (r.get("tok_s") or {}).get(t) or {}
+        xs = [c for c in ctxs if per.get(str(c))]
+        if not xs:
+            continue
+        dq = r.get("delta_ppl")
+        q = "Δppl —" if dq is None else f"Δppl {100 * dq:+.2f} %"
+        style = "-o" if r["side"] == "ours" else "--s" if r["side"] == "peer" else ":^"
+        ax.plot(xs, [per[str(c)] for c in xs], style, label=f"{r['name']} ({q})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ctxs)
+    ax.set_xticklabels([f"{c:,}" for c in ctxs])
+    ax.set_xlabel("tokens in the cache before the decode step")
+    ax.set_ylabel(f"decode tokens/s, {t} thread{'s' if t != '1' else ''}")
+    m = doc.get("machine") or {}
+    ax.set_title(f"{doc.get('model_name')}: {m.get('cpu', '?')}, {m.get('isa', '?')} "
+                 f"({(doc.get('commit') or '?')[:7]}, {doc.get('date', '')[:10]})", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _summary(rep: dict) -> str:
+    """Two lines of a rewrite's report: what it wrote and what its quality check measured."""
+    q = rep.get("quality") or {}
+    by: dict[str, int] = {}
+    for r in rep.get("layers") or []:
+        if r["backend"] != "dense":
+            by[r["backend"]] = by.get(r["backend"], 0) + 1
+    out = f"  {', '.join(f'{v} {k}' for k, v in by.items()) or 'no weight layer rewritten'}"
+    tune = next((r["tune"] for r in rep.get("graph_passes") or [] if "tune" in r), None)
+    if tune:
+        out += f"; attention: {tune['summary']}"
+    if "loss" in q:
+        out += (f"\n  quality check on held-out calibration text: {q['metric']} {100 * q['loss']:+.2f} % against the "
+                f"source weights (budget {100 * q['budget']:g} %)")
+    elif q.get("skipped"):
+        out += f"\n  {q['skipped']}"
+    return out
+
+
+def run(args, custom=None) -> int:
+    """The demo (see the module docstring); ``custom``: a RewriteConfig maker for the backends the
+    command line asked for (their one recipe replaces the default ones)."""
+    from models import corpus, prepare
+    from models.cache import cache_root
+
+    from . import evaluate, results
+
+    spec = prepare.MODELS[args.name]
+    causal = spec.kind == "causal-lm"
+    total = 5
+    t0 = time.time()
+    _say(1, total, f"{args.name}: the prepared export (built once, cached)")
+    dense = prepare.prepare(args.name) / "model.onnx"
+    _say(2, total, "corpus: Jane Austen's novels (Debian r-cran-janeaustenr)")
+    novels = corpus.novels()
+    calib, held = str(novels[corpus.CALIB_NOVEL]), str(novels[corpus.EVAL_NOVEL])
+    work = Path(args.out) if args.out else cache_root() / "demo" / args.name
+    work.mkdir(parents=True, exist_ok=True)
+    budget = ["--quality-budget", "off" if args.quality_budget is None else str(args.quality_budget)]
+    if custom is not None:    # the command line's own recipe: one rewrite, not cached
+        recipes = {"ortlean": None}
+    elif causal and spec.gguf:
+        recipes = {"long-context": ["--state-pack", "binary", "--calib-text", calib, *budget],
+                   "lossless": ["--calib-text", calib, *budget]}
+    elif causal:
+        recipes = {"ortlean": ["--calib-text", calib, *budget]}
+    else:
+        recipes = {"int8": ["--weights", "int8", "--calib-text", calib, *budget]}
+    models: dict[str, str] = {}
+    for i, (name, flags) in enumerate(recipes.items()):
+        out = work / name / "model.onnx"
+        if flags is None:
+            from . import pipeline
+
+            _say(3, total, f"rewrite: the command line's recipe, calibrated on {corpus.CALIB_NOVEL}")
+            rep = pipeline.run(custom(str(dense), str(out), calib, str(work / name / "report.json")))
+        else:
+            _say(3, total, f"rewrite {i + 1}/{len(recipes)}: {name} ({' '.join(f for f in flags if f != calib)}), "
+                           f"calibrated on {corpus.CALIB_NOVEL}")
+            rep = _rewrite(dense, out, flags, args.fresh)
+        if not rep.get("output"):
+            raise OrtleanError(f"{name}: {rep.get('refused') or 'nothing written'}")
+        print(_summary(rep), file=sys.stderr)
+        models[name] = str(out)
+    main, *rest = models
+    if not causal:
+        _say(4, total, f"quality on held-out {corpus.EVAL_NOVEL}: embedding cosine")
+        res = evaluate.evaluate(models[main], str(dense), held, threads=max(args.threads))
+        print(evaluate.format_eval(res))
+        if not args.no_bench:
+            _say(5, total, "speed (same run, interleaved)")
+            b = evaluate.bench(models[main], str(dense), threads=args.threads, nbits=[8], profile=False,
+                               decode_past=[128])
+            print(evaluate.format_bench(b))
+        return 0
+    if args.no_bench:
+        _say(4, total, f"quality on held-out {corpus.EVAL_NOVEL} (--no-bench: no speed table)")
+        for name, path in models.items():
+            print(f"{name}: " + evaluate.format_eval(evaluate.evaluate(path, str(dense), held,
+                                                                       threads=max(args.threads), peers="auto")))
+        return 0
+    pasts = [p for p in args.decode_past]
+    _say(4, total, f"quality and speed: Δppl on held-out {corpus.EVAL_NOVEL} for every row, then decode after "
+                   f"{', '.join(map(str, pasts))} cached tokens with {', '.join(map(str, args.threads))} threads, "
+                   "ours against onnxruntime-genai and llama.cpp in one run")
+    res = evaluate.bench(models[main], str(dense), threads=args.threads, decode_past=pasts, nbits=(), profile=False,
+                         repeats=args.repeats, steps=args.steps, also={k: models[k] for k in rest},
+                         quality_text=held)
+    print(evaluate.format_bench(res))
+    _say(5, total, f"results: {work / 'results.json'}, {work / 'results.md'}, {work / 'speed-vs-context.png'}")
+    doc = results.from_bench(res, "ortlean " + " ".join(args.argv), labels={"lean": main})
+    results.write_json(work / "results.json", doc)
+    table = results.render(doc, str(work / "results.json"))
+    (work / "results.md").write_text(table + "\n")
+    print("\n" + table)
+    png = plot(doc, work / "speed-vs-context.png")
+    if png is None:
+        print("note: no plot (matplotlib is not installed: pip install 'ortlean[plot]')", file=sys.stderr)
+    print(f"\ndemo finished in {time.time() - t0:.0f} s; results in {work}", file=sys.stderr)
+    return 0
