@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flags", default="", help="extra rewrite flags for the tuned model")
     ap.add_argument("--work", default=None, help="where the two models go (default: a cache directory)")
+    ap.add_argument("--from-demo", default=None, metavar="DIR",
+                    help="measure the models an `ortlean demo` run wrote into DIR (DIR/long-context, tuned; "
+                    "DIR/lossless, the same weights with exact attention) instead of rewriting")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
@@ -79,24 +82,34 @@ def main(argv=None) -> int:
     calib = str(novels[corpus.CALIB_NOVEL])
     common = ["--calib-text", calib, "--quality-budget", str(a.budget)]
     t0 = time.time()
-    print(f"[tune-heldout] rewrite: long-context recipe, tuned on {corpus.CALIB_NOVEL}", file=sys.stderr, flush=True)
-    rep = rewrite(M, work / "tuned" / "model.onnx", ["--state-pack", "binary", *common, *shlex.split(a.flags)])
+    dirs = {"tuned": work / "tuned", "exact": work / "exact"}
+    if a.from_demo:
+        dirs = {"tuned": Path(a.from_demo) / "long-context", "exact": Path(a.from_demo) / "lossless"}
+        rep = json.loads((dirs["tuned"] / "report.json").read_text())
+        cf = rep["config"]     # the demo's long-context recipe: --state-pack binary --calib-text --quality-budget
+        common = ["--state-pack", "binary", "--calib-text", str(cf["calib_text"]), "--quality-budget",
+                  str(cf["quality_budget"])]
+    else:
+        print(f"[tune-heldout] rewrite: long-context recipe, tuned on {corpus.CALIB_NOVEL}", file=sys.stderr,
+              flush=True)
+        rep = rewrite(M, dirs["tuned"] / "model.onnx", ["--state-pack", "binary", *common, *shlex.split(a.flags)])
+        print("[tune-heldout] rewrite: the same weights with exact attention (GroupQueryAttention)", file=sys.stderr,
+              flush=True)
+        rewrite(M, dirs["exact"] / "model.onnx", ["--attn-exact", "off", *common])
     tune = next(r["tune"] for r in rep["graph_passes"] if "tune" in r)
-    print("[tune-heldout] rewrite: the same weights with exact attention (GroupQueryAttention)", file=sys.stderr,
-          flush=True)
-    rewrite(M, work / "exact" / "model.onnx", ["--attn-exact", "off", *common])
     q = tune.get("quality") if isinstance(tune.get("quality"), dict) else {}
     chosen = {"budget": tune["budget"], "window": tune["window"], "min_context": tune["min_context"]}
     trial = next((t for t in q.get("trials", []) if (t["budget"], t["window"]) == (tune["budget"], tune["window"])), {})
-    allowed = q.get("budget", a.budget)      # what the weights left of --quality-budget for attention
-    out = {"model": a.model, "recipe": ["--state-pack", "binary", *common, *shlex.split(a.flags)],
+    allowed = q.get("budget", rep["config"]["quality_budget"] if a.from_demo else a.budget)      # what the weights left of --quality-budget for attention
+    out = {"model": a.model, "models": {k: str(d) for k, d in dirs.items()},
+           "recipe": common if a.from_demo else ["--state-pack", "binary", *common, *shlex.split(a.flags)],
            "chosen": chosen, "tuner": {"novel": corpus.CALIB_NOVEL, "context": q.get("context"),
                                        "scored": q.get("scored"), "budget_for_attention": allowed,
                                        "delta_ppl": trial.get("delta_ppl"), "delta_ppl_upper": trial.get("delta_ppl_upper"),
                                        "weights_loss": (rep.get("quality") or {}).get("loss")},
            "heldout": [], "context": a.context, "score": a.score}
-    sess = {k: custom_ops.session(str(work / k / "model.onnx"), threads=a.threads) for k in ("exact", "tuned")}
-    ios = {k: runtime.ModelIO.from_session(s, str(work / k / "model.onnx")) for k, s in sess.items()}
+    sess = {k: custom_ops.session(str(dirs[k] / "model.onnx"), threads=a.threads) for k in ("exact", "tuned")}
+    ios = {k: runtime.ModelIO.from_session(s, str(dirs[k] / "model.onnx")) for k, s in sess.items()}
     tok = runtime.load_tokenizer(M)
     for title in held:
         ids = tok.encode(corpus.text(title), add_special_tokens=False).ids
