@@ -165,6 +165,7 @@ def run(cfg: RewriteConfig) -> dict:
             W = None
             for m in getattr(c, "members", None) or [c]:   # its pages stay in the page cache, not in our RSS
                 modelfile.release_pages(m.weight.const_value)
+            stream.trace_memory(f"planned {c.name}")
         bar.close()
         W = G = None  # a view of a memory-mapped external weight would block saving (BufferError)
         modelfile.release_all(model)

@@ -24,7 +24,7 @@ import onnx_ir as ir
 from custom_ops.runtime.weights import QuantConfig, matmul_nbits_proto
 
 __all__ = ["WEIGHTS", "EMBED", "QuantConfig", "DEFAULTS", "quantize_weights", "matmul_nbits_proto",
-           "tied_embedding", "block_rows", "share_embedding", "pack_shared_input"]
+           "tied_embedding", "equal_tables", "block_rows", "share_embedding", "pack_shared_input"]
 
 WEIGHTS = ("fp32", "int8", "int4")
 # the token embedding of a model whose lm_head is tied to it: "shared" reads the head's quantized
@@ -108,9 +108,25 @@ def tied_embedding(graph: ir.Graph, W) -> ir.Node | None:
             continue
         if tuple(t.const_value.shape) != (N, K) or t.const_value.dtype != ir.DataType.FLOAT:
             continue
-        if np.array_equal(t.const_value.numpy(), W.T):
+        if equal_tables(t.const_value.numpy(), W.T):
             return node
     return None
+
+
+def equal_tables(a, b) -> bool:
+    """``np.array_equal`` of two large tables (an embedding and a head's transposed weight, memory-
+    mapped views): the first row first (untied tables differ there: the rest is never read), then
+    the rest a block of rows at a time (no table-sized temporary)."""
+    import numpy as np
+
+    if a.shape != b.shape:
+        return False
+    if a.ndim == 0 or a.shape[0] <= 1:
+        return bool(np.array_equal(a, b))
+    if not np.array_equal(a[:1], b[:1]):
+        return False
+    step = max(1, (64 << 20) // max(1, a[0].nbytes))
+    return all(np.array_equal(a[lo:lo + step], b[lo:lo + step]) for lo in range(1, a.shape[0], step))
 
 
 def block_rows(b, graph: ir.Graph, blob: ir.Value, scales: ir.Value, zero_points, idx: ir.Value, D: int,

@@ -181,6 +181,31 @@ def test_match_finds_every_form(tiny):
                                                                        ("q6_K", 48, 64, ["v.weight"])]
 
 
+def test_match_and_assemble_a_chunk_of_rows_at_a_time(tiny, monkeypatch):
+    """A weight is hashed and verified a chunk of rows at a time, from a transposed view (a 1.5B
+    model's head is ~1 GB: never copied or dequantized whole): the same match and parts as in one
+    piece; a row changed in a later chunk is still refused; the GGUF's pages can be released and
+    its tensors stay readable."""
+    src = gg.GGUFSource(tiny["gguf"])
+    whole = {n: src.assemble(WT, src.match(WT)) for n, WT in tiny["WT"].items()}
+    assert src.release_pages() == tiny["gguf"].stat().st_size
+    monkeypatch.setattr(gg, "_CHUNK_BYTES", 3 * 4 * D)      # 3 rows of K = D a chunk (one of K3)
+    for n, WT in tiny["WT"].items():
+        view = np.ascontiguousarray(WT.T).T                  # what the backend passes: W.T, not contiguous
+        assert not view.flags.c_contiguous
+        m = src.match(view)
+        assert m.complete and np.array_equal(m.row, src.match(WT).row), n
+        parts = src.assemble(view, m)
+        assert [(p.format, p.start, p.stop, p.tensors) for p in parts] == \
+            [(p.format, p.start, p.stop, p.tensors) for p in whole[n]], n
+        assert all(np.array_equal(p.W, q.W) for p, q in zip(parts, whole[n])), n
+    WT = tiny["WT"]["/plain/MatMul"]
+    bad = WT.copy()
+    bad[-1, 0] = np.nextafter(bad[-1, 0], np.float32(1))    # the last chunk's last row, one ulp
+    with pytest.raises(OrtleanError, match="do not dequantize bit-exactly to the weight's rows 0..47"):
+        src.assemble(bad, src.match(WT))
+
+
 def test_ties_resolve_to_a_correct_assembly(tiny):
     src = gg.GGUFSource(tiny["gguf"])
     f = tiny["deq"]["f"]

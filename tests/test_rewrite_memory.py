@@ -1,5 +1,6 @@
 """What keeps a large rewrite's memory down, piece by piece (issue 35 item 3): the layer gap computed a
-block of columns at a time from a lazily dequantized Ŵ, equal to the whole-matrix formulas."""
+block of columns at a time from a lazily dequantized Ŵ, equal to the whole-matrix formulas; a head
+and an embedding table compared a block of rows at a time."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,3 +66,26 @@ def test_layer_gap_in_column_blocks_equals_the_formulas(monkeypatch, with_gram, 
     full = _old_dequantize(p, s, z, K, cfg)
     assert gaps.layer_gap(W, D, G) == pytest.approx(max(gaps.output_gap(W, full, G), gaps.channel_gap(W, full, G)),
                                                     rel=1e-12)
+
+
+def test_equal_tables_in_row_blocks(monkeypatch):
+    """quantize.equal_tables is np.array_equal of [rows, cols] tables (one may be a transposed view),
+    a block of rows at a time: equal, a difference in the first or the last row or block, NaN
+    (equal to nothing, as np.array_equal), a shape difference, one-row and empty tables."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((1000, 24)).astype(np.float32)
+    b = np.ascontiguousarray(a.T).T                              # a transposed view, equal to a
+    assert quantize.equal_tables(a, b)
+    for r in (0, 1, 500, 999):
+        c = a.copy()
+        c[r, 5] = np.nextafter(c[r, 5], np.float32(2))
+        assert not quantize.equal_tables(a, c) and not quantize.equal_tables(c, b), r
+    n = a.copy()
+    n[3, 3] = np.nan
+    assert not quantize.equal_tables(n, n.copy())
+    assert not quantize.equal_tables(a, a[:, :23]) and not quantize.equal_tables(a, a.T)
+    assert quantize.equal_tables(a[:1], b[:1]) and quantize.equal_tables(a[:0], b[:0])
+    big = rng.standard_normal((3000, 8000)).astype(np.float32)   # 96 MB: rows in two blocks of 64 MiB
+    other = big.copy()
+    other[-1, -1] += 1
+    assert quantize.equal_tables(big, big.copy()) and not quantize.equal_tables(big, other)

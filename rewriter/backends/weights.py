@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import OrtleanError
-from ..kit import gaps, surgery
+from ..kit import gaps, modelfile, surgery
 from ..kit.backend import GraphPassBase, Plan, WeightBackendBase
 from ..kit.candidates import Candidate, GroupCandidate
 from ..kit.options import Options, flag, from_args, onoff
@@ -209,7 +209,7 @@ class WeightsBackend(WeightBackendBase):
         from ..builders import gguf as gg
 
         src = self._source()
-        WT = np.ascontiguousarray(W.T)
+        WT = W.T      # a view: the source hashes and verifies it a chunk of rows at a time (a head is ~1 GB)
         m = src.match(WT) if src is not None else None
         if m is not None and m.complete and all(src.tensors[t].is_float for t in set(m.tensor.tolist())):
             held = ", ".join(f"{src.tensors[t].name} ({src.tensors[t].type_name})" for t in dict.fromkeys(m.tensor.tolist()))
@@ -219,6 +219,8 @@ class WeightsBackend(WeightBackendBase):
                 parts = src.assemble(WT, m)
             except OrtleanError as e:
                 raise OrtleanError(f"--weights gguf: node {cand.name!r} ({cand.K}x{cand.N}): {e}") from None
+            finally:   # the weight's pages read so far back to the page cache (W stays valid)
+                modelfile.release_pages(cand.weight.const_value)
             return self._blocks_plan(cand, W, parts, gg.parts_source(parts), 0.0, ctx, exact=True)
         why = (src.describe_miss(m, cand.K) if src is not None else "no GGUF given")
         fb = self.cfg.fallback
@@ -291,13 +293,17 @@ class WeightsBackend(WeightBackendBase):
             tab = _embedding_table(node)
             if tab is None:
                 continue
-            T = np.ascontiguousarray(tab.const_value.numpy())
-            if any((c.N, c.K) == T.shape and np.array_equal(c.weight_array().T, T) for c in heads):
-                continue        # tied to a head: that head's blocks serve it
-            m = src.match(T)
-            if not m.complete or any(src.tensors[t].format is None for t in set(m.tensor.tolist())):
-                continue
-            parts = src.assemble(T, m)
+            T = tab.const_value.numpy()
+            try:
+                if any((c.N, c.K) == T.shape and quantize.equal_tables(c.weight_array().T, T) for c in heads):
+                    continue        # tied to a head: that head's blocks serve it
+                m = src.match(T)
+                if not m.complete or any(src.tensors[t].format is None for t in set(m.tensor.tolist())):
+                    continue
+                parts = src.assemble(T, m)
+            finally:     # the table's pages (and the heads' it was compared with) back to the page cache
+                for v in [tab, *(c.weight for c in heads)]:
+                    modelfile.release_pages(v.const_value)
             if len(parts) == 1:
                 return heads[0].name, ("own", node.name, parts[0])
         return None, None

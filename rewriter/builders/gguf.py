@@ -25,6 +25,7 @@ GGUF."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,11 @@ def quantize(fmt: str, WT: np.ndarray) -> np.ndarray:
     if pad:
         x = np.concatenate([x, np.zeros((N, pad), np.float32)], axis=1)
     return np.ascontiguousarray(quants.quantize(x, ggml_type(fmt)), dtype=np.uint8)
+
+
+def _chunk_rows(K: int) -> int:
+    """Rows of K float32 values in one chunk of :data:`_CHUNK_BYTES`."""
+    return max(1, _CHUNK_BYTES // (4 * max(int(K), 1)))
 
 
 def _digests(a: np.ndarray) -> list[bytes]:
@@ -171,7 +177,13 @@ class Part:
 
 
 class GGUFSource:
-    """The 2-D tensors of one GGUF file and the row index over them (built on first use)."""
+    """The 2-D tensors of one GGUF file and the row index over them (built on first use).
+
+    Memory (issue 35 item 3): the file stays memory-mapped and only the tensors' views of it are
+    kept (the reader's metadata — a 151k-token vocabulary is ~0.5 GB of small numpy arrays — is
+    dropped once the tensors are found); the pages read while indexing or assembling go back to
+    the page cache after (:meth:`release_pages`); weights are hashed and verified a chunk of rows
+    at a time (``WT`` may be a transposed view of a memory-mapped weight: never copied whole)."""
 
     def __init__(self, path):
         import gguf
@@ -180,14 +192,14 @@ class GGUFSource:
         if not self.path.is_file():
             raise OrtleanError(f"--gguf {self.path}: no such file")
         try:
-            self.reader = gguf.GGUFReader(str(self.path), "r")
+            reader = gguf.GGUFReader(str(self.path), "r")
         except Exception as e:      # the reader raises ValueError / struct errors on a bad file
             raise OrtleanError(f"--gguf {self.path}: not a GGUF file the gguf package can read "
                                f"({type(e).__name__}: {e})") from None
         self.file_bytes = self.path.stat().st_size
         self.tensors: list[Tensor] = []
         self.skipped: list[str] = []        # 2-D tensors gguf cannot dequantize
-        for t in self.reader.tensors:
+        for t in reader.tensors:
             shape = [int(x) for x in t.shape]           # ggml order: ne[0] = K (contiguous), ne[1] = N
             if len(shape) != 2:
                 continue
@@ -195,6 +207,8 @@ class GGUFSource:
             data = data.view(np.uint8).reshape(shape[1], -1)
             self.tensors.append(Tensor(len(self.tensors), t.name, t.tensor_type, shape[0], shape[1], data))
         self.by_name = {t.name: t for t in self.tensors}
+        self._map = reader.data      # the file's np.memmap (the tensors' data are views of it); the reader's
+        del reader                   # metadata are not needed here
         self._first: dict[bytes, int] | None = None     # hash -> packed (tensor << 32 | row)
         self._more: dict[bytes, list[int]] = {}          # hash -> the other places of a repeated row
 
@@ -205,7 +219,7 @@ class GGUFSource:
         first: dict[bytes, int] = {}
         more = self._more
         for t in self.tensors:
-            step = max(1, _CHUNK_BYTES // (4 * t.K))
+            step = _chunk_rows(t.K)
             for lo in range(0, t.N, step):
                 hi = min(t.N, lo + step)
                 try:
@@ -220,17 +234,32 @@ class GGUFSource:
                     else:
                         first[d] = code
         self._first = first
+        self.release_pages()
         return first
+
+    def release_pages(self) -> int:
+        """Drop this process's resident pages of the GGUF's memory map (``MADV_DONTNEED``: read-only
+        file pages go back to the page cache; every view stays valid, a later read faults them in
+        again). Returns the bytes of the map, 0 when it could not be released."""
+        mm = getattr(self._map, "_mmap", None)      # np.memmap's mmap.mmap
+        if mm is None or getattr(mm, "closed", False) or not hasattr(mm, "madvise"):
+            return 0
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            return 0
+        return len(mm)
 
     # ------------------------------------------------------------------ matching
     def match(self, WT: np.ndarray) -> RowMatch:
         """The GGUF place of every row of ``WT`` [N, K] (float32, rows = outputs)."""
         first = self._index()
-        WT = np.ascontiguousarray(WT, dtype=np.float32)
+        WT = np.asarray(WT, dtype=np.float32)       # a view stays a view: hashed a chunk of rows at a time
         N = WT.shape[0]
         tensor = np.full(N, -1, np.int32)
         row = np.full(N, -1, np.int64)
-        digests = _digests(WT)
+        step = _chunk_rows(WT.shape[1])
+        digests = [d for lo in range(0, N, step) for d in _digests(WT[lo:lo + step])]
         tied: list[tuple[int, list[int]]] = []
         for n, d in enumerate(digests):
             code = first.get(d)
@@ -291,16 +320,19 @@ class GGUFSource:
         never silently)."""
         if not m.complete:
             raise ValueError("assemble: the match is not complete")
-        WT = np.ascontiguousarray(WT, dtype=np.float32)
+        WT = np.asarray(WT, dtype=np.float32)       # a view stays a view: verified a chunk of rows at a time
         N, K = WT.shape
         fmts = [self.tensors[t].format for t in m.tensor.tolist()]
         parts = []
         start = 0
-        for n in range(1, N + 1):
-            if n < N and fmts[n] == fmts[start]:
-                continue
-            parts.append(self._part(WT, m, start, n, fmts[start], K))
-            start = n
+        try:
+            for n in range(1, N + 1):
+                if n < N and fmts[n] == fmts[start]:
+                    continue
+                parts.append(self._part(WT, m, start, n, fmts[start], K))
+                start = n
+        finally:
+            self.release_pages()        # the rows copied: their pages back to the page cache
         return parts
 
     def _part(self, WT, m: RowMatch, start: int, stop: int, fmt: str | None, K: int) -> Part:
@@ -322,10 +354,14 @@ class GGUFSource:
                 notes.append(f"{len(r)} rows of {src.name}'s {src.N}")
             elif not np.array_equal(r, np.arange(src.N)):
                 notes.append(f"{src.name} rows permuted")
-        deq = dequantize(fmt, W, K)
-        if deq.shape != (stop - start, K) or not np.array_equal(deq.view(np.uint32), WT[start:stop].view(np.uint32)):
-            raise OrtleanError(f"GGUF rows of {'+'.join(names)} ({self.path.name}) matched by hash do not dequantize "
-                               f"bit-exactly to the weight's rows {start}..{stop - 1}")
+        step = _chunk_rows(K)      # never the whole weight dequantized at once (a 151k-row head is 0.9 GB)
+        for lo in range(0, stop - start, step):
+            hi = min(stop - start, lo + step)
+            deq = dequantize(fmt, W[lo:hi], K)
+            ref = np.ascontiguousarray(WT[start + lo:start + hi])
+            if deq.shape != (hi - lo, K) or not np.array_equal(deq.view(np.uint32), ref.view(np.uint32)):
+                raise OrtleanError(f"GGUF rows of {'+'.join(names)} ({self.path.name}) matched by hash do not "
+                                   f"dequantize bit-exactly to the weight's rows {start}..{stop - 1}")
         return Part(fmt, start, stop, K, W, names, "; ".join(notes) or "as stored")
 
 

@@ -69,7 +69,7 @@ def release_heap() -> None:
 _malloc_trim = None
 
 
-def _trace(what: str) -> None:
+def trace_memory(what: str) -> None:
     """With ORTLEAN_TRACE_MEMORY set: `what` and this process's RSS on stderr (where memory goes)."""
     if not os.environ.get("ORTLEAN_TRACE_MEMORY"):
         return
@@ -260,7 +260,7 @@ def session(model, threads: int | None = None, *, so=None, backend: str = "auto"
         keep = model.options(so)
         sess = custom_ops.session(model.serialized(), so=so, backend=backend)
         sess._ortlean_keep = (model, keep)   # the arrays ORT reads live as long as the session
-        _trace(f"session of a loaded model ({len(model.shared)} arrays in place)")
+        trace_memory(f"session of a loaded model ({len(model.shared)} arrays in place)")
         return sess
     return custom_ops.session(model, so=_options(threads, so), backend=backend)
 
@@ -418,7 +418,7 @@ class Streamed:
             keep = self.runnable.options(so, seg.inits)
             sess = custom_ops.session(proto.SerializeToString(), so=so, backend=self.backend)
             self.sessions_built += 1
-            _trace(f"segment {i + 1}/{len(self.segments)}: {len(seg.nodes)} nodes, {seg.weight / 2**20:.0f} MiB of "
+            trace_memory(f"segment {i + 1}/{len(self.segments)}: {len(seg.nodes)} nodes, {seg.weight / 2**20:.0f} MiB of "
                    f"weights, {len(feeds_list)} windows; session built")
             for w, f in enumerate(feeds_list):
                 feed = {x: (f[x] if x in graph_inputs else store[w][x]) for x in seg.inputs}
