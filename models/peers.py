@@ -33,7 +33,12 @@ __all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "g
            "llama_bench", "GENAI_PRECISIONS"]
 
 RECIPE = 1
-GENAI_PRECISIONS = ("fp32", "int4")
+GENAI_PRECISIONS = ("fp32", "int4")   # the peer rows of `ortlean eval` / `bench`
+# the builder's arguments per precision; int4-k_quant_mixed (built on request, e.g. by
+# tests/bench/bench_float_weights.py) is its best-quality int4 recipe: k_quant blocks, the last MatMul and
+# the "mixed" layers in int8 (onnxruntime_genai/models/builders/quant_config.py)
+_GENAI_ARGS = {"fp32": ["-p", "fp32"], "int4": ["-p", "int4"],
+               "int4-k_quant_mixed": ["-p", "int4", "--extra_options", "algo_config=k_quant_mixed"]}
 GENAI_TOOLS = ("onnxruntime-genai", "onnxruntime", "onnx", "transformers")
 
 
@@ -74,9 +79,10 @@ def genai_available() -> str | None:
 def genai_model(name: str = "smollm2", precision: str = "int4", progress: bool = True) -> Path:
     """Directory with the genai builder's ``model.onnx`` (+ ``.data``), ``genai_config.json`` and
     tokenizer for ``precision`` in :data:`GENAI_PRECISIONS`, built with
-    ``python -m onnxruntime_genai.models.builder -m HF -i HF -o OUT -p PRECISION -e cpu``."""
-    if precision not in GENAI_PRECISIONS:
-        raise PeerError(f"genai precision {precision!r}: one of {GENAI_PRECISIONS}")
+    ``python -m onnxruntime_genai.models.builder -m HF -i HF -o OUT -p PRECISION -e cpu`` (or another
+    precision of ``_GENAI_ARGS``)."""
+    if precision not in _GENAI_ARGS:
+        raise PeerError(f"genai precision {precision!r}: one of {', '.join(_GENAI_ARGS)}")
     why = genai_available()
     if why:
         raise PeerError(why)
@@ -94,7 +100,7 @@ def genai_model(name: str = "smollm2", precision: str = "int4", progress: bool =
         work = tmp / "_work"
         work.mkdir()
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-i", str(hf),
-               "-o", str(tmp), "-p", precision, "-e", "cpu", "-c", str(work / "hf_cache")]
+               "-o", str(tmp), *_GENAI_ARGS[precision], "-e", "cpu", "-c", str(work / "hf_cache")]
         _run(cmd, tmp.parent / f".{target.name}.log", work, f"onnxruntime-genai builder ({precision})")
         shutil.rmtree(work)
         meta = {"name": name, "precision": precision, "command": " ".join(cmd[1:]).replace(str(tmp), "OUT"),

@@ -168,6 +168,11 @@ def run(cfg: RewriteConfig) -> dict:
             stream.trace_memory(f"planned {c.name}")
         bar.close()
         W = G = None  # a view of a memory-mapped external weight would block saving (BufferError)
+        for b in weight:  # a backend that plans the whole model at once revises its plans (the --weights mix)
+            revised = b.finish_plans([(c, p) for c, bb, p in chosen if bb is b], ctx)
+            if revised:
+                chosen = [(c, bb, revised.get(c.name, p) if bb is b else p) for c, bb, p in chosen]
+                records.update({c.name: report.record(c, p) for c, bb, p in chosen if bb is b and c.name in revised})
         modelfile.release_all(model)
         res.mark("plan")
 

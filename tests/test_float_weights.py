@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from conftest import requires_native  # noqa: E402
 from custom_ops.reference import blockquant as bq  # noqa: E402
 from rewriter.builders import quantizers as Q  # noqa: E402
 from rewriter.kit import gaps  # noqa: E402
@@ -197,3 +198,195 @@ def test_quantizer_errors():
         Q.quantize(Wt, "hqq", "q4_K")
     z = Q.kquant(np.zeros((3, 256), np.float32), "q4_K")
     assert np.array_equal(z.dequantize(), np.zeros((3, 256), np.float32))
+
+
+# --------------------------------------------------------------------------- the planner (weightplan)
+def _layer(name, role, params, opts):
+    from rewriter.builders import weightplan as WP
+
+    return WP.Layer(name, role, params, [WP.Option(f, None, b, g) for f, b, g in opts])
+
+
+def test_plan_mix_takes_the_cheapest_passing_prefix():
+    """On a loss that is exactly Σ s_role · gap² (the planner's own model), the mix meets the target, the
+    sensitivities it measured are the true ones, and no cheaper prefix of its steps would pass; a cap on
+    bits that the target needs more than is reported infeasible."""
+    from rewriter.builders import weightplan as WP
+
+    true_s = {"a": 4.0, "b": 0.5}
+    layers = [_layer(f"l{i}", "a" if i % 2 else "b", 100 * (i + 1),
+                     [("q4_f", 4.5, 0.05 + 0.01 * i), ("q4_f32", 5.0, 0.02), ("q8_0", 8.5, 0.004)]) for i in range(6)]
+
+    def loss(choice):
+        return sum(true_s[l.role] * l.options[choice[l.name]].gap ** 2 for l in layers)
+
+    L0 = loss({l.name: 0 for l in layers})
+    res = WP.plan_mix(layers, loss, budget=L0 / 2, margin=1.0)
+    assert res.feasible and res.loss <= L0 / 2
+    for r, s in true_s.items():
+        assert res.sensitivity[r] == pytest.approx(s, rel=1e-9)
+    assert 4.5 < res.bits < 8.5
+    ups = [t for t in res.trials if t["what"].endswith("upgrade steps")]
+    k = int(ups[-1]["what"].split()[0])
+    fewer = [t for t in ups if int(t["what"].split()[0]) < k]
+    assert all(t["loss"] > L0 / 2 for t in fewer)
+    capped = WP.plan_mix(layers, loss, budget=L0 / 100, margin=1.0, max_bits=4.6)
+    assert not capped.feasible and capped.bits <= 4.6 + 1e-9 and "--weights-bits" in capped.note
+
+
+def test_plan_mix_cheapest_passes_alone():
+    """A target the cheapest options already meet: one trial, every layer at its cheapest option."""
+    from rewriter.builders import weightplan as WP
+
+    layers = [_layer("x", "a", 10, [("q4_f", 4.25, 0.05), ("q8_0", 8.5, 0.001)])]
+    res = WP.plan_mix(layers, lambda ch: 0.001, budget=0.02)
+    assert res.feasible and res.choice == {"x": 0} and len(res.trials) == 1
+
+
+def test_ladder_and_prune():
+    from rewriter.builders import weightplan as WP
+
+    assert WP.ladder(576)[0] == ("q4_f", 64) and ("q4_K", None) not in WP.ladder(576)
+    assert ("q4_K", None) in WP.ladder(1536) and WP.ladder(1536)[0] == ("q4_f", 256)
+    assert all(Q.layer_bits(f, 1536, b) <= Q.layer_bits(g, 1536, c) + 1e-9
+               for (f, b), (g, c) in zip(WP.ladder(1536), WP.ladder(1536)[1:]))
+    opts = [WP.Option("a", None, 4.5, 0.05), WP.Option("b", None, 4.5, 0.04), WP.Option("c", None, 5.0, 0.045),
+            WP.Option("d", None, 8.5, 0.01)]
+    assert [o.fmt for o in WP.prune(opts)] == ["b", "d"]
+
+
+# --------------------------------------------------------------------------- --weights int4 on the tiny decoders
+@pytest.fixture(scope="module")
+def tiny():
+    import tiny_hf
+
+    return tiny_hf.models()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    import tiny_hf
+
+    return str(tiny_hf.forms()["genai-fp32"] / "tokenizer.json")   # the tiny llama's w0..w255 vocabulary
+
+
+def _graph(path):
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def _attr(node, name):
+    import onnx
+
+    return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
+def _bq_layers(path):
+    """{node name: (format string, block_size or None, W initializer name)} of a model's BlockQuantMatMul."""
+    g = _graph(path)
+    out = {}
+    for n in g.node:
+        if n.op_type == "BlockQuantMatMul":
+            f = _attr(n, "format")
+            f = f.decode() if isinstance(f, bytes) else f
+            out[n.name] = (f, _attr(n, "block_size") if f == "q4_f" else None, n.input[1])
+    return out
+
+
+@requires_native
+def test_int4_mix_meets_the_budget_and_reports_bits(tiny, tok, tmp_path, monkeypatch):
+    """--weights int4 with --calib-text and a budget the 4-bit layers miss: the planner's trials raise some
+    layers above 4.5 bits/weight until the probe meets the budget's target, every weight layer (head
+    included) is written as BlockQuantMatMul in the format its record reports, the guard's check is within
+    the budget and the summary's note gives the model's bits/weight; a loose budget leaves every layer at
+    its cheapest option. (The tiny random decoder's perplexity does not suffer from 4-bit weights, so the
+    probe's loss is replaced by one that does: 4 × Σ gap² over the planned layers — the planner's plumbing
+    is what this checks; tests/bench/bench_float_weights.py measures the real model.)"""
+    from rewriter.kit import quality as kq
+    from test_packed_gqa_cli import _calib_text, _rewrite
+
+    monkeypatch.setattr(kq.Quality, "loss", lambda self, chosen: 4.0 * sum(p.gap ** 2 for _, _, p in chosen))
+    src = tiny["llama"] / "model.onnx"
+    calib = str(_calib_text(tmp_path / "calib.txt"))
+    rc, rep = _rewrite(src, tmp_path / "loose.onnx", "--weights", "int4", "--calib-text", calib, "--tokenizer", tok,
+                       "--quality-budget", "0.5")
+    assert rc == 0
+    loose = [r["extra"]["bits_per_weight"] for r in rep["layers"]]
+    base = 4.0 * sum(r["gap"] ** 2 for r in rep["layers"])
+    rc, rep = _rewrite(src, tmp_path / "tight.onnx", "--weights", "int4", "--calib-text", calib, "--tokenizer", tok,
+                       "--quality-budget", f"{base / 2:.6f}")
+    assert rc == 0, rep.get("refused")
+    q = rep["quality"]
+    assert q["weights_alone"] <= 0.75 * base / 2 + 1e-9         # the planner's target: MARGIN × budget
+    layers = _bq_layers(tmp_path / "tight.onnx")
+    assert len(layers) == len(rep["layers"]) == 11          # 2 × (qkv, o, gate, up, down) + head
+    for r in rep["layers"]:
+        fmt, B, _ = layers[r["layer"] + "_BQ"]
+        assert r["extra"]["format"] == (f"q4_f/{B}" if fmt == "q4_f" else fmt)
+        assert r["extra"]["bits_per_weight"] == pytest.approx(Q.layer_bits(fmt, r["shape"][0], B), abs=1e-4)
+    tight = [r["extra"]["bits_per_weight"] for r in rep["layers"]]
+    assert max(tight) > 4.5 and sum(tight) > sum(loose) and max(loose) <= 4.5
+    note = next(n for n in rep["notes"] if n.startswith("weights (float checkpoint"))
+    params = [r["shape"][0] * r["shape"][1] for r in rep["layers"]]
+    model_bits = sum(b * p for b, p in zip(tight, params)) / sum(params)
+    assert f"{model_bits:.3f} bits/weight" in note
+
+
+@requires_native
+def test_tied_embedding_reads_the_head_blocks(tiny, tok, tmp_path):
+    """The head in BlockQuantMatMul: the token embedding becomes BlockQuantGather on the head's own
+    initializer (no table of its own) and returns the head's dequantized rows."""
+    import custom_ops
+    import onnx
+    from onnx import numpy_helper
+    from test_packed_gqa_cli import _calib_text, _rewrite
+
+    out = tmp_path / "e.onnx"
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", out, "--weights", "int4", "--calib-text",
+                       str(_calib_text(tmp_path / "c.txt")), "--tokenizer", tok, "--quality-budget", "off")
+    assert rc == 0
+    g = _graph(out)
+    gathers = [n for n in g.node if n.op_type == "BlockQuantGather"]
+    head = next(n for n in g.node if n.op_type == "BlockQuantMatMul" and n.name.startswith("/lm_head"))
+    assert len(gathers) == 1 and gathers[0].input[0] == head.input[1]
+    assert not any(n.op_type == "Gather" and n.input[0] in {i.name for i in g.initializer}
+                   and len([d for d in next(i for i in g.initializer if i.name == n.input[0]).dims]) == 2
+                   for n in g.node)
+    m = onnx.load(str(out))
+    W = numpy_helper.to_array(next(i for i in m.graph.initializer if i.name == head.input[1]))
+    fmt = _attr(head, "format")
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    B = _attr(head, "block_size") if fmt == "q4_f" else None
+    K = _attr(head, "K")
+    sub = onnx.helper.make_model(onnx.helper.make_graph(
+        [gathers[0]], "g", [onnx.helper.make_tensor_value_info(gathers[0].input[1], onnx.TensorProto.INT64, [3])],
+        [onnx.helper.make_tensor_value_info(gathers[0].output[0], onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(W, head.input[1])]), opset_imports=list(m.opset_import))
+    s = custom_ops.session(sub.SerializeToString())
+    idx = np.array([0, 7, 255], np.int64)
+    rows = s.run(None, {gathers[0].input[1]: idx})[0]
+    assert np.array_equal(rows, bq.dequantize(W, fmt, K, B)[idx])
+
+
+@requires_native
+def test_budget_refusal_and_nbits(tiny, tok, tmp_path, monkeypatch):
+    """A budget the capped mix cannot meet is refused (exit 3, nothing written, the message names the
+    cost); --weights-quantizer nbits keeps ONNX Runtime's MatMulNBits (the int4 of earlier releases).
+    (The probe's loss: 4 × Σ gap², as above.)"""
+    from rewriter.kit import quality as kq
+    from test_packed_gqa_cli import _calib_text, _rewrite
+
+    monkeypatch.setattr(kq.Quality, "loss", lambda self, chosen: 4.0 * sum(p.gap ** 2 for _, _, p in chosen))
+
+    src = tiny["llama"] / "model.onnx"
+    calib = str(_calib_text(tmp_path / "calib.txt"))
+    out = tmp_path / "r.onnx"
+    rc, rep = _rewrite(src, out, "--weights", "int4", "--calib-text", calib, "--tokenizer", tok,
+                       "--quality-budget", "1e-6", "--weights-bits", "4.6")
+    assert rc == 3 and not out.exists() and rep["output"] is None
+    assert "weights alone" in rep["refused"] and "--quality-budget" in rep["refused"]
+    rc, rep = _rewrite(src, out, "--weights", "int4", "--weights-quantizer", "nbits", "--quality-budget", "off")
+    assert rc == 0
+    ops = {n.op_type for n in _graph(out).node}
+    assert "MatMulNBits" in ops and "BlockQuantMatMul" not in ops

@@ -15,6 +15,10 @@ backend takes (the lm_head included).
   (Qwen2's q/k/v) folds into the op's bias input. The token embedding tied to the head reads the
   head's blocks through ``BlockQuantGather`` (``--weights-embed shared``); an untied embedding that
   a GGUF tensor holds becomes a BlockQuantGather of its own blocks.
+- ``int4`` on a float checkpoint (no GGUF): calibrated 4-bit blocks in ``BlockQuantMatMul`` —
+  ``--weights-quantizer`` (GPTQ on the calibration Gram by default, or the k-quant search, HQQ, RTN),
+  the format of each layer planned for the whole model under ``--quality-budget``
+  (``rewriter.backends.weights_float``); ``--weights-quantizer nbits`` keeps MatMulNBits.
 - ``auto`` (the default): ``gguf`` when ``--gguf`` is given or the model is a packaged model's
   export whose GGUF is known (``models.prepare.packaged_name`` / ``gguf_path``), else ``fp32``
   (``auto,FALLBACK``: the fallback for what the GGUF does not hold; without a GGUF, every layer).
@@ -39,6 +43,7 @@ from ..kit.backend import GraphPassBase, Plan, WeightBackendBase
 from ..kit.candidates import Candidate, GroupCandidate
 from ..kit.options import Options, flag, from_args, onoff
 from .. import quantize
+from . import weights_float
 
 MS_DOMAIN = "com.microsoft"
 SOURCES = ("auto", "gguf", *quantize.WEIGHTS)
@@ -75,8 +80,17 @@ class WeightsConfig(Options):
                          "blocks (bit-exact weights: activation rounding is all they lose, and 8-bit rounding is "
                          "measurable in perplexity, see docs/weights.md), 8 where the weights "
                          "are quantized here (their own error dominates) | 8 | 16", choices=("auto", "8", "16"))
+    quantizer: str = flag("--weights-quantizer", "auto", "with --weights int4 on a float checkpoint: auto (default: "
+                          "GPTQ on the calibration Gram with --calib-text, else the weighted k-quant search) | gptq | "
+                          "kquant | hqq (ONNX Runtime's HQQ) | rtn (asymmetric round-to-nearest) into BlockQuantMatMul "
+                          "blocks, the format of each layer planned under --quality-budget; nbits: ONNX Runtime's "
+                          "MatMulNBits (symmetric round-to-nearest, block 32)", choices=weights_float.QUANTIZERS)
+    max_bits: float | None = flag("--weights-bits", None, "with --weights int4 and a budget: the most bits/weight the "
+                                  "planned mix may store (default: as many as the budget needs, up to q8_0's 8.5)",
+                                  type=float)
     enabled: bool = False
     targets: tuple = ("mlp", "attn", "head")
+    calibrated: bool = False        # --calib-text given (the float path's imatrix, GPTQ, gaps and mix use it)
     source: str = "fp32"            # resolved: fp32 | int8 | int4 | gguf
     fallback: str | None = None     # resolved: what a weight the GGUF does not hold becomes
     requested: str = "auto"         # --weights as given
@@ -114,6 +128,11 @@ class WeightsConfig(Options):
         self.weights = src if fb is None else f"{src},{fb}"
 
     @property
+    def float_path(self) -> bool:
+        """--weights int4 into BlockQuantMatMul blocks (not MatMulNBits)."""
+        return self.source == "int4" and self.quantizer != "nbits"
+
+    @property
     def explicit(self) -> bool:
         """Asked for by a flag (not --weights auto's choice for a packaged model's export): a model with
         no float weight MatMul is then an error, not a rewrite with nothing for this backend."""
@@ -135,28 +154,43 @@ class WeightsBackend(WeightBackendBase):
         super().__init__(cfg)
         self._gguf = None            # builders.gguf.GGUFSource, opened on first use
         self._untied = None          # (owner head's name, the untied embedding's plan) once looked for
+        self._float = None           # weights_float.FloatWeights: --weights int4 on a float checkpoint
 
     @classmethod
     def config(cls, args, state_pack) -> WeightsConfig:
         cfg = from_args(WeightsConfig, args)
         cfg.resolve(getattr(args, "model", None))
         cfg.enabled = cfg.weights != "fp32"
+        cfg.calibrated = bool(getattr(args, "calib_text", None))
         cfg.validate()
         return cfg
+
+    def _float_path(self):
+        if self._float is None and self.cfg.float_path:
+            self._float = weights_float.FloatWeights(self.cfg.quantizer, self.cfg.max_bits, self.cfg.embed)
+        return self._float
 
     @property
     def label(self) -> str:
         return f"{self.cfg.weights} (MatMulNBits)"
 
     def needs_calibration(self) -> bool:
-        return False     # the quantizer needs no data; a gap uses the Gram when another backend collected it
+        # MatMulNBits and GGUF blocks need no data (a gap uses the Gram when another backend collected it);
+        # the float path uses the Grams (imatrix, GPTQ, gaps, the mix) whenever there is calibration text
+        return self.cfg.float_path and self.cfg.calibrated
 
     def plan(self, cand: Candidate, W: np.ndarray, G: np.ndarray | None, ctx) -> Plan:
         if isinstance(cand, GroupCandidate):
             return Plan.dense(cand, f"--weights {self.cfg.weights} takes single MatMuls, not a gated group")
         if self.cfg.source == "gguf":
             return self._plan_gguf(cand, W, G, ctx)
+        if self._float_path() is not None:
+            return self._float.plan(self, cand, W, G, ctx)
         return self._plan_nbits(cand, W, G, ctx, self.cfg.weights)
+
+    def finish_plans(self, planned, ctx) -> dict:
+        """--weights int4 on a float checkpoint: the per-layer mix under --quality-budget."""
+        return self._float.finish(self, planned, ctx) if self._float is not None else {}
 
     def _plan_nbits(self, cand: Candidate, W: np.ndarray, G, ctx, weights: str, why: str = "") -> Plan:
         cfg = quantize.config_for(weights)
@@ -179,6 +213,8 @@ class WeightsBackend(WeightBackendBase):
     def emit(self, graph: ir.Graph, cand: Candidate, plan: Plan, ctx) -> None:
         if plan.payload[0] == "blocks":
             return self._emit_blocks(graph, cand, plan)
+        if plan.payload[0] == "float":
+            return weights_float.emit(graph, cand, plan)
         _, packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),
@@ -350,6 +386,8 @@ class WeightsBackend(WeightBackendBase):
     def notes(self, summary: dict) -> list[str]:
         """The summary's line on a GGUF-sourced rewrite: how many layers hold the GGUF's blocks and
         the written model's bytes (model file + external data) beside the GGUF file's."""
+        if self._float is not None:
+            return self._float.notes()
         if self.cfg.source != "gguf":
             return []
         n = sum(1 for r in summary["layers"] if str(r["backend"]).startswith("gguf"))
@@ -413,11 +451,14 @@ def _take_over(graph: ir.Graph, node: ir.Node, add, out: ir.Value) -> None:
 
 
 def _gather_blocks(graph: ir.Graph, gather: ir.Node, w: ir.Value, fmt: str, K: int, N: int, target: str,
-                   source: str, layer: str) -> None:
-    """Replace the embedding ``gather`` by BlockQuantGather over the blocks ``w`` ([N rows of K])."""
+                   source: str, layer: str, block_size: int | None = None) -> None:
+    """Replace the embedding ``gather`` by BlockQuantGather over the blocks ``w`` ([N rows of K]; q4_f's
+    ``block_size``)."""
     qk = 8.0 * int(w.const_value.shape[1]) / K
     attrs = {"format": fmt, "K": K, "N": N, "layer": layer, "target": target, "source": source,
              "bits_per_weight": float(qk), "params_dense": K * N, "params_stored": K * N}
+    if block_size is not None:
+        attrs["block_size"] = int(block_size)
     node = surgery.op_node("BlockQuantGather", [w, gather.inputs[1]], attrs, name=f"{gather.name}_BQ")
     graph.insert_before(gather, node)
     table = gather.inputs[0]

@@ -143,39 +143,52 @@ def fit_affine(x: np.ndarray, w: np.ndarray, nmax: int, *, offset_le_zero: bool 
     flat = ~(rng > 0)
     rng = np.where(flat, 1.0, rng).astype(np.float32)
     xs = x - lo[:, None]
-    sw = w.sum(axis=1)
-    sx = (w * x).sum(axis=1)
+    sw = w.sum(axis=1, dtype=np.float64)
+    wx = w * x
+    sx = wx.sum(axis=1, dtype=np.float64)
+    sxx = np.einsum("ij,ij->i", wx, x, dtype=np.float64)
 
-    def err(scale, off, L):
-        d = scale[:, None] * L + off[:, None] - x
-        return (w * d * d).sum(axis=1)
+    def err(s, m, sl, sl2, sxl):
+        # Σ w (s·L + m − x)², expanded over the sums (float64): no pass over the block per candidate
+        return s * s * sl2 + 2 * s * m * sl - 2 * s * sxl + m * m * sw - 2 * m * sx + sxx
+
+    wl = np.empty_like(x)
+
+    def sums(L):  # Σ w·L, Σ w·L², Σ w·L·x per row (float32 sums of ≤ 256 terms, then float64)
+        np.multiply(w, L, out=wl)
+        return (wl.sum(axis=1).astype(np.float64), np.einsum("ij,ij->i", wl, L).astype(np.float64),
+                np.einsum("ij,ij->i", wl, x).astype(np.float64))
 
     L = np.clip(np.rint(xs * (nmax / rng)[:, None]), 0, nmax).astype(np.float32)
-    scale = (rng / nmax).astype(np.float32)
-    off = lo.astype(np.float32)
-    best = err(scale, off, L)
+    scale = (rng / nmax).astype(np.float64)
+    off = lo.astype(np.float64)
+    best = err(scale, off, *sums(L))
+    La = np.empty_like(x)
     for i in range(nstep + 1):
         iscale = ((nmax + rmin + rdelta * i) / rng).astype(np.float32)
-        La = np.clip(np.rint(xs * iscale[:, None]), 0, nmax).astype(np.float32)
-        wl = w * La
-        sl, sl2, sxl = wl.sum(axis=1), (wl * La).sum(axis=1), (wl * x).sum(axis=1)
+        np.multiply(xs, iscale[:, None], out=La)
+        np.rint(La, out=La)
+        np.clip(La, 0, nmax, out=La)
+        sl, sl2, sxl = sums(La)
         D = sw * sl2 - sl * sl
-        ok = D > 0
+        ok = D > 1e-12 * sw * sl2
         Ds = np.where(ok, D, 1.0)
-        s = (sw * sxl - sx * sl) / Ds
-        m = (sl2 * sx - sl * sxl) / Ds
+        s_ = (sw * sxl - sx * sl) / Ds
+        m_ = (sl2 * sx - sl * sxl) / Ds
         if offset_le_zero:
-            pos = m > 0
-            m = np.where(pos, 0.0, m)
-            s = np.where(pos, sxl / np.where(sl2 > 0, sl2, 1.0), s)
-        ok &= s > 0
-        e = err(s.astype(np.float32), m.astype(np.float32), La)
+            pos = m_ > 0
+            m_ = np.where(pos, 0.0, m_)
+            s_ = np.where(pos, sxl / np.where(sl2 > 0, sl2, 1.0), s_)
+        ok &= s_ > 0
+        e = err(s_, m_, sl, sl2, sxl)
         take = ok & (e < best)
         if take.any():
             best = np.where(take, e, best)
-            scale = np.where(take, s, scale).astype(np.float32)
-            off = np.where(take, m, off).astype(np.float32)
+            scale = np.where(take, s_, scale)
+            off = np.where(take, m_, off)
             L[take] = La[take]
+    scale = scale.astype(np.float32)
+    off = off.astype(np.float32)
     scale = np.where(flat, 0.0, scale).astype(np.float32)
     off = np.where(flat, np.where(offset_le_zero, np.minimum(x[:, 0], 0.0), x[:, 0]), off).astype(np.float32)
     L[flat] = 0
@@ -616,35 +629,49 @@ def hqq(Wt: np.ndarray, block: int = 64, bits: int = 4) -> Blocks:
     return Blocks("q4_f", bq.pack_q4_f(codes, d16, m16, B), Wt.shape[1], B, "hqq")
 
 
+def hessian_factor(G: np.ndarray, percdamp: float = 0.01, pad_to: int | None = None) -> np.ndarray:
+    """GPTQ's inverse-Hessian factor of a calibration Gram ``G`` [K, K]: U upper triangular with
+    Uᵀ U = (G + damp·I)⁻¹, damp = ``percdamp`` × the mean diagonal; channels the calibration never
+    excited (and padding up to ``pad_to``) get a unit diagonal. One factor serves every format of every
+    layer reading the same input."""
+    H0 = np.asarray(G, dtype=np.float64)
+    K = H0.shape[0]
+    if H0.shape != (K, K) or not np.isfinite(H0).all():
+        raise ValueError(f"Gram must be a finite [K, K] matrix, got shape {list(H0.shape)}")
+    Lk = max(K, int(pad_to or K))
+    H = np.zeros((Lk, Lk))
+    H[:K, :K] = H0
+    dead = ~(np.diag(H) > 0)
+    H[dead, dead] = 1.0
+    H[np.diag_indices(Lk)] += percdamp * float(np.mean(np.diag(H)[:K]))   # padding-independent
+    return np.linalg.cholesky(np.linalg.inv(H)).T
+
+
 def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 64, *, rows: int | None = None,
-         percdamp: float = 0.01, lazy: int = 128, fit=None) -> Blocks:
+         percdamp: float = 0.01, lazy: int = 128, fit=None, factor: np.ndarray | None = None) -> Blocks:
     """GPTQ of ``Wt`` [N, K] with the calibration Gram ``G`` [K, K] (the Hessian up to a factor) into
     ``fmt``: columns in order along K; when the sweep reaches a block (256 columns for the K formats) its
     grid is fitted — the imatrix search, importance = the Gram's diagonal — on the weights as the earlier
     columns' errors left them; each column is rounded on it and its error spread over the remaining
-    columns through the Cholesky factor of the damped inverse Hessian, in lazy batches of ``lazy``
-    columns (ORT's ``blocksize``; rounded up to a multiple of the block). ``fit(x [N, width]) -> Grid``
-    replaces the grid fit (the tests pass ORT's own to compare with its ``gptq``)."""
+    columns through the Cholesky factor of the damped inverse Hessian (``factor``: a
+    :func:`hessian_factor` of G already computed, padded at least to the format's blocks), in lazy
+    batches of ``lazy`` columns (ORT's ``blocksize``; rounded up to a multiple of the block).
+    ``fit(x [N, width]) -> Grid`` replaces the grid fit (the tests pass ORT's grid)."""
     Wt, B = _check(Wt, fmt, block)
     N, K = Wt.shape
-    H = np.array(G, dtype=np.float64, copy=True)
-    if H.shape != (K, K):
-        raise ValueError(f"Gram has shape {list(H.shape)}, expected [{K}, {K}]")
-    if not np.isfinite(H).all():
-        raise ValueError("Gram holds NaN or infinite values")
+    G = np.asarray(G)
+    if G.shape != (K, K):
+        raise ValueError(f"Gram has shape {list(G.shape)}, expected [{K}, {K}]")
     qb = B if fmt == "q4_f" else None
     u = unit(fmt, qb)
     lazy = -(-max(int(lazy), u) // u) * u
     Wp, valid = _pad(Wt, u)
     Lk = Wp.shape[1]
-    Hp = np.zeros((Lk, Lk))
-    Hp[:K, :K] = H
-    dead = ~(np.diag(Hp) > 0)          # padding and channels the calibration never excited
-    Hp[dead, dead] = 1.0
-    imp = np.where(dead, 0.0, np.diag(Hp))[:K] / max(int(rows or 1), 1)
-    Hp[np.diag_indices(Lk)] += percdamp * float(np.mean(np.diag(Hp)))
-    U = np.linalg.cholesky(np.linalg.inv(Hp)).T          # upper: Hinv = Uᵀ U
-    W = Wp.astype(np.float64)
+    U = factor if factor is not None and factor.shape[0] >= Lk else hessian_factor(G, percdamp, Lk)
+    U = np.ascontiguousarray(U[:Lk, :Lk], np.float32)
+    diag = np.clip(np.diag(G).astype(np.float64), 0.0, None)
+    imp = diag / max(int(rows or 1), 1)
+    W = Wp.copy()                 # float32, as GPTQ's reference implementation sweeps
     group = 256 if fmt in ("q4_K", "q5_K", "q6_K") else B
     grids: list[Grid] = []
     for i1 in range(0, Lk, lazy):
@@ -655,7 +682,7 @@ def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 6
         grid = None
         for i in range(i2 - i1):
             if i % u == 0:   # a new block: its grid from the weights as the sweep left them
-                x = W1[:, i:i + u].astype(np.float32)
+                x = W1[:, i:i + u].copy()
                 if fit is not None:
                     grid = fit(x)
                 else:
@@ -665,7 +692,7 @@ def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 6
                     grid = fit_grid(fmt, x, _weights(x, ii, valid[c0:c0 + u], group), qb)
                 grids.append(grid)
             j = i % u
-            q = grid.quantize(W1[:, i].astype(np.float32), j)
+            q = grid.quantize(W1[:, i], j)
             grid.codes[:, j] = q
             e = (W1[:, i] - grid.value(q, j)) / U1[i, i]
             W1[:, i:] -= np.outer(e, U1[i, i:])

@@ -10,6 +10,7 @@ makes one instance per enabled backend, ``Backend(config)``, and calls, in this 
     b.needs_calibration() -> bool              # wants the Gram XᵀX of its layers' inputs (default: yes)
     b.calibration_hook(ctx) -> hook | None     # hook: sees every calibration activation (default: none)
     b.plan(cand, W, G, ctx) -> Plan            # decision for one layer ("dense" says why)
+    b.finish_plans(planned, ctx) -> {name: Plan}  # hook: revise its plans with every layer planned (default: none)
     b.emit(graph, cand, plan, ctx)             # replace cand.node by its op
     b.notes(summary) -> list[str]              # hook: lines for the report's end (default: none)
 
@@ -197,6 +198,12 @@ class WeightBackendBase(_Configured, ABC):
 
     def calibration_hook(self, ctx: Context) -> CalibrationHook | None:
         return None
+
+    def finish_plans(self, planned: list[tuple[Candidate, Plan]], ctx: Context) -> dict[str, Plan]:
+        """Hook: once every layer is planned, replacement plans {layer name: Plan} for some of this
+        backend's layers ``planned`` [(candidate, plan)] — a planner that decides for the whole model at
+        once (the --weights mix) measures its trials here (default: none)."""
+        return {}
 
     @abstractmethod
     def plan(self, cand: Candidate, W: np.ndarray, G: np.ndarray | None, ctx: Context) -> Plan: ...

@@ -1,0 +1,194 @@
+"""``--weights int4`` on a float checkpoint (issue 34 item 3): the weights backend's calibrated 4-bit path.
+
+Each weight layer is quantized into ``BlockQuantMatMul`` blocks (``rewriter.builders.quantizers``) by
+``--weights-quantizer`` (default ``auto``: GPTQ on the calibration Gram when there is one, else the
+weighted k-quant search), in every format of its ladder (``rewriter.builders.weightplan.ladder``); the
+format each layer is stored in is then planned for the whole model (``weightplan.plan_mix``) on the
+rewrite's quality probe, so that the model meets ``--quality-budget`` at the fewest bits — or, with
+``--quality-budget off``, every layer takes its 4-bit default (the lowest-gap option at ≤ 4.5
+bits/weight). ``--weights-bits`` caps the mix's bits/weight. ``--weights-quantizer nbits`` keeps ONNX
+Runtime's MatMulNBits (symmetric round-to-nearest, block 32: the int4 of earlier releases).
+
+A layer stored in q4_0 (ggml's symmetric 4-bit: w = d·(q − 8), fp16 d per 32) is exactly MatMulNBits'
+symmetric int4 at block 32 (its scale = d): :data:`NBITS_EXACT` says whether it is emitted as
+MatMulNBits (measured; see the constant). The tied token embedding reads the head's blocks through
+``BlockQuantGather``.
+
+This module is the weights backend's helper (``rewriter/backends/weights.py`` calls it); it is not a
+backend of its own."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..builders import quantizers as Q
+from ..builders import weightplan as WP
+from ..errors import OrtleanError
+from ..kit import gaps, surgery
+from ..kit.backend import Plan
+from ..kit.candidates import Candidate
+from .. import quantize
+
+QUANTIZERS = ("auto", "gptq", "kquant", "hqq", "rtn", "nbits")
+# which formats a quantizer writes (kquant and gptq: all of the ladder; hqq / rtn: q4_f; q8_0 is absmax for all)
+_WRITES = {"hqq": ("q4_f",), "rtn": ("q4_f",)}
+
+
+class FloatWeights:
+    """The per-rewrite state of the float path: every planned layer's options, the GPTQ factors per
+    input, the mix."""
+
+    def __init__(self, quantizer: str, max_bits: float | None, embed: str):
+        if quantizer not in QUANTIZERS:
+            raise OrtleanError(f"--weights-quantizer {quantizer!r}: one of {', '.join(QUANTIZERS)}")
+        if max_bits is not None and not (4.0 < max_bits <= 8.5):
+            raise OrtleanError(f"--weights-bits {max_bits:g}: between 4.125 (the cheapest 4-bit block) and 8.5 (q8_0)")
+        self.quantizer = quantizer
+        self.max_bits = max_bits
+        self.embed = embed
+        self.layers: dict[str, WP.Layer] = {}
+        self.cands: dict[str, Candidate] = {}
+        self.tied: dict[str, str | None] = {}          # head layer -> its tied embedding Gather's name
+        self._factor: dict[str, np.ndarray] = {}      # input value name -> GPTQ's inverse-Hessian factor
+        self.mix: WP.MixResult | None = None
+
+    # ---------------------------------------------------------------- per layer
+    def which(self, G) -> str:
+        """The quantizer a layer uses: ``auto`` = gptq with a Gram, kquant without."""
+        if self.quantizer == "auto":
+            return "gptq" if G is not None else "kquant"
+        if self.quantizer == "gptq" and G is None:
+            raise OrtleanError("--weights-quantizer gptq needs calibration inputs: give --calib-text FILE")
+        return self.quantizer
+
+    def options(self, cand: Candidate, W: np.ndarray, G) -> WP.Layer:
+        """The layer's ladder, each option quantized and its gap measured (cached per layer)."""
+        key = f"{cand.name}|{G is not None}"
+        if key in self.layers:
+            return self.layers[key]
+        qz = self.which(G)
+        Wt = np.ascontiguousarray(W.T)
+        opts = []
+        for fmt, B in WP.ladder(cand.K):
+            if qz in _WRITES and fmt not in _WRITES[qz] and fmt != "q8_0":
+                continue
+            if fmt == "q8_0":    # at 8 bits the grid is fine enough: absmax per 32 (GPTQ buys nothing measurable)
+                blk = Q.kquant(Wt, fmt)
+            elif qz == "gptq":
+                f = self._factor.get(cand.input.name)
+                need = -(-cand.K // 256) * 256
+                if f is None or f.shape[0] < need:
+                    f = self._factor[cand.input.name] = Q.hessian_factor(G, pad_to=need)
+                blk = Q.gptq(Wt, G, fmt, B, factor=f)
+            elif qz == "rtn":
+                blk = Q.rtn(Wt, fmt, B)
+            elif qz == "hqq":
+                blk = Q.hqq(Wt, B)
+            else:
+                blk = Q.kquant(Wt, fmt, B, Q.importance(G))
+            opts.append(WP.Option(fmt, blk.block, blk.bits_per_weight, gaps.layer_gap(W, blk.dequantize().T, G), blk))
+        layer = WP.Layer(cand.name, cand.role or cand.target, cand.params, WP.prune(opts))
+        layer.default = WP.default_index(layer)
+        self.layers[key] = layer
+        self.cands[cand.name] = cand
+        return layer
+
+    def plan(self, backend, cand: Candidate, W: np.ndarray, G, ctx) -> Plan:
+        """The layer's default (4-bit) plan; the mix (``finish``) may replace it."""
+        layer = self.options(cand, W, G)
+        if cand.target == "head" and cand.name not in self.tied:
+            g = quantize.tied_embedding(ctx.model.graph, W) if (self.embed == "shared" and ctx is not None
+                                                                and ctx.model is not None) else None
+            self.tied[cand.name] = g.name if g is not None else None
+        return self.plan_for(backend, cand, layer, layer.default, G is not None, "4-bit default")
+
+    def plan_for(self, backend, cand: Candidate, layer: WP.Layer, i: int, calibrated: bool, why: str) -> Plan:
+        o = layer.options[i]
+        b = o.blocks
+        fmt = o.name
+        how = (f"BlockQuantMatMul {fmt} ({b.source}), {o.bits:.3f} bits/weight ({why}; ladder "
+               + ", ".join(f"{p.name} {p.bits:.2f}b gap {p.gap:.4f}" for p in layer.options) + ")"
+               + ("" if calibrated else "; gap = weight error (no calibration)"))
+        tied = self.tied.get(cand.name)
+        if tied:
+            how += f"; the tied token embedding ({tied}) reads these blocks through BlockQuantGather"
+        return Plan(f"int4 (BlockQuantMatMul)", how, o.gap, cand.params, payload=("float", b, tied),
+                    attrs={"format": fmt, "bits_per_weight": round(o.bits, 4), "bytes": b.nbytes, "source": b.source})
+
+    # ---------------------------------------------------------------- the whole model
+    def finish(self, backend, planned: list[tuple[Candidate, Plan]], ctx) -> dict[str, Plan]:
+        """The mix under --quality-budget (``weightplan.plan_mix`` on ``ctx.quality``) for the layers this
+        path planned: {layer name: its plan}. No budget (or no calibration text): the defaults stay."""
+        mine = [(c, p) for c, p in planned if isinstance(p.payload, tuple) and isinstance(p.payload[0], str) and p.payload[0] == "float"]
+        budget = ctx.opts.quality_budget if ctx is not None else None
+        if not mine or budget is None or not ctx.opts.calib_text:
+            return {}
+        layers = [self._layer_of(c) for c, _ in mine]
+        cands = {c.name: c for c, _ in mine}
+        cal = {c.name: "|True" in k for c, _ in mine for k in self.layers if k.startswith(c.name + "|")}
+        others = []     # the other backends' plans are not in these trials (the guard measures them together)
+
+        def plans(choice):
+            return [(cands[l.name], backend, self.plan_for(backend, cands[l.name], l, choice[l.name], cal[l.name], "mix"))
+                    for l in layers] + others
+
+        def loss(choice):
+            return ctx.quality.loss(plans(choice))
+
+        self.mix = WP.plan_mix(layers, loss, budget, max_bits=self.max_bits)
+        m = self.mix
+        why = (f"mix: {'meets' if m.feasible else 'misses'} {m.target:+.4f} on the probe "
+               f"({WP.MARGIN:g} × --quality-budget) at {m.bits:.3f} bits/weight")
+        return {l.name: self.plan_for(backend, cands[l.name], l, m.choice[l.name], cal[l.name], why) for l in layers}
+
+    def _layer_of(self, c: Candidate) -> WP.Layer:
+        return self.layers.get(f"{c.name}|True") or self.layers[f"{c.name}|False"]
+
+    def notes(self) -> list[str]:
+        if not self.layers:
+            return []
+        seen = {}
+        for k, l in self.layers.items():
+            seen[l.name] = l
+        layers = list(seen.values())
+        if self.mix is not None:
+            m = self.mix
+            line = (f"weights (float checkpoint, {self.quantizer} quantizer): {WP.describe(layers, m.choice)} (model); "
+                    f"probe Δ {m.loss:+.4f} vs target {m.target:+.4f} after {len(m.trials)} trials")
+            if m.note:
+                line += f"; {m.note}"
+            return [line]
+        return [f"weights (float checkpoint, {self.quantizer} quantizer): "
+                f"{WP.describe(layers, {l.name: l.default for l in layers})} (model), 4-bit defaults"]
+
+
+# ------------------------------------------------------------------ emission
+def emit(graph: ir.Graph, cand: Candidate, plan: Plan) -> None:
+    """Replace the MatMul by BlockQuantMatMul over the plan's blocks (a constant bias Add after it folded
+    into the op's bias), and the tied embedding's Gather by BlockQuantGather over the same initializer."""
+    from .weights import _bias_add, _gather_blocks, _take_over
+
+    _, b, tied = plan.payload
+    base = surgery.safe_name(cand.name)
+    tag = b.fmt if b.fmt != "q4_f" else f"q4_f{b.block}"
+    w = surgery.initializer(graph, f"{base}.weight_{tag}", b.W)
+    add = _bias_add(cand.node, cand.N)
+    bias = (surgery.initializer(graph, f"{base}.bias", add[1].const_value.numpy().reshape(-1).astype(np.float32))
+            if add is not None else None)
+    attrs = _attrs(b, cand.K, cand.N, cand.label, cand.target, plan.gap)
+    node = surgery.op_node("BlockQuantMatMul", [cand.input, w, bias], attrs, name=f"{cand.name}_BQ")
+    graph.insert_before(cand.node, node)
+    _take_over(graph, cand.node, add, node.outputs[0])
+    gather = next((n for n in graph if n.name == tied), None) if tied else None
+    if gather is not None:
+        _gather_blocks(graph, gather, w, b.fmt, int(cand.K), int(cand.N), "head", b.source, cand.label,
+                       b.block if b.fmt == "q4_f" else None)
+
+
+def _attrs(b: Q.Blocks, K: int, N: int, layer: str, target: str, gap) -> dict:
+    a = {"format": b.fmt, "K": int(K), "N": int(N), "layer": str(layer), "target": target, "source": b.source,
+         "bits_per_weight": float(b.bits_per_weight), "params_dense": int(K) * int(N), "params_stored": int(K) * int(N),
+         "gap": float(gap) if gap is not None else float("nan")}
+    if b.fmt == "q4_f":
+        a["block_size"] = int(b.block)
+    return a
