@@ -30,6 +30,9 @@ from ..kit.candidates import Candidate
 from .. import quantize
 
 QUANTIZERS = ("auto", "gptq", "kquant", "hqq", "rtn", "nbits")
+# GPTQ sweeps the options up to this many bits/weight (the 4-bit class and q4_f/32); above, the imatrix search
+# alone (GPTQ's sweep costs ~3x the search per option, and the planner raises few layers that far)
+GPTQ_MAX_BITS = 5.0
 # which formats a quantizer writes (kquant and gptq: all of the ladder; hqq / rtn: q4_f; q8_0 is absmax for all)
 _WRITES = {"hqq": ("q4_f",), "rtn": ("q4_f",)}
 
@@ -72,8 +75,11 @@ class FloatWeights:
         for fmt, B in WP.ladder(cand.K):
             if qz in _WRITES and fmt not in _WRITES[qz] and fmt != "q8_0":
                 continue
+            bits = Q.layer_bits(fmt, cand.K, B)
             if fmt == "q8_0":    # at 8 bits the grid is fine enough: absmax per 32 (GPTQ buys nothing measurable)
                 blk = Q.kquant(Wt, fmt)
+            elif qz == "gptq" and bits > GPTQ_MAX_BITS:
+                blk = Q.kquant(Wt, fmt, B, Q.importance(G))
             elif qz == "gptq":
                 f = self._factor.get(cand.input.name)
                 need = -(-cand.K // 256) * 256

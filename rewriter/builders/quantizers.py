@@ -644,7 +644,12 @@ def hessian_factor(G: np.ndarray, percdamp: float = 0.01, pad_to: int | None = N
     dead = ~(np.diag(H) > 0)
     H[dead, dead] = 1.0
     H[np.diag_indices(Lk)] += percdamp * float(np.mean(np.diag(H)[:K]))   # padding-independent
-    return np.linalg.cholesky(np.linalg.inv(H)).T
+    # the upper factor of H⁻¹ without forming H⁻¹: with J the reversal, J H J = L Lᵀ gives
+    # H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J), and J L⁻¹ J is upper triangular (one Cholesky, one triangular solve)
+    from scipy.linalg import solve_triangular
+
+    L = np.linalg.cholesky(H[::-1, ::-1])
+    return np.ascontiguousarray(solve_triangular(L, np.eye(Lk), lower=True)[::-1, ::-1])
 
 
 def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 64, *, rows: int | None = None,
