@@ -33,22 +33,22 @@ def forms():
 
 
 def test_weights_over_the_budget_are_not_written(forms, tmp_path, capsys):
-    """int4 weights whose measured loss exceeds the budget: exit 3, no file, the message names the cost
+    """int4 weights (MatMulNBits RTN) whose measured loss exceeds the budget: exit 3, no file, the message names the cost
     and the budget that lifts it; with that budget the same rewrite writes the model and reports
     the weights' share against the source."""
     src = forms["genai-fp32"] / "model.onnx"
     calib = str(_calib_text(tmp_path / "calib.txt"))
     out = tmp_path / "q.onnx"
-    rc, rep = _rewrite(src, out, "--weights", "int4", "--attn-exact", "off", "--calib-text", calib,
-                       "--quality-budget", "1e-6")
+    rc, rep = _rewrite(src, out, "--weights", "int4", "--weights-quantizer", "nbits", "--attn-exact", "off",
+                       "--calib-text", calib, "--quality-budget", "1e-6")
     assert rc == 3 and not out.exists() and rep["output"] is None
     q = rep["quality"]
     assert q["refused"] and q["weights_alone"] > 1e-6 and q["weights_by"] == ["int4 (MatMulNBits)"]
     assert "weights alone (int4 (MatMulNBits)) cost delta_ppl" in rep["refused"]
     lift = rep["refused"].rsplit("--quality-budget ", 1)[1].rstrip(")")
     assert float(lift) >= q["weights_alone"]
-    rc, rep = _rewrite(src, out, "--weights", "int4", "--attn-exact", "off", "--calib-text", calib,
-                       "--quality-budget", lift)
+    rc, rep = _rewrite(src, out, "--weights", "int4", "--weights-quantizer", "nbits", "--attn-exact", "off",
+                       "--calib-text", calib, "--quality-budget", lift)
     assert rc == 0 and out.exists()
     assert rep["quality"]["loss"] == rep["quality"]["weights_alone"] <= float(lift)
 

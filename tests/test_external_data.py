@@ -323,7 +323,7 @@ def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, monkey
     assert _attr_external(outs["external"]) == []
     assert (outs["external"].parent / "model.lean.onnx.data").is_file() == large
     ops = {n.op_type for n in onnx.load(str(outs["external"])).graph.node}
-    assert "MatMulNBits" in ops and (("GroupQueryAttention" in ops or "PackedAttention" in ops) == (fuse == "auto"))
+    assert "BlockQuantMatMul" in ops and (("GroupQueryAttention" in ops or "PackedAttention" in ops) == (fuse == "auto"))
     sessions = [custom_ops.session(str(outs[k]), threads=1) for k in ("single", "external")]
     feeds = _feeds(sessions[0], T=6)
     for a, b in zip(*(s.run(None, feeds) for s in sessions)):

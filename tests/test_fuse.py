@@ -342,12 +342,13 @@ def _cli_rewrite(src, out, *flags):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
-    """`ortlean rewrite --weights int4` on an optimum decoder: the fusion pass runs first (default
-    auto), then every weight MatMul, lm_head included, becomes MatMulNBits int4; the KV I/O is the
+    """`ortlean rewrite --weights int4 --weights-quantizer nbits` on an optimum decoder: the fusion pass
+    runs first (default auto), then every weight MatMul, lm_head included, becomes MatMulNBits int4; the KV I/O is the
     export's, so the plain runtime loop drives it, close to the fp32 model."""
     src = tiny[fam] / "model.onnx"
     out = tmp_path / "model.onnx"
-    rc, rep = _cli_rewrite(src, out, "--weights", "int4", "--quality-budget", "off", "--attn-exact", "off")   # GQA kept (see test_exact_attention_*)
+    rc, rep = _cli_rewrite(src, out, "--weights", "int4", "--weights-quantizer", "nbits", "--quality-budget", "off",
+                           "--attn-exact", "off")   # GQA kept (see test_exact_attention_*)
     assert rc == 0
     assert [g["backend"] for g in rep["graph_passes"]][0] == "fuse"
     m = ir.load(out)
@@ -371,7 +372,8 @@ def test_rewrite_weights_int4_fuses_and_quantizes(tiny, fam, tmp_path):
     b = runtime.run(s1, io1, runtime.feeds(io1, ids))["logits"]
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.2
     # --weights-pack on: gate and up become one MatMulNBits + Split, and the logits are the same numbers
-    rc, rep2 = _cli_rewrite(src, tmp_path / "packed.onnx", "--weights", "int4", "--quality-budget", "off", "--weights-pack", "on", "--attn-exact", "off")
+    rc, rep2 = _cli_rewrite(src, tmp_path / "packed.onnx", "--weights", "int4", "--weights-quantizer", "nbits",
+                            "--quality-budget", "off", "--weights-pack", "on", "--attn-exact", "off")
     m2 = ir.load(tmp_path / "packed.onnx")
     assert rc == 0 and sum(1 for n in m2.graph if n.op_type == "MatMulNBits") == 4 * n_layers + 1
     assert sum(1 for n in m2.graph if n.op_type == "Split") == n_layers

@@ -230,7 +230,7 @@ def test_gating_bound_counts_measured_keep(tiny_llama, word_text, tmp_path):
 def test_guard_loss_is_the_probe_loss_of_the_written_model(tiny_llama, word_text, tmp_path):
     """The guard's figures are those of the files it writes (issue 11: a held-out gap is the probe's
     sampling, not a different graph): the probe, rebuilt on the same calibration text, scores the
-    emitted gated model and its `--weights int4` twin exactly as the report says — `weights_alone`
+    emitted gated model and its `--weights int4` (MatMulNBits) twin exactly as the report says — `weights_alone`
     (twin vs fp32) and `loss` (gated vs fp32)."""
     from rewriter.kit.calib import CalibText
     from rewriter.kit.quality import QualityProbe
@@ -239,7 +239,7 @@ def test_guard_loss_is_the_probe_loss_of_the_written_model(tiny_llama, word_text
     gated, twin = tmp_path / "g.onnx", tmp_path / "t.onnx"
     rc, rep = _rewrite(tiny_llama, gated, tok, text, "--kwta=on", "--weights", "int4", "--quality-budget", "0.02")
     assert rc == 0
-    rc, _ = _rewrite(tiny_llama, twin, tok, text, "--weights", "int4")
+    rc, _ = _rewrite(tiny_llama, twin, tok, text, "--weights", "int4", "--weights-quantizer", "nbits")  # = auto with gating
     assert rc == 0
     q = rep["quality"]
     assert q["kept"] > 0

@@ -292,7 +292,8 @@ def test_smollm2_int4_in_genai_matches_ortlean_generate(tmp_path):
 
     d = prepare.prepare("smollm2")
     out = tmp_path / "smollm2-int4" / "model.onnx"
-    code, so, se = run_cli("rewrite", d / "model.onnx", "-o", out, "--weights", "int4", "--attn-exact", "off", "--quality-budget", "off", "-q")
+    code, so, se = run_cli("rewrite", d / "model.onnx", "-o", out, "--weights", "int4", "--weights-quantizer", "nbits",
+                           "--attn-exact", "off", "--quality-budget", "off", "-q")
     assert code == 0, se
     assert "onnxruntime-genai: genai_config.json for model.onnx" in so, so
     cfg = json.loads((out.parent / "genai_config.json").read_text())

@@ -96,7 +96,7 @@ def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
     assert rc == 0, rep
     assert rep["graph_passes"][0]["backend"] == "fuse"
     assert [r["backend"] for r in rep["graph_passes"][1:3]] == ["packed_attention"] * 2
-    assert "MatMulNBits" in _ops(tmp_path / "pa.onnx")
+    assert "BlockQuantMatMul" in _ops(tmp_path / "pa.onnx")     # --weights int4 on a float checkpoint
     _check_packed(tmp_path / "pa.onnx", "fp32")
     r = np.random.default_rng(0)
     prompt, steps = r.integers(0, 256, (1, 30)), r.integers(0, 256, (1, 8))
@@ -213,7 +213,7 @@ def test_fuse_off_keeps_the_unfused_path(tiny, tmp_path):
     rc, rep = _rewrite(tiny["llama"] / "model.onnx", tmp_path / "u.onnx", "--fuse=off", "--weights", "int4", "--quality-budget", "off",
                        "--state-pack", "binary")
     ops = _ops(tmp_path / "u.onnx")
-    assert rc == 0 and "PackedAttention" in ops and "GroupQueryAttention" not in ops and "MatMulNBits" in ops
+    assert rc == 0 and "PackedAttention" in ops and "GroupQueryAttention" not in ops and "BlockQuantMatMul" in ops
     import onnx
 
     names = {i.name for i in onnx.load(str(tmp_path / "u.onnx"), load_external_data=False).graph.input}

@@ -81,7 +81,8 @@ class WeightsConfig(Options):
                          "measurable in perplexity, see docs/weights.md), 8 where the weights "
                          "are quantized here (their own error dominates) | 8 | 16", choices=("auto", "8", "16"))
     quantizer: str = flag("--weights-quantizer", "auto", "with --weights int4 on a float checkpoint: auto (default: "
-                          "GPTQ on the calibration Gram with --calib-text, else the weighted k-quant search) | gptq | "
+                          "GPTQ on the calibration Gram with --calib-text, else the weighted k-quant search; nbits with "
+                          "--kwta/--event-driven, whose gated layers hold MatMulNBits' values) | gptq | "
                           "kquant | hqq (ONNX Runtime's HQQ) | rtn (asymmetric round-to-nearest) into BlockQuantMatMul "
                           "blocks, the format of each layer planned under --quality-budget; nbits: ONNX Runtime's "
                           "MatMulNBits (symmetric round-to-nearest, block 32)", choices=weights_float.QUANTIZERS)
@@ -165,8 +166,13 @@ class WeightsBackend(WeightBackendBase):
         cfg.validate()
         return cfg
 
-    def _float_path(self):
+    def _float_path(self, ctx):
+        """The float path's state, or None for MatMulNBits: also when --weights-quantizer is auto and the
+        gating backend is enabled (its gated formats hold MatMulNBits' values: int4 compounds with it)."""
         if self._float is None and self.cfg.float_path:
+            gating = ctx is not None and any(b.name == "gating" for b in getattr(ctx, "weight_backends", []))
+            if self.cfg.quantizer == "auto" and gating:
+                return None
             self._float = weights_float.FloatWeights(self.cfg.quantizer, self.cfg.max_bits, self.cfg.embed)
         return self._float
 
@@ -184,7 +190,7 @@ class WeightsBackend(WeightBackendBase):
             return Plan.dense(cand, f"--weights {self.cfg.weights} takes single MatMuls, not a gated group")
         if self.cfg.source == "gguf":
             return self._plan_gguf(cand, W, G, ctx)
-        if self._float_path() is not None:
+        if self._float_path(ctx) is not None:
             return self._float.plan(self, cand, W, G, ctx)
         return self._plan_nbits(cand, W, G, ctx, self.cfg.weights)
 

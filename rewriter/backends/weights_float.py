@@ -9,14 +9,18 @@ rewrite's quality probe, so that the model meets ``--quality-budget`` at the few
 bits/weight). ``--weights-bits`` caps the mix's bits/weight. ``--weights-quantizer nbits`` keeps ONNX
 Runtime's MatMulNBits (symmetric round-to-nearest, block 32: the int4 of earlier releases).
 
-A layer stored in q4_0 (ggml's symmetric 4-bit: w = d·(q − 8), fp16 d per 32) is exactly MatMulNBits'
-symmetric int4 at block 32 (its scale = d): :data:`NBITS_EXACT` says whether it is emitted as
-MatMulNBits (measured; see the constant). The tied token embedding reads the head's blocks through
-``BlockQuantGather``.
+MatMulNBits is not used for the formats it could hold exactly (q4_0 = its symmetric int4 at block 32,
+q8_0 = its int8): BlockQuantMatMul ran them faster on this machine class (M = 1, one thread, 8 layers
+cycled: q4_0 1.2-1.3x MatMulNBits int4, q8_0 1.15-1.4x MatMulNBits int8 at SmolLM2's 576x1536 and
+1536x576; development timings on a shared machine — ``tests/bench/bench_float_weights.py`` measures the
+whole model). The tied token embedding reads the head's blocks through ``BlockQuantGather``.
 
 This module is the weights backend's helper (``rewriter/backends/weights.py`` calls it); it is not a
 backend of its own."""
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx_ir as ir
@@ -30,9 +34,12 @@ from ..kit.candidates import Candidate
 from .. import quantize
 
 QUANTIZERS = ("auto", "gptq", "kquant", "hqq", "rtn", "nbits")
-# GPTQ sweeps the options up to this many bits/weight (the 4-bit class and q4_f/32); above, the imatrix search
-# alone (GPTQ's sweep costs ~3x the search per option, and the planner raises few layers that far)
-GPTQ_MAX_BITS = 5.0
+# GPTQ sweeps the options up to this many bits/weight (every format but q8_0, whose absmax grid per 32 is fine
+# enough: GPTQ buys nothing measurable there); on SmolLM2's head GPTQ gives q4_f/32 a lower gap (0.022) than
+# the imatrix search gives q5_1 (0.019 → pruned against GPTQ's q4_f/32 at 6 bits: the 6-bit options need it too)
+GPTQ_MAX_BITS = 7.0
+# threads quantizing one layer's formats at once
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
 # which formats a quantizer writes (kquant and gptq: all of the ladder; hqq / rtn: q4_f; q8_0 is absmax for all)
 _WRITES = {"hqq": ("q4_f",), "rtn": ("q4_f",)}
 
@@ -54,6 +61,7 @@ class FloatWeights:
         self.tied: dict[str, str | None] = {}          # head layer -> its tied embedding Gather's name
         self._factor: dict[str, np.ndarray] = {}      # input value name -> GPTQ's inverse-Hessian factor
         self.mix: WP.MixResult | None = None
+        self.planned: list[str] = []                  # the layers planned with the defaults (finish sets these)
 
     # ---------------------------------------------------------------- per layer
     def which(self, G) -> str:
@@ -65,34 +73,37 @@ class FloatWeights:
         return self.quantizer
 
     def options(self, cand: Candidate, W: np.ndarray, G) -> WP.Layer:
-        """The layer's ladder, each option quantized and its gap measured (cached per layer)."""
+        """The layer's ladder, each option quantized (the formats on a small thread pool: numpy works
+        outside the GIL) and its gap measured (cached per layer)."""
         key = f"{cand.name}|{G is not None}"
         if key in self.layers:
             return self.layers[key]
         qz = self.which(G)
         Wt = np.ascontiguousarray(W.T)
-        opts = []
-        for fmt, B in WP.ladder(cand.K):
-            if qz in _WRITES and fmt not in _WRITES[qz] and fmt != "q8_0":
-                continue
-            bits = Q.layer_bits(fmt, cand.K, B)
+        imp = Q.importance(G)
+        if qz == "gptq":
+            f = self._factor.get(cand.input.name)
+            need = -(-cand.K // 256) * 256
+            if f is None or f.shape[0] < need:
+                f = self._factor[cand.input.name] = Q.hessian_factor(G, pad_to=need)
+
+        def one(fmt, B):
             if fmt == "q8_0":    # at 8 bits the grid is fine enough: absmax per 32 (GPTQ buys nothing measurable)
-                blk = Q.kquant(Wt, fmt)
-            elif qz == "gptq" and bits > GPTQ_MAX_BITS:
-                blk = Q.kquant(Wt, fmt, B, Q.importance(G))
-            elif qz == "gptq":
-                f = self._factor.get(cand.input.name)
-                need = -(-cand.K // 256) * 256
-                if f is None or f.shape[0] < need:
-                    f = self._factor[cand.input.name] = Q.hessian_factor(G, pad_to=need)
-                blk = Q.gptq(Wt, G, fmt, B, factor=f)
-            elif qz == "rtn":
-                blk = Q.rtn(Wt, fmt, B)
-            elif qz == "hqq":
-                blk = Q.hqq(Wt, B)
-            else:
-                blk = Q.kquant(Wt, fmt, B, Q.importance(G))
-            opts.append(WP.Option(fmt, blk.block, blk.bits_per_weight, gaps.layer_gap(W, blk.dequantize().T, G), blk))
+                return Q.kquant(Wt, fmt)
+            if qz == "gptq" and Q.layer_bits(fmt, cand.K, B) <= GPTQ_MAX_BITS:
+                return Q.gptq(Wt, G, fmt, B, factor=f)
+            if qz == "rtn":
+                return Q.rtn(Wt, fmt, B)
+            if qz == "hqq":
+                return Q.hqq(Wt, B)
+            return Q.kquant(Wt, fmt, B, imp)
+
+        todo = [(fmt, B) for fmt, B in WP.ladder(cand.K) if not (qz in _WRITES and fmt not in _WRITES[qz]
+                                                                   and fmt != "q8_0")]
+        with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+            blocks = list(pool.map(lambda fb: one(*fb), todo))
+        gs = gaps.layer_gaps(W, [b.dequantize().T for b in blocks], G)
+        opts = [WP.Option(b.fmt, b.block, b.bits_per_weight, g, b) for b, g in zip(blocks, gs)]
         layer = WP.Layer(cand.name, cand.role or cand.target, cand.params, WP.prune(opts))
         layer.default = WP.default_index(layer)
         self.layers[key] = layer
@@ -126,6 +137,7 @@ class FloatWeights:
         """The mix under --quality-budget (``weightplan.plan_mix`` on ``ctx.quality``) for the layers this
         path planned: {layer name: its plan}. No budget (or no calibration text): the defaults stay."""
         mine = [(c, p) for c, p in planned if isinstance(p.payload, tuple) and isinstance(p.payload[0], str) and p.payload[0] == "float"]
+        self.planned = [c.name for c, _ in mine]
         budget = ctx.opts.quality_budget if ctx is not None else None
         if not mine or budget is None or not ctx.opts.calib_text:
             return {}
@@ -141,7 +153,18 @@ class FloatWeights:
         def loss(choice):
             return ctx.quality.loss(plans(choice))
 
-        self.mix = WP.plan_mix(layers, loss, budget, max_bits=self.max_bits)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc="weights mix", unit="trial", disable=not ctx.opts.progress, leave=False)
+
+        def progress(t):
+            bar.update(1)
+            bar.set_postfix_str(f"{t['bits']:.3f} b/w: {t['loss']:+.4f}")
+
+        try:
+            self.mix = WP.plan_mix(layers, loss, budget, max_bits=self.max_bits, progress=progress)
+        finally:
+            bar.close()
         m = self.mix
         why = (f"mix: {'meets' if m.feasible else 'misses'} {m.target:+.4f} on the probe "
                f"({WP.MARGIN:g} × --quality-budget) at {m.bits:.3f} bits/weight")
@@ -151,21 +174,22 @@ class FloatWeights:
         return self.layers.get(f"{c.name}|True") or self.layers[f"{c.name}|False"]
 
     def notes(self) -> list[str]:
-        if not self.layers:
-            return []
-        seen = {}
-        for k, l in self.layers.items():
-            seen[l.name] = l
-        layers = list(seen.values())
+        """The summary's line: the formats and the model's bits/weight over the layers this path wrote."""
         if self.mix is not None:
             m = self.mix
+            layers = [self._layer_of(self.cands[n]) for n in m.choice]
             line = (f"weights (float checkpoint, {self.quantizer} quantizer): {WP.describe(layers, m.choice)} (model); "
                     f"probe Δ {m.loss:+.4f} vs target {m.target:+.4f} after {len(m.trials)} trials")
-            if m.note:
-                line += f"; {m.note}"
-            return [line]
+            trials = "; ".join(f"{t['what']}: {t['bits']:.3f} b/w {t['loss']:+.4f}" for t in m.trials)
+            sens = ", ".join(f"{r} {v:.3g}" for r, v in sorted(m.sensitivity.items(), key=lambda kv: -kv[1]))
+            return [line + (f"; {m.note}" if m.note else ""),
+                    f"weights mix trials (probe loss at bits/weight): {trials}"
+                    + (f"; sensitivity per role (loss per gap²): {sens}" if sens else "")]
+        if not self.planned:
+            return []
+        layers = [self._layer_of(self.cands[n]) for n in self.planned]
         return [f"weights (float checkpoint, {self.quantizer} quantizer): "
-                f"{WP.describe(layers, {l.name: l.default for l in layers})} (model), 4-bit defaults"]
+                f"{WP.describe(layers, {l.name: l.default for l in layers})} (model), the 4-bit defaults"]
 
 
 # ------------------------------------------------------------------ emission

@@ -72,3 +72,27 @@ def layer_gap(W: np.ndarray, W_hat, G: np.ndarray | None) -> float:
     ok = den > 1e-12 * max(float(den.max(initial=0.0)), 1e-300)
     ch = float(np.sqrt(np.mean(np.maximum(num[ok], 0.0) / den[ok]))) if ok.any() else 0.0
     return max(out, ch)
+
+
+def layer_gaps(W: np.ndarray, W_hats: list, G: np.ndarray | None) -> list[float]:
+    """:func:`layer_gap` of several stored versions of one layer, sharing the work that does not depend on
+    Ŵ (G·W and its energies): one K×K product per Ŵ and column block instead of two; a block of output
+    columns at a time, as :func:`layer_gap`."""
+    K, N = W.shape
+    step = max(1, GAP_CHUNK_BYTES // max(8 * K, 1))
+    den = np.empty(N, np.float64)
+    num = np.empty((len(W_hats), N), np.float64)
+    for j in range(0, N, step):
+        w = np.asarray(W[:, j: j + step], np.float64)
+        den[j: j + step] = np.einsum("kn,kn->n", w if G is None else G @ w, w)
+        for i, Wh in enumerate(W_hats):
+            e = w - np.asarray(Wh[:, j: j + step], np.float64)
+            num[i, j: j + step] = np.einsum("kn,kn->n", e if G is None else G @ e, e)
+    tot = max(float(den.sum()), 1e-30)
+    ok = den > 1e-12 * max(float(den.max(initial=0.0)), 1e-300)
+    out = []
+    for col_e in num:
+        frob = math.sqrt(max(float(col_e.sum()), 0.0) / tot)
+        chan = float(np.sqrt(np.mean(np.maximum(col_e[ok], 0.0) / den[ok]))) if ok.any() else 0.0
+        out.append(max(frob, chan))
+    return out
