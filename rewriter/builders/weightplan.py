@@ -33,7 +33,10 @@ from . import quantizers as Q
 # the bits/weight of the 4-bit class: a layer's default option is its lowest-gap one at or under this
 INT4_BITS = 4.5
 # the planner targets this share of --quality-budget on its probe, the rest a margin for text it did not
-# see (chosen with tests/bench/bench_float_weights.py; see the module docstring of that script)
+# see: the probe is 1024 tokens of the calibration novel, and the gating planner measured novels apart by
+# up to ~0.7 points of Δppl at a 2 % budget (rewriter/backends/gating.py, KWTA_MARGIN). On SmolLM2 at
+# --quality-budget 0.02 (calibrated on Sense & Sensibility) the mix's probe +1.45 % measured +1.48 % on
+# held-out Persuasion (`ortlean eval`; rerun: tests/bench/bench_float_weights.py --recipes mix --budgets 0.02).
 MARGIN = 0.75
 # a role whose measured drop is within noise still gets this share of the mean sensitivity
 _SENS_FLOOR = 0.05
