@@ -5,9 +5,11 @@ algo_config=k_quant_mixed``).
 
     python tests/bench/bench_float_weights.py [--threads 1,2] [--past 128] [--repeats 15]
         [--recipes nbits,rtn,hqq,kquant,gptq,mix] [--budgets 0.02,0.1] [--work DIR] [--json FILE]
+    python tests/bench/bench_float_weights.py --quick     # a check that it runs end to end, not a result
 
-Rows (each an ``ortlean rewrite`` of the optimum export, default fusion, calibrated on
-``ortlean corpus --calib``; the rewrite's own command is in the JSON):
+Rows (each an ``ortlean rewrite`` of the optimum export, default fusion, ``--attn-exact off`` so that every
+row keeps ONNX Runtime's GroupQueryAttention — as genai's models do — and differs from the others in its
+weights only; calibrated on ``ortlean corpus --calib``; the rewrite's own command is in the JSON):
 
 - ``MatMulNBits RTN int4``: ``--weights int4 --weights-quantizer nbits --quality-budget off`` (the
   reference row: speeds are relative to it);
@@ -24,6 +26,10 @@ decode tok/s after a past of ``--past`` tokens at each thread count (``ortlean b
 decode table, medians) with its ratio to the RTN row. The JSON carries commit, machine and date
 (rewriter.results.provenance); it is written where --json says (nothing is written otherwise).
 Run it alone on the machine: the timings are only as quiet as the machine is.
+
+A rewritten model is reused from ``--work`` only when its flags and the commit (a clean tree) are the
+ones it was written with. ``--quick`` (rows nbits, rtn and the mix at 0.1; 1,024 calibration tokens;
+1 thread, 3 repeats; its own work directory) checks the script, its JSON says ``"quick": true``.
 """
 from __future__ import annotations
 
@@ -78,31 +84,47 @@ def weight_bits(path: Path) -> dict:
 
 
 def rewrite(dense: Path, out: Path, flags: list[str]) -> dict:
-    """``ortlean rewrite dense -o out FLAGS`` in this process (cached: an existing output is reused with
-    its report). Returns the report."""
-    from rewriter import cli
+    """``ortlean rewrite dense -o out FLAGS`` in this process. An existing output is reused (with its
+    report) only when it was written with the same flags at the same commit from a clean tree (its
+    ``.bench.json``). Returns the report."""
+    from rewriter import cli, results
 
     rep = out.with_suffix(".report.json")
-    if not (out.is_file() and rep.is_file()):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        rc = cli.main(["rewrite", str(dense), "-o", str(out), "--report", str(rep), "-q", *flags])
-        if rc != 0:
-            raise SystemExit(f"ortlean rewrite {' '.join(flags)} exited {rc}")
-        print(f"[bench] rewrote {out.name} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    stamp = out.with_suffix(".bench.json")
+    commit, dirty = results.git_commit()
+    key = {"flags": flags, "commit": commit}
+    if commit and not dirty and out.is_file() and rep.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
+        print(f"[bench] reusing {out.name} (same flags, commit {commit[:12]})", file=sys.stderr, flush=True)
+        return json.loads(rep.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    rc = cli.main(["rewrite", str(dense), "-o", str(out), "--report", str(rep), "-q", *flags])
+    if rc != 0:
+        raise SystemExit(f"ortlean rewrite {' '.join(flags)} exited {rc}")
+    print(f"[bench] rewrote {out.name} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    results.write_json(stamp, key)
     return json.loads(rep.read_text())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--threads", default=None, help="thread counts (default 1,2; --quick 1)")
     ap.add_argument("--past", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--recipes", default="nbits,rtn,hqq,kquant,gptq,mix")
-    ap.add_argument("--budgets", default="0.02,0.1", help="the mix's --quality-budget values")
+    ap.add_argument("--repeats", type=int, default=None, help="default 15; --quick 3")
+    ap.add_argument("--recipes", default=None, help="of nbits,rtn,hqq,kquant,gptq,mix (default all; --quick nbits,rtn,mix)")
+    ap.add_argument("--budgets", default=None, help="the mix's --quality-budget values (default 0.02,0.1; --quick 0.1)")
+    ap.add_argument("--calib-tokens", type=int, default=None, help="the rewrites' --calib-tokens (default the "
+                    "rewrite's 4096; --quick 1024)")
+    ap.add_argument("--quick", action="store_true", help="a reduced run that checks the script end to end (not a result)")
     ap.add_argument("--work", default=None, help="directory of the rewritten models (default: the ortlean cache)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    quick = dict(threads="1", repeats=3, recipes="nbits,rtn,mix", budgets="0.1", calib_tokens=1024)
+    full = dict(threads="1,2", repeats=15, recipes="nbits,rtn,hqq,kquant,gptq,mix", budgets="0.02,0.1", calib_tokens=None)
+    for k, v in (quick if a.quick else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
 
     from models import corpus, peers, prepare
     from models.cache import cache_root
@@ -113,12 +135,15 @@ def main() -> int:
     dense = prepare.prepare("smollm2") / "model.onnx"
     novels = corpus.novels()
     calib, held = novels[corpus.CALIB_NOVEL], novels[corpus.EVAL_NOVEL]
-    work = Path(a.work) if a.work else cache_root() / "bench-float-weights"
+    work = Path(a.work) if a.work else cache_root() / ("bench-float-weights" + ("-quick" if a.quick else ""))
     rows: dict[str, dict] = {}
-    base = ["--weights", "int4", "--calib-text", str(calib)]
+    pinned = ["--attn-exact", "off"]     # GroupQueryAttention in every row: the rows differ in their weights only
+    base = ["--weights", "int4", "--calib-text", str(calib), *pinned]
+    if a.calib_tokens:
+        base += ["--calib-tokens", str(a.calib_tokens)]
     if "nbits" in recipes:
         rows["MatMulNBits RTN int4"] = {"flags": ["--weights", "int4", "--weights-quantizer", "nbits",
-                                                  "--quality-budget", "off"]}
+                                                  "--quality-budget", "off", *pinned]}
     for q in ("rtn", "hqq", "kquant", "gptq"):
         if q in recipes:
             rows[f"{q} 4-bit"] = {"flags": base + ["--weights-quantizer", q, "--quality-budget", "off"]}
@@ -175,6 +200,7 @@ def main() -> int:
                                                                    "vs_rtn": ref_ms / ms}
         table[label] = r
     out = {**results.provenance(), "bench": "bench_float_weights", "model": "smollm2 (optimum export, float)",
+           "quick": a.quick, "calib_tokens": a.calib_tokens or 4096,
            "past": a.past, "threads": threads, "repeats": a.repeats, "quality": {k: v for k, v in (res.get("quality") or {}).items()
                                                                                   if k != "rows"},
            "reference_row": ref_label, "rows": table, "notes": res.get("notes")}
