@@ -220,7 +220,8 @@ class WeightsBackend(WeightBackendBase):
         if plan.payload[0] == "blocks":
             return self._emit_blocks(graph, cand, plan)
         if plan.payload[0] == "float":
-            return weights_float.emit(graph, cand, plan)
+            # weights quantized here: their own error dominates, --weights-act-bits auto keeps int8 activations
+            return weights_float.emit(graph, cand, plan, 8 if self.cfg.act_bits == "auto" else int(self.cfg.act_bits))
         _, packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),

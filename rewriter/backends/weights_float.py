@@ -193,9 +193,10 @@ class FloatWeights:
 
 
 # ------------------------------------------------------------------ emission
-def emit(graph: ir.Graph, cand: Candidate, plan: Plan) -> None:
+def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8) -> None:
     """Replace the MatMul by BlockQuantMatMul over the plan's blocks (a constant bias Add after it folded
-    into the op's bias), and the tied embedding's Gather by BlockQuantGather over the same initializer."""
+    into the op's bias; ``act_bits``: the op's activation integers), and the tied embedding's Gather by
+    BlockQuantGather over the same initializer."""
     from .weights import _bias_add, _gather_blocks, _take_over
 
     _, b, tied = plan.payload
@@ -206,6 +207,7 @@ def emit(graph: ir.Graph, cand: Candidate, plan: Plan) -> None:
     bias = (surgery.initializer(graph, f"{base}.bias", add[1].const_value.numpy().reshape(-1).astype(np.float32))
             if add is not None else None)
     attrs = _attrs(b, cand.K, cand.N, cand.label, cand.target, plan.gap)
+    attrs["act_bits"] = int(act_bits)
     node = surgery.op_node("BlockQuantMatMul", [cand.input, w, bias], attrs, name=f"{cand.name}_BQ")
     graph.insert_before(cand.node, node)
     _take_over(graph, cand.node, add, node.outputs[0])
