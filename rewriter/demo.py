@@ -144,8 +144,8 @@ def run(args, custom=None) -> int:
     causal = spec.kind == "causal-lm"
     total = 5
     t0 = time.time()
-    _say(1, total, f"{args.name}: the prepared export (built once, cached)")
-    dense = prepare.prepare(args.name) / "model.onnx"
+    dense = prepare.prepare(args.name) / "model.onnx"     # a missing package: one error line, before any stage line
+    _say(1, total, f"{args.name}: the prepared export {dense} (built once, cached)")
     _say(2, total, "corpus: Jane Austen's novels (Debian r-cran-janeaustenr)")
     novels = corpus.novels()
     calib, held = str(novels[corpus.CALIB_NOVEL]), str(novels[corpus.EVAL_NOVEL])
