@@ -568,7 +568,14 @@ def cmd_demo(args) -> int:
         def custom(model, output, calib, report):
             return RewriteConfig(model=model, output=output, backends=configs, calib_text=calib, report=report,
                                  quality_budget=args.quality_budget, progress=True)
-    return demo.run(args, custom)
+    return demo.run(args, rewrite_config, custom)
+
+
+def rewrite_config(argv: list[str]) -> RewriteConfig:
+    """The RewriteConfig of `ortlean rewrite ARGV` (progress on: a stage line per stage on stderr)."""
+    a = build_parser().parse_args(["rewrite", *argv])
+    return options.from_args(RewriteConfig, a, model=a.model, output=a.output, backends=_backend_configs(a),
+                             progress=True)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,9 @@ def _stamp(source: Path, flags: list[str]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool) -> dict:
-    """`ortlean rewrite SOURCE -o OUT FLAGS` unless OUT holds a rewrite with the same stamp."""
-    from . import cli
-
+def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool, config) -> dict:
+    """`ortlean rewrite SOURCE -o OUT FLAGS` unless OUT holds a rewrite with the same stamp;
+    ``config(argv)``: the RewriteConfig of an `ortlean rewrite` command line (rewriter.cli.rewrite_config)."""
     stamp = _stamp(source, flags)
     rep, st = out.parent / "report.json", out.parent / "stamp.txt"
     if not fresh and out.is_file() and rep.is_file() and st.is_file() and st.read_text().strip() == stamp:
@@ -60,11 +59,8 @@ def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     st.unlink(missing_ok=True)
     from . import pipeline
-    from .kit import options
 
-    args = cli.build_parser().parse_args(["rewrite", str(source), "-o", str(out), "--report", str(rep), *flags])
-    cfg = options.from_args(cli.RewriteConfig, args, model=args.model, output=args.output,
-                            backends=cli._backend_configs(args), progress=True)
+    cfg = config([str(source), "-o", str(out), "--report", str(rep), *flags])
     summary = pipeline.run(cfg)   # its stage lines on stderr; the per-layer table stays in report.json
     if summary.get("output"):
         st.write_text(stamp + "\n")
@@ -132,9 +128,10 @@ def _summary(rep: dict) -> str:
     return out
 
 
-def run(args, custom=None) -> int:
-    """The demo (see the module docstring); ``custom``: a RewriteConfig maker for the backends the
-    command line asked for (their one recipe replaces the default ones)."""
+def run(args, config, custom=None) -> int:
+    """The demo (see the module docstring); ``config(argv)``: the RewriteConfig of an `ortlean rewrite`
+    command line; ``custom``: a RewriteConfig maker for the backends the command line asked for (their
+    one recipe replaces the default ones)."""
     from models import corpus, prepare
     from models.cache import cache_root
 
@@ -172,7 +169,7 @@ def run(args, custom=None) -> int:
         else:
             _say(3, total, f"rewrite {i + 1}/{len(recipes)}: {name} ({' '.join(f for f in flags if f != calib)}), "
                            f"calibrated on {corpus.CALIB_NOVEL}")
-            rep = _rewrite(dense, out, flags, args.fresh)
+            rep = _rewrite(dense, out, flags, args.fresh, config)
         if not rep.get("output"):
             raise OrtleanError(f"{name}: {rep.get('refused') or 'nothing written'}")
         print(_summary(rep), file=sys.stderr)

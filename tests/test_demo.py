@@ -53,21 +53,21 @@ def test_rewrite_is_cached_by_stamp(tiny, tmp_path, capsys):
     src = tiny["llama"] / "model.onnx"
     out = tmp_path / "r" / "model.onnx"
     flags = ["--weights", "int8", "--quality-budget", "off", "--attn-exact", "off"]
-    rep = demo._rewrite(src, out, flags, fresh=False)
+    rep = demo._rewrite(src, out, flags, False, cli.rewrite_config)
     assert rep["output"] and out.is_file() and (out.parent / "stamp.txt").is_file()
     mtime = out.stat().st_mtime_ns
     capsys.readouterr()
-    rep2 = demo._rewrite(src, out, flags, fresh=False)                  # same stamp: reused
+    rep2 = demo._rewrite(src, out, flags, False, cli.rewrite_config)                  # same stamp: reused
     assert "reusing" in capsys.readouterr().err and out.stat().st_mtime_ns == mtime
     assert rep2["output"] == rep["output"]
-    demo._rewrite(src, out, flags, fresh=True)                           # --fresh: rewritten
+    demo._rewrite(src, out, flags, True, cli.rewrite_config)                           # --fresh: rewritten
     assert out.stat().st_mtime_ns != mtime
     mtime = out.stat().st_mtime_ns
-    demo._rewrite(src, out, ["--weights", "int4", *flags[2:]], fresh=False)  # other flags
+    demo._rewrite(src, out, ["--weights", "int4", *flags[2:]], False, cli.rewrite_config)  # other flags
     assert out.stat().st_mtime_ns != mtime
     (out.parent / "stamp.txt").write_text("something else\n")            # a stamp that does not match
     mtime = out.stat().st_mtime_ns
-    demo._rewrite(src, out, flags, fresh=False)
+    demo._rewrite(src, out, flags, False, cli.rewrite_config)
     assert out.stat().st_mtime_ns != mtime
     assert json.loads((out.parent / "report.json").read_text())["output"]
 

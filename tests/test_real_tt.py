@@ -52,6 +52,7 @@ def test_minilm_tt_both_end_to_end(tmp_path, corpus):
     assert e["cosine_mean"] >= 0.97
 
 
+@pytest.mark.heavy   # ~2.5-5 min: TT's rank search over SmolLM2's MLPs with calibration, then held-out perplexity
 def test_smollm2_tt_subset_end_to_end(tmp_path, corpus):
     """The first two blocks of SmolLM2 (time-bounded; block 0's attention projections are the ones
     that factor at a 5 % gap): the decode path with the KV cache, ppl vs dense, the per-layer

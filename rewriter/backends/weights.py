@@ -18,7 +18,7 @@ backend takes (the lm_head included).
 - ``int4`` on a float checkpoint (no GGUF): calibrated 4-bit blocks in ``BlockQuantMatMul`` —
   ``--weights-quantizer`` (GPTQ on the calibration Gram by default, or the k-quant search, HQQ, RTN),
   the format of each layer planned for the whole model under ``--quality-budget``
-  (``rewriter.backends.weights_float``); ``--weights-quantizer nbits`` keeps MatMulNBits.
+  (``rewriter.builders.floatweights``); ``--weights-quantizer nbits`` keeps MatMulNBits.
 - ``auto`` (the default): ``gguf`` when ``--gguf`` is given or the model is a packaged model's
   export whose GGUF is known (``models.prepare.packaged_name`` / ``gguf_path``), else ``fp32``
   (``auto,FALLBACK``: the fallback for what the GGUF does not hold; without a GGUF, every layer).
@@ -43,7 +43,8 @@ from ..kit.backend import GraphPassBase, Plan, WeightBackendBase
 from ..kit.candidates import Candidate, GroupCandidate
 from ..kit.options import Options, flag, from_args, onoff
 from .. import quantize
-from . import weights_float
+from ..builders import blockgraph as BG
+from ..builders import floatweights as weights_float
 
 MS_DOMAIN = "com.microsoft"
 SOURCES = ("auto", "gguf", *quantize.WEIGHTS)
@@ -298,7 +299,7 @@ class WeightsBackend(WeightBackendBase):
             how = f"BlockQuantMatMul {fmts}, {bpw:.2f} bits/weight; {why}"
         if len(parts) > 1:
             how += f"; {len(parts)} nodes (one per format) and a Concat"
-        add = _bias_add(cand.node, cand.N)
+        add = BG.bias_add(cand.node, cand.N)
         if add is not None:
             how += "; bias Add folded into the op"
         embed = None
@@ -333,7 +334,7 @@ class WeightsBackend(WeightBackendBase):
         if src is None or not heads:
             return None, None
         for node in ctx.model.graph:
-            tab = _embedding_table(node)
+            tab = BG.embedding_table(node)
             if tab is None:
                 continue
             T = tab.const_value.numpy()
@@ -355,7 +356,7 @@ class WeightsBackend(WeightBackendBase):
         _, parts, source, gap, embed = plan.payload
         node = cand.node
         base = surgery.safe_name(cand.name)
-        add = _bias_add(node, cand.N)
+        add = BG.bias_add(node, cand.N)
         bias = add[1].const_value.numpy().reshape(-1).astype(np.float32) if add is not None else None
         multi = len(parts) > 1
         act_bits = int(self.cfg.act_bits) if self.cfg.act_bits != "auto" else 16 if source.startswith("gguf:") else 8
@@ -377,17 +378,17 @@ class WeightsBackend(WeightBackendBase):
                           name=f"{cand.name}_BQ/Concat")
             graph.insert_before(node, cat)
             out = cat.outputs[0]
-        _take_over(graph, node, add, out)
+        BG.take_over(graph, node, add, out)
         if embed is not None:
             kind, gname, part = embed
             gather = next((n for n in graph if n.name == gname), None)
             if gather is not None:
                 if kind == "tied":
-                    _gather_blocks(graph, gather, weights[0], parts[0].format, int(cand.K), int(cand.N), "head",
+                    BG.gather_blocks(graph, gather, weights[0], parts[0].format, int(cand.K), int(cand.N), "head",
                                    source, cand.label)
                 else:
                     w = surgery.initializer(graph, f"{surgery.safe_name(gname)}.weight_{part.format}", part.W)
-                    _gather_blocks(graph, gather, w, part.format, part.K, part.N, "head",
+                    BG.gather_blocks(graph, gather, w, part.format, part.K, part.N, "head",
                                    "gguf:" + ",".join(part.tensors), "embed")
 
     def notes(self, summary: dict) -> list[str]:
@@ -407,75 +408,6 @@ class WeightsBackend(WeightBackendBase):
                 line += (f"; the model's files {size / 1e6:.1f} MB ({' + '.join(p.name for p in files)}) vs the "
                          f"GGUF's {self._gguf.file_bytes / 1e6:.1f} MB ({size / self._gguf.file_bytes:.2f}x)")
         return [line]
-
-
-def _embedding_table(node: ir.Node) -> ir.Value | None:
-    """The constant float32 [V, D] table of an embedding Gather (axis 0, indices computed at run time)."""
-    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-        return None
-    axis = node.attributes.get("axis")
-    t, idx = node.inputs
-    if (axis is not None and axis.as_int() != 0) or t is None or t.const_value is None or idx is None:
-        return None
-    if idx.const_value is not None or len(t.const_value.shape) != 2 or t.const_value.dtype != ir.DataType.FLOAT:
-        return None
-    return t
-
-
-def _bias_add(node: ir.Node, N: int):
-    """(Add node, bias value) when the MatMul's only consumer is an Add of a constant float32 [N]
-    (either operand order) and the MatMul output is no graph output; else None."""
-    out = node.outputs[0]
-    uses = list(out.uses())
-    if out.is_graph_output() or len(uses) != 1:
-        return None
-    add = uses[0].node
-    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
-        return None
-    other = add.inputs[1 - uses[0].idx]
-    if other is None or other.const_value is None or not other.is_initializer():
-        return None
-    c = other.const_value
-    if c.dtype != ir.DataType.FLOAT or [int(d) for d in c.shape] not in ([N], [1, N], [1, 1, N]):
-        return None
-    return add, other
-
-
-def _take_over(graph: ir.Graph, node: ir.Node, add, out: ir.Value) -> None:
-    """``out`` takes the place of the MatMul's output (of its bias Add's when folded); the MatMul,
-    the Add and the weights nothing else uses go."""
-    old = add[0].outputs[0] if add is not None else node.outputs[0]
-    name = old.name
-    out.type, out.shape = old.type, old.shape
-    old.replace_all_uses_with(out, replace_graph_outputs=True)
-    if add is not None:
-        graph.remove(add[0], safe=True)
-        surgery.drop_if_unused(graph, add[1])
-    weight_in = node.inputs[1]
-    graph.remove(node, safe=True)
-    surgery.drop_if_unused(graph, weight_in)
-    out.name = name
-
-
-def _gather_blocks(graph: ir.Graph, gather: ir.Node, w: ir.Value, fmt: str, K: int, N: int, target: str,
-                   source: str, layer: str, block_size: int | None = None) -> None:
-    """Replace the embedding ``gather`` by BlockQuantGather over the blocks ``w`` ([N rows of K]; q4_f's
-    ``block_size``)."""
-    qk = 8.0 * int(w.const_value.shape[1]) / K
-    attrs = {"format": fmt, "K": K, "N": N, "layer": layer, "target": target, "source": source,
-             "bits_per_weight": float(qk), "params_dense": K * N, "params_stored": K * N}
-    if block_size is not None:
-        attrs["block_size"] = int(block_size)
-    node = surgery.op_node("BlockQuantGather", [w, gather.inputs[1]], attrs, name=f"{gather.name}_BQ")
-    graph.insert_before(gather, node)
-    table = gather.inputs[0]
-    old = gather.outputs[0]
-    name = old.name
-    node.outputs[0].type, node.outputs[0].shape = old.type, old.shape
-    old.replace_all_uses_with(node.outputs[0], replace_graph_outputs=True)
-    graph.remove(gather, safe=True)
-    node.outputs[0].name = name
-    surgery.drop_if_unused(graph, table)
 
 
 # --------------------------------------------------------------------------- --weights-pack (a "post" graph pass)

@@ -15,8 +15,7 @@ cycled: q4_0 1.2-1.3x MatMulNBits int4, q8_0 1.15-1.4x MatMulNBits int8 at SmolL
 1536x576; development timings on a shared machine — ``tests/bench/bench_float_weights.py`` measures the
 whole model). The tied token embedding reads the head's blocks through ``BlockQuantGather``.
 
-This module is the weights backend's helper (``rewriter/backends/weights.py`` calls it); it is not a
-backend of its own."""
+This module is the weights backend's builder (``rewriter/backends/weights.py`` calls it)."""
 from __future__ import annotations
 
 import os
@@ -25,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnx_ir as ir
 
-from ..builders import quantizers as Q
-from ..builders import weightplan as WP
+from . import blockgraph as BG
+from . import quantizers as Q
+from . import weightplan as WP
 from ..errors import OrtleanError
 from ..kit import gaps, surgery
 from ..kit.backend import Plan
@@ -197,23 +197,22 @@ def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8) -> Non
     """Replace the MatMul by BlockQuantMatMul over the plan's blocks (a constant bias Add after it folded
     into the op's bias; ``act_bits``: the op's activation integers), and the tied embedding's Gather by
     BlockQuantGather over the same initializer."""
-    from .weights import _bias_add, _gather_blocks, _take_over
 
     _, b, tied = plan.payload
     base = surgery.safe_name(cand.name)
     tag = b.fmt if b.fmt != "q4_f" else f"q4_f{b.block}"
     w = surgery.initializer(graph, f"{base}.weight_{tag}", b.W)
-    add = _bias_add(cand.node, cand.N)
+    add = BG.bias_add(cand.node, cand.N)
     bias = (surgery.initializer(graph, f"{base}.bias", add[1].const_value.numpy().reshape(-1).astype(np.float32))
             if add is not None else None)
     attrs = _attrs(b, cand.K, cand.N, cand.label, cand.target, plan.gap)
     attrs["act_bits"] = int(act_bits)
     node = surgery.op_node("BlockQuantMatMul", [cand.input, w, bias], attrs, name=f"{cand.name}_BQ")
     graph.insert_before(cand.node, node)
-    _take_over(graph, cand.node, add, node.outputs[0])
+    BG.take_over(graph, cand.node, add, node.outputs[0])
     gather = next((n for n in graph if n.name == tied), None) if tied else None
     if gather is not None:
-        _gather_blocks(graph, gather, w, b.fmt, int(cand.K), int(cand.N), "head", b.source, cand.label,
+        BG.gather_blocks(graph, gather, w, b.fmt, int(cand.K), int(cand.N), "head", b.source, cand.label,
                        b.block if b.fmt == "q4_f" else None)
 
 
