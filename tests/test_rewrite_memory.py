@@ -89,3 +89,26 @@ def test_equal_tables_in_row_blocks(monkeypatch):
     other = big.copy()
     other[-1, -1] += 1
     assert quantize.equal_tables(big, big.copy()) and not quantize.equal_tables(big, other)
+
+
+@pytest.mark.parametrize("T, rows", [(1, 16), (37, 16), (64, 16), (37, 1), (37, 100)])
+def test_target_logprobs_in_row_blocks_equal_the_whole_array(T, rows):
+    """Perplexity scores each window's tokens a block of rows at a time (the whole-array log-softmax
+    holds four float64 copies of [T, vocabulary] logits): the same values bit for bit, including
+    rows of large, equal and -inf logits."""
+    from custom_ops.runtime.quality import _log_softmax_rows, _target_logprobs
+
+    rng = np.random.default_rng(T * 1000 + rows)
+    V = 3001
+    logits = (rng.standard_normal((T, V)) * 8).astype(np.float32)
+    logits[0, : V // 2] = -np.inf                  # masked entries
+    if T > 2:
+        logits[1] = 7.0                            # a flat row
+        logits[2] *= 1e4                           # a peaked row: exp underflows for most entries
+    tgt = rng.integers(0, V, T)
+    tgt[0] = V - 1
+    want = _log_softmax_rows(logits)[np.arange(T), tgt]
+    got = _target_logprobs(logits, tgt, rows=rows)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+    assert float(got.sum()) == float(want.sum())

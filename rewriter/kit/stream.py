@@ -443,7 +443,7 @@ def perplexity(sess, io, ids, window: int) -> dict:
     import math
 
     from custom_ops import runtime
-    from custom_ops.runtime.quality import _log_softmax_rows
+    from custom_ops.runtime.quality import _target_logprobs
 
     if not isinstance(sess, Streamed):
         return runtime.perplexity(sess, io, ids, window=window)
@@ -465,9 +465,9 @@ def perplexity(sess, io, ids, window: int) -> dict:
         begin, end = spans[w]
         first = max(begin + 1, 1 if w == 0 else spans[w - 1][1])   # stride == window: what runtime.perplexity scores
         if first < end:
-            lp = _log_softmax_rows(logits[0][first - begin - 1: end - begin - 1])
             tgt = ids[first:end]
-            parts[w] = (-float(lp[np.arange(tgt.size), tgt].sum()), int(tgt.size))
+            lp = _target_logprobs(logits[0][first - begin - 1: end - begin - 1], tgt)
+            parts[w] = (-float(lp.sum()), int(tgt.size))
 
     sess.run_many([io.logits_name], feeds, consume)
     for w in sorted(parts):        # summed in window order, as runtime.perplexity does
