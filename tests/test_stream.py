@@ -77,6 +77,41 @@ def test_runnable_shares_in_memory_tensors_and_maps_external_ones(qwen_external,
                for v in fused.graph.initializers.values())
 
 
+def test_runnable_shares_tensors_of_a_model_without_external_data(qwen_external, monkeypatch):
+    """A model with no external data left (the quality guard's trial model, whose every weight the
+    rewrite replaced by arrays in memory) still runs without a copy of them: the placeholders point
+    into an empty sparse file of a temporary directory (ORT never reads it: the outputs equal the
+    serialized model's, streamed or not), which goes away with the Runnable."""
+    import gc
+
+    monkeypatch.setattr(stream, "SHARE_BYTES", 1024)
+    model = modelfile.load_model(qwen_external)
+    for v in model.graph.initializers.values():        # every tensor in memory, as a rewrite leaves them
+        if isinstance(v.const_value, ir.ExternalTensor):
+            v.const_value = ir.tensor(np.array(v.const_value.numpy()), name=v.name)
+    for _, (node, name, _), t in list(modelfile.external_tensors(model)):
+        node.attributes[name] = ir.AttrTensor(name, ir.tensor(t.numpy(), name=t.name))
+    assert not list(modelfile.external_tensors(model))
+    big = max(v.const_value.nbytes for v in model.graph.initializers.values())
+    r = stream.runnable(model)
+    assert r.shared and r.folder and Path(r.folder, "placeholder.bin").stat().st_size == big
+    assert Path(r.folder, "placeholder.bin").stat().st_blocks == 0      # sparse: no byte written
+    assert len(r.serialized()) < len(modelfile.serialized(model)) - sum(a.nbytes for a in r.shared.values()) + 1000
+    name, arr = next(iter(r.shared.items()))
+    assert np.shares_memory(arr, model.graph.initializers[name].const_value.numpy())
+    ref = _plain(modelfile.serialized(model))
+    io = runtime.ModelIO.from_session(ref)
+    f = runtime.feeds(io, _ids()[None, :])
+    want = ref.run(None, f)
+    for sess in (stream.session(model, threads=1, stream=False), stream.Streamed(model, threads=1, segment_bytes=40_000)):
+        for a, b in zip(sess.run(None, f), want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    folder = r.folder
+    del r
+    gc.collect()
+    assert not Path(folder).exists()
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["optimum", "fused"])
 @pytest.mark.parametrize("segment_bytes", [1, 40_000, 1 << 40], ids=["node", "layer", "whole"])
 def test_streamed_equals_one_session(qwen_external, fused, segment_bytes):

@@ -6,8 +6,8 @@ layer (issue 35 item 3: a rewrite of a 7 GB model within 2x its output's bytes +
   directory: ``session.model_external_initializers_file_folder_path``) and the large tensors the
   rewrite made in memory handed over in place (``SessionOptions.add_initializer``: ORT reads the
   numpy array itself, no copy; the proto holds a placeholder reference into the input's data
-  file, which ORT checks exists but never reads). A serialized proto would hold every byte of
-  both, and ORT a second copy.
+  file — or an empty sparse file when there is none —, which ORT checks exists but never
+  reads). A serialized proto would hold every byte of both, and ORT a second copy.
 * :class:`Streamed`: a session-like runner of a model whose weights exceed :data:`STREAM_BYTES`:
   the graph is cut, in topological order, into segments of about :data:`SEGMENT_BYTES` of
   weights (a decoder layer or two); each segment is an ONNX Runtime session of its own, built
@@ -95,6 +95,7 @@ class Runnable:
     folder: str | None
     shared: dict[str, np.ndarray] = field(default_factory=dict)
     _bytes: bytes | None = None
+    _placeholder_dir: object = None    # the TemporaryDirectory of a placeholder file (see runnable)
 
     def serialized(self) -> bytes:
         if self._bytes is None:
@@ -151,8 +152,25 @@ def _numpy_in_place(t) -> np.ndarray | None:
 def runnable(model: ir.Model) -> Runnable:
     """``model`` (not changed) as ONNX Runtime runs it without a copy of its weights (see the
     module docstring). Attribute tensors in external data and external initializers outside one
-    directory go inline."""
+    directory go inline. The in-memory tensors' placeholders point into the input's data file, or,
+    when the model has no one directory of external data, into an empty sparse file of a temporary
+    directory that lives as long as the Runnable."""
     folder, placeholder, room = _external_files(model)
+    tmp = None
+    if folder is None:
+        # no one directory of external data to point the placeholders at (a model made in memory:
+        # a trial model whose every weight the rewrite replaced — its tensors in external data, if
+        # any, go inline below): an empty sparse file as long as the largest tensor to share
+        big = max((v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None
+                   and not isinstance(v.const_value, ir.ExternalTensor) and v.const_value.nbytes >= SHARE_BYTES),
+                  default=0)
+        if big:
+            import tempfile
+
+            tmp = tempfile.TemporaryDirectory(prefix="ortlean-placeholder-")
+            folder, placeholder, room = str(Path(tmp.name).resolve()), "placeholder.bin", big
+            with open(os.path.join(folder, placeholder), "wb") as fh:
+                fh.truncate(big)
     shared: dict[str, np.ndarray] = {}
     swapped: list[tuple[ir.Value, object]] = []
     for v in model.graph.initializers.values():
@@ -181,7 +199,7 @@ def runnable(model: ir.Model) -> Runnable:
     finally:
         for v, t in swapped:
             v.const_value = t
-    return Runnable(proto, folder, shared)
+    return Runnable(proto, folder, shared, _placeholder_dir=tmp)
 
 
 # --------------------------------------------------------------------------- decode view
