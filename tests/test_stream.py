@@ -141,6 +141,25 @@ def test_streamed_equals_one_session(qwen_external, fused, segment_bytes):
         np.testing.assert_allclose(got[w, mm], x, rtol=1e-5, atol=1e-5)
 
 
+def test_streamed_segments_with_a_large_tensor_are_not_prepacked(qwen_external, monkeypatch):
+    """A segment holding a tensor over PREPACK_MAX_BYTES (a 1.5B model's head, 0.9 GB: packing would
+    hold it twice) runs with ORT's prepacking off, the others with it on; the outputs are the same."""
+    model = modelfile.load_model(qwen_external)
+    ref = _plain(modelfile.serialized(model))
+    sizes = sorted(v.const_value.nbytes for v in model.graph.initializers.values())
+    monkeypatch.setattr(stream, "PREPACK_MAX_BYTES", sizes[-1] - 1)      # the largest tensor only
+    flags = []
+    real = stream._options
+    monkeypatch.setattr(stream, "_options", lambda threads, so=None, prepack=True: (flags.append(prepack),
+                                                                                    real(threads, so, prepack))[1])
+    s = stream.Streamed(model, threads=1, segment_bytes=40_000)
+    f = runtime.feeds(runtime.ModelIO.from_session(ref), _ids()[None, :])
+    for a, b in zip(s.run(None, f), ref.run(None, f)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert flags.count(False) == sum(1 for g in s.segments if any(s.sizes[x] == sizes[-1] for x in g.inits)) >= 1
+    assert flags.count(True) >= 3
+
+
 def _with_output(model: ir.Model, name: str) -> bytes:
     proto = onnx.load_from_string(modelfile.serialized(model))
     proto.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))

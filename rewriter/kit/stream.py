@@ -36,6 +36,8 @@ from . import modelfile
 STREAM_BYTES = int(os.environ.get("ORTLEAN_STREAM_BYTES", 1 << 30))
 # weights per segment of a Streamed run (a decoder layer of a 1.5B model is ~190 MB in fp32)
 SEGMENT_BYTES = int(os.environ.get("ORTLEAN_SEGMENT_BYTES", 256 << 20))
+# a segment with a tensor larger than this runs with ORT's prepacking off (packing holds it twice)
+PREPACK_MAX_BYTES = int(os.environ.get("ORTLEAN_PREPACK_MAX_BYTES", 256 << 20))
 # in-memory tensors at least this large are handed to ORT in place instead of serialized
 SHARE_BYTES = 1 << 20
 
@@ -432,7 +434,10 @@ class Streamed:
                 continue
             types = {x: _NP_TO_ONNX.get(store[0][x].dtype, onnx.TensorProto.FLOAT) for x in seg.inputs if x in store[0]}
             proto = self._segment_model(seg, outs, types)
-            so = _options(self.threads, prepack=True)
+            # a tensor over PREPACK_MAX_BYTES (a 151,936-token head: 0.9 GB) is not prepacked:
+            # ORT would hold it twice while it packs it
+            big = max((self.sizes.get(x, 0) for x in seg.inits), default=0)
+            so = _options(self.threads, prepack=big <= PREPACK_MAX_BYTES)
             keep = self.runnable.options(so, seg.inits)
             sess = custom_ops.session(proto.SerializeToString(), so=so, backend=self.backend)
             self.sessions_built += 1
