@@ -140,7 +140,7 @@ def run(cfg: RewriteConfig) -> dict:
             res.mark("calibration")
 
         # plan every layer; the first weight backend that does not say "dense" takes it
-        bar = tqdm(todo, desc="plan", unit="layer", disable=not cfg.progress, leave=False)
+        bar = tqdm(todo, desc="plan", unit="layer", disable=None if cfg.progress else True, leave=False)
         for c in bar:
             bar.set_postfix_str(c.name[-40:])
             W = c.weight_array()
@@ -336,7 +336,7 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
     chosen = [t for t in chosen if not _pinned(t[1])]
     order = sorted(chosen, key=lambda t: (t[2].gap if t[2].gap is not None else 0.0, -(t[0].params - t[2].params_after)))
     tried: dict[int, float] = {}
-    bar = tqdm(desc="quality guard", unit="trial", disable=not progress, leave=False)
+    bar = tqdm(desc="quality guard", unit="trial", disable=None if progress else True, leave=False)
 
     def plans(k: int) -> list:
         return order[:k] + [fallback[t[0].name] for t in order[k:] if t[0].name in fallback] + pinned

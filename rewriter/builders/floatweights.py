@@ -155,7 +155,7 @@ class FloatWeights:
 
         from tqdm.auto import tqdm
 
-        bar = tqdm(desc="weights mix", unit="trial", disable=not ctx.opts.progress, leave=False)
+        bar = tqdm(desc="weights mix", unit="trial", disable=None if ctx.opts.progress else True, leave=False)
 
         def progress(t):
             bar.update(1)

@@ -111,7 +111,7 @@ def collect_grams(source, io, value_names: list[str], calib: CalibText, max_toke
         source.run_many(names, feeds, consume, progress="calibrate" if progress else None)
         return grams
     sess = _calibration_session(source, names, threads)
-    bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=not progress, leave=False)
+    bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=None if progress else True, leave=False)
     for ids, f in zip(windows, feeds):
         for n, x in zip(names, sess.run(names, f)):
             add(n, x)

@@ -425,7 +425,7 @@ class Streamed:
             for x in seg.inputs:
                 last[x] = i
         store: list[dict[str, np.ndarray]] = [dict() for _ in feeds_list]
-        bar = tqdm(total=len(self.segments), desc=progress or "", unit="segment", disable=progress is None, leave=False)
+        bar = tqdm(total=len(self.segments), desc=progress or "", unit="segment", disable=True if progress is None else None, leave=False)
         for i, seg in enumerate(self.segments):
             bar.update(1)
             outs = [o for n in seg.nodes for o in n.output if o and (o in want or last.get(o, -1) > i)]
