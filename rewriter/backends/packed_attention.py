@@ -142,7 +142,10 @@ def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None, max_pos: int | N
     io = runtime.ModelIO.from_session(sess)
     if io_hint is not None:   # symbolic KV dims (genai builder) from the rewrite's resolved I/O
         io.fill_from(io_hint)
-    out = runtime.run(sess, io, runtime.feeds(io, ids[None, :]))
+    # the keys only: a streamed model then never runs its head (a 151,936-token head and its logits
+    # are 1.2 GB at 1.5B), one session runs no more than it must
+    names = [o.name for o in sess.get_outputs() if re.match(r"^present\.\d+\.key$", o.name)]
+    out = dict(zip(names, sess.run(names, runtime.feeds(io, ids[None, :]))))
     eps, kscale, keys = {}, {}, {}
     for name, val in out.items():
         m = re.match(r"^present\.(\d+)\.key$", name)
