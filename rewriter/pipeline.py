@@ -256,7 +256,12 @@ def _graph_passes(passes: list, stage: str, model, ctx: Context, res: Resources 
     for gp in passes:
         if gp.stage != stage:
             continue
-        recs = gp.run(model, ctx)
+        try:
+            recs = gp.run(model, ctx)
+        except BudgetRefused:
+            if res is not None:      # the closing line still says how long the refusing pass ran
+                res.mark(gp.name)
+            raise
         out += recs
         modelfile.release_all(model)   # weights the pass read: their pages back to the page cache
         if res is not None:

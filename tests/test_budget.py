@@ -85,6 +85,7 @@ def test_given_attention_setting_is_measured_and_refused(forms, tmp_path):
     assert rec["decision"] == rep["refused"]
     trials = rec["quality"]["tune"]["quality"]["trials"]
     assert len(trials) == 1 and trials[0]["delta_ppl_upper"] > 1e-6
+    assert rep["resources"]["stages"][-1]["stage"] == "packed_attention"   # the refusing pass's time is reported
     rc, rep = _rewrite(src, out, *flags, "--quality-budget", "100")
     assert rc == 0 and out.exists()
     t = next(r for r in rep["graph_passes"] if "tune" in r)["tune"]
