@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-past", type=thread_counts, default=[128, 4096, 8192],
                    help="past lengths of the decode table (causal LMs), comma list (default 128,4096,8192; capped "
                    "by the model's positions)")
-    p.add_argument("--repeats", type=_count(1), default=5, help="timed rounds per row (default 5)")
+    p.add_argument("--repeats", type=_count(1), default=2, help="timed rounds per row after an untimed one "
+                   "(default 2: rows interleave in every round; medians over rounds and steps)")
     p.add_argument("--steps", type=_count(1), default=8, help="decode steps per past length and round (default 8)")
     p.add_argument("--fresh", action="store_true", help="rewrite again even when the work directory holds the "
                    "same recipe's rewrite of the same source by the same ortlean")

@@ -75,8 +75,8 @@ def test_rewrite_is_cached_by_stamp(tiny, tmp_path, capsys):
 def test_demo_cli_flags():
     p = cli.build_parser()
     a = p.parse_args(["demo", "smollm2"])
-    assert a.decode_past == [128, 4096, 8192] and a.threads == [1, 2] and a.repeats == 5 and not a.fresh
-    a = p.parse_args(["demo", "smollm2", "--decode-past", "128", "--threads", "1", "--repeats", "2", "--fresh"])
-    assert a.decode_past == [128] and a.threads == [1] and a.repeats == 2 and a.fresh
+    assert a.decode_past == [128, 4096, 8192] and a.threads == [1, 2] and a.repeats == 2 and not a.fresh
+    a = p.parse_args(["demo", "smollm2", "--decode-past", "128", "--threads", "1", "--repeats", "5", "--fresh"])
+    assert a.decode_past == [128] and a.threads == [1] and a.repeats == 5 and a.fresh
     with pytest.raises(SystemExit):
         p.parse_args(["demo", "no-such-model"])
