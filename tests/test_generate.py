@@ -391,15 +391,15 @@ def test_cli_prompt_longer_than_the_context(forms, tmp_path):
 @pytest.mark.slow
 @requires_native
 def test_smollm2_chat_sampling_4k_prompt_file(tmp_path):
-    """SmolLM2 rewritten with the default int4 recipe (fused graph; GroupQueryAttention made exact
-    PackedAttention where it measures faster): --chat with sampling and a ~4k-token --prompt-file,
+    """SmolLM2 rewritten with the default recipe (fused graph, the GGUF's own blocks; GroupQueryAttention
+    made exact PackedAttention where it measures faster): --chat with sampling and a ~4k-token --prompt-file,
     prefilled in chunks of 512 through the shared K/V buffers; the closing line gives prompt and
     decode tok/s, and no onnxruntime error text is printed."""
     from models import corpus, prepare
 
     d = prepare.prepare("smollm2")
     out = tmp_path / "lean" / "model.onnx"
-    code, _, se = run_cli("rewrite", d / "model.onnx", "-o", out, "--weights", "int4", "--quality-budget", "off", "-q")
+    code, _, se = run_cli("rewrite", d / "model.onnx", "-o", out, "--quality-budget", "off", "-q")
     assert code == 0, se
     tok = runtime.load_tokenizer(out)
     words = corpus.text(corpus.EVAL_NOVEL).split()
