@@ -134,6 +134,13 @@ class WeightsConfig(Options):
         """--weights int4 into BlockQuantMatMul blocks (not MatMulNBits)."""
         return self.source == "int4" and self.quantizer != "nbits"
 
+    def act_bits_for(self, exact: bool) -> int:
+        """BlockQuantMatMul's act_bits for a layer whose blocks are the GGUF's own (``exact``) or were
+        quantized here: --weights-act-bits, or auto's choice (16 on exact blocks, else 8)."""
+        if self.act_bits != "auto":
+            return int(self.act_bits)
+        return 16 if exact else 8
+
     @property
     def explicit(self) -> bool:
         """Asked for by a flag (not --weights auto's choice for a packaged model's export): a model with
@@ -222,7 +229,7 @@ class WeightsBackend(WeightBackendBase):
             return self._emit_blocks(graph, cand, plan)
         if plan.payload[0] == "float":
             # weights quantized here: their own error dominates, --weights-act-bits auto keeps int8 activations
-            return weights_float.emit(graph, cand, plan, 8 if self.cfg.act_bits == "auto" else int(self.cfg.act_bits))
+            return weights_float.emit(graph, cand, plan, self.cfg.act_bits_for(exact=False))
         _, packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),
@@ -359,7 +366,7 @@ class WeightsBackend(WeightBackendBase):
         add = BG.bias_add(node, cand.N)
         bias = add[1].const_value.numpy().reshape(-1).astype(np.float32) if add is not None else None
         multi = len(parts) > 1
-        act_bits = int(self.cfg.act_bits) if self.cfg.act_bits != "auto" else 16 if source.startswith("gguf:") else 8
+        act_bits = self.cfg.act_bits_for(exact=source.startswith("gguf:"))
         new, weights = [], []
         for i, p in enumerate(parts):
             sfx = f"_{i}" if multi else ""
