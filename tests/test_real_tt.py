@@ -41,9 +41,13 @@ def test_minilm_tt_both_end_to_end(tmp_path, corpus):
     r = json.loads(rep.read_text())
     assert len(r["layers"]) == 36
     assert {L["target"] for L in r["layers"]} == {"attn", "mlp"}
-    assert r["quality"]["loss"] <= 0.02
     if code == 3:
+        # the rank search keeps a layer only where it is measured faster; on a loaded machine none may be,
+        # and then there is no rewritten model whose quality could be judged (the report says why)
+        assert r["quality"] is None and r["factored"] == 0, (r["quality"], r["factored"])
+        assert all(L["backend"] == "dense" and L["decision"].startswith("kept dense: ") for L in r["layers"])
         pytest.skip("no layer met the bars on this CPU: nothing to evaluate (the report says why)")
+    assert r["quality"]["loss"] <= 0.02
     onnx.checker.check_model(str(out))
     code, so, se = cli("eval", out, "--ref", dense, "--text", corpus[1], "--sentences", "128", "--json", tmp_path / "e.json")
     assert code == 0, se
