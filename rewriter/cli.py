@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="auto", help="rows for the genai builder's fp32/int4 models and llama.cpp: auto "
                    "(when --ref is a packaged model's export, default) | none | a packaged model name")
     p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp rows")
+    p.add_argument("--rows", choices=["all", "best"], default="all",
+                   help="decoders: all = every model under every driver it runs with (plain loop, shared K/V "
+                   "buffers, onnxruntime-genai's generator; default); best = each model once, under its fastest "
+                   "driver (the dense model then is the quality reference only, genai's fp32 model is left out)")
     p.add_argument("--nbits", type=_nbits, default=[8, 4],
                    help="MatMulNBits comparison rows, comma list of bits (2, 4, 8), or 'none'")
     p.add_argument("--no-profile", action="store_true", help="skip the ORT per-node profile (causal LMs: of decode "
@@ -212,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_count(1), default=2, help="timed rounds per row after an untimed one "
                    "(default 2: rows interleave in every round; medians over rounds and steps)")
     p.add_argument("--steps", type=_count(1), default=8, help="decode steps per past length and round (default 8)")
+    p.add_argument("--rows", choices=["all", "best"], default="best",
+                   help="best = each model timed once, under its fastest driver (default: ours and GQA peers with "
+                   "shared K/V buffers, genai's int4 model in its own generator, llama.cpp in llama-bench; the "
+                   "dense model is the quality reference); all = every driver, as `ortlean bench` times them")
     p.add_argument("--fresh", action="store_true", help="rewrite again even when the work directory holds the "
                    "same recipe's rewrite of the same source by the same ortlean")
     options.add_flags(p, RewriteConfig, only=("quality_budget",))
@@ -403,7 +411,8 @@ def cmd_bench(args) -> int:
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=decode_past,
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
                          llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on", also=also,
-                         quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer)
+                         quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer,
+                         rows=args.rows)
     print(evaluate.format_bench(res))
     if args.profile:
         n = sum(len(v) for v in (res.get("profile_traces") or {}).values())

@@ -238,7 +238,7 @@ def _float_cache(path: str) -> bool:
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
           nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
           huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,
-          trace_dir: str | None = None, tokenizer: str | None = None) -> dict:
+          trace_dir: str | None = None, tokenizer: str | None = None, rows: str = "all") -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
@@ -248,7 +248,13 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     ``also``: {label: path} more models measured as rows of the same run (ours, like ``model``);
     ``quality_text``: Δppl of every ONNX row against ``ref`` on that text (:func:`table_quality`,
     causal LMs); ``trace_dir``: ORT's profiler trace (chrome trace JSON) of every ONNX row at every
-    thread count written there (``<row>.t<threads>.json``)."""
+    thread count written there (``<row>.t<threads>.json``). ``rows`` (causal LMs): "all" times every
+    model with every driver it can run under; "best" times each model once, the way it is run at its
+    fastest — ours and a GroupQueryAttention peer with shared K/V buffers, genai's int4 model in its own
+    generator, llama.cpp in llama-bench — and leaves out the rows that only explain (the dense model
+    is the quality reference, not timed; genai's fp32 model; other drivers)."""
+    if rows not in ("all", "best"):
+        raise OrtleanError(f"rows={rows!r}: 'all' or 'best'")
     also = dict(also or {})
     modelfile.load_model(model)  # both models named before any work
     modelfile.load_model(ref)
@@ -260,7 +266,7 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
         return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                              huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, best=rows == "best")
     if quality_text:
         raise OrtleanError("--quality-text: Δppl is measured for causal LMs; an encoder's quality is "
                            "`ortlean eval`'s embedding cosine")
@@ -324,7 +330,8 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 
 
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
-                  huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None) -> dict:
+                  huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
+                  best=False) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -345,12 +352,20 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         except Exception as e:  # a comparison row we cannot make is reported, not fatal
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
     genai = peer_models(ref, peers, notes)
+    if best:  # the peer users ship is genai's int4 model; its fp32 one only shows the builder's graph
+        genai = {k: v for k, v in genai.items() if k != "genai fp32"}
     variants.update(genai)
     pasts, note = fit_pasts(pasts, steps, variants.values())
     if note:
         notes.append(f"--{note}")
     shared = [k for k, v in variants.items() if _has_gqa(v)]
     og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
+    loop = None
+    if best:  # each model under its fastest driver only; the dense model is the quality reference
+        loop = [k for k in variants if k != "dense" and k not in shared and not (k in genai and og_ok)]
+        shared = [k for k in shared if not (k in genai and og_ok)]
+        notes.append("rows: each model timed under its fastest driver only (the dense model: quality reference, "
+                     "not timed; `ortlean bench` times every driver)")
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
            "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
            "variants": variants, "weight_bytes": {k: runtime.weight_bytes(v) for k, v in variants.items()},
@@ -365,11 +380,11 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             s = _session(v, t)
             models[k] = (s, runtime.ModelIO.from_session(s, v))
         # long pasts: built once (chunked prefill) by a fused model with a float cache when there is one
-        src = next((k for k in ("lean", "dense", *shared) if k in shared and _float_cache(variants[k])), "dense")
+        src = next((k for k in ("lean", *also, *shared) if k in shared and _float_cache(variants[k])), "dense")
         res["table"][f"t{t}"] = rb.decode_table(
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
-            long_past_from=src, say=say, huge_pages=huge_pages)
+            long_past_from=src, say=say, huge_pages=huge_pages, loop=loop)
         del models
     if llama:
         name = peer_name(ref, peers)
@@ -607,18 +622,7 @@ def format_table(r: dict) -> str:
         lines.append(f"llama.cpp ({lc['command']}), its own runtime, tokens/s mean ± sd:")
         for x in lc["rows"]:
             lines.append(f"  {x['test']:>12} t{x['threads']}: {x['tok_s']:8.1f} ± {x['tok_s_std']:.1f}")
-    T = r["table"]
-    for ours, peer in (("lean", "genai int4"), ("lean | shared KV", "genai int4 | shared KV"),
-                       ("lean | shared KV", "genai int4 | og"), ("lean", "genai fp32"),
-                       ("lean | shared KV", "genai fp32 | og")):
-        parts = []
-        for t in threads:
-            x, y = T.get(f"t{t}", {}).get(ours), T.get(f"t{t}", {}).get(peer)
-            if x and y:
-                parts += [f"P{p} t{t} {y[f'decode{p}'] / x[f'decode{p}']:.2f}x" for p in pasts]
-                parts.append(f"prefill t{t} {y['prefill'] / x['prefill']:.2f}x")
-        if parts:
-            lines.append(f"speed [{ours}] / [{peer}]: " + ", ".join(parts))
+    lines += _speed_ratios(r)
     lines.append(f"(tokens/s; decode: single-token steps after a past of P, {r['steps']} steps × {r['repeats']} rounds, "
                  f"medians; prefill: {prefill} tokens; rows interleaved in one process. Drivers: (none) = plain "
                  "InferenceSession loop, 'shared KV' = custom_ops.runtime.shared_kv, 'og' = onnxruntime_genai)")
@@ -630,6 +634,47 @@ def format_table(r: dict) -> str:
     if r.get("decode_profile"):
         lines += _format_decode_profile(r["decode_profile"], r)
     return "\n".join(lines)
+
+
+def _speed_ratios(r: dict) -> list[str]:
+    """"speed [ours] / [peer]" lines: each of our models under its fastest driver against genai's int4
+    model under its fastest (its own generator when measured) and llama.cpp, per past and thread count
+    (tokens/s ratios, > 1: ours is faster)."""
+    T, pasts, threads = r["table"], r["pasts"], r["threads"]
+    ms: dict[str, dict[str, float]] = {}  # row -> "P<p> t<t>" / "prefill t<t>" -> ms
+
+    for t in threads:
+        for row, cells in T.get(f"t{t}", {}).items():
+            for p in pasts:
+                if cells.get(f"decode{p}"):
+                    ms.setdefault(row, {})[f"P{p} t{t}"] = cells[f"decode{p}"]
+            if cells.get("prefill"):
+                ms.setdefault(row, {})[f"prefill t{t}"] = cells["prefill"]
+    for x in (r.get("llama_cpp") or {}).get("rows") or []:
+        if x.get("tok_s"):
+            key = (f"P{x.get('depth', 0)} t{x['threads']}" if x["test"].startswith("tg")
+                   else f"prefill t{x['threads']}" if not x.get("depth") else None)
+            if key:
+                ms.setdefault("llama.cpp", {})[key] = (r["prefill"] if key.startswith("prefill") else 1) * 1e3 / x["tok_s"]
+
+    def fastest(model: str) -> str | None:
+        rows = [k for k in ms if k == model or k.startswith(model + " | ")]
+        if not rows:
+            return None
+        common = set.intersection(*(set(ms[k]) for k in rows))
+        return min(rows, key=lambda k: sum(ms[k][c] for c in common))
+
+    out = []
+    for ours in r.get("ours") or ["lean"]:
+        a = fastest(ours)
+        for peer in ("genai int4", "llama.cpp"):
+            b = fastest(peer)
+            if not a or not b:
+                continue
+            keys = [k for k in ms[a] if k in ms[b]]
+            if keys:
+                out.append(f"speed [{a}] / [{b}]: " + ", ".join(f"{k} {ms[b][k] / ms[a][k]:.2f}x" for k in keys))
+    return out
 
 
 def _profiled_session(path: str, so, threads: int):

@@ -18,7 +18,7 @@ are all a reader of the file needs::
      "quality": {"text": "persuasion.txt", "mode": "...", "tokens": 1024, "ppl_ref": 12.3} | null,
      "rows": [{"name": "long-context",          # the table's row label
                "model": "lean",                 # the bench's variant (rows of one model share it)
-               "driver": "shared KV",           # plain loop | shared KV | onnxruntime-genai generator | llama-bench
+               "driver": "shared KV",           # plain loop | shared KV | onnxruntime-genai generator | llama-bench | not timed
                "side": "ours",                  # ours | peer | reference (the dense model: the source weights)
                "what": "ortlean: MatMulNBits int4 x211, PackedAttention pq budget 0.25 x30",
                "path": "...", "weight_bytes": 123,
@@ -205,7 +205,7 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
         q = qrows.get(model) or {}
         side = side_of(model)
         name = labels.get(model, model)
-        return {"name": name if driver in ("plain loop", "llama-bench") else f"{name} ({driver})",
+        return {"name": name if driver in ("plain loop", "llama-bench", "not timed") else f"{name} ({driver})",
                 "model": model, "driver": driver, "side": side, "what": _what(model, variants.get(model), side),
                 "path": variants.get(model), "weight_bytes": (res.get("weight_bytes") or {}).get(model),
                 "delta_ppl": 0.0 if model == "dense" and quality else q.get("delta_ppl"),
@@ -242,6 +242,10 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
                     row["prefill_tok_s"][tn] = round(x["tok_s"], 1)
             # llama-bench's depths are the same pasts as the table's
             rows.append(row)
+        timed = {r["model"] for r in rows}
+        for model in variants:   # a model measured for quality only (the dense reference under rows=best)
+            if model not in timed and (model in qrows or (model == "dense" and quality)):
+                rows.append(base_row(model, "not timed"))
         contexts, threads = list(res["pasts"]), list(res["threads"])
     else:  # encoder: prefill (a batch of prefill tokens) per thread count
         by_model: dict[str, dict] = {}
@@ -316,7 +320,7 @@ def render(doc: dict, src: str = "") -> str:
     notes = []
     for r in pick_rows(doc):
         name = f"**{r['name']}**" if r["side"] == "ours" else r["name"]
-        if r["driver"] not in ("plain loop", "llama-bench") and f"({r['driver']})" not in name:
+        if r["driver"] not in ("plain loop", "llama-bench", "not timed") and f"({r['driver']})" not in name:
             name += f" ({r['driver']})"
         delta = _fmt_delta(r)
         if r.get("delta_ppl") is None and r.get("quality_note"):

@@ -145,6 +145,19 @@ def test_bench_json_is_the_results_schema_with_profile_traces(toy_model, toy_tex
         assert ("TTMatMul" in ops) == (not f.startswith("dense"))
     md = results.render(d)
     assert "**all**" in md and "**mlp**" in md and "TTMatMul" in md
+    # --rows best: each model once under its fastest driver; the dense model is the quality reference only
+    rc = cli.main(["bench", str(tmp_path / "a" / "model.onnx"), "--ref", str(toy_model), "--rows", "best",
+                   "--threads", "1", "--prefill", "16", "--decode-past", "8", "--repeats", "1", "--nbits", "none",
+                   "--huge-pages", "off", "--quality-text", str(toy_text), "--no-profile", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    rows = {r["name"]: r for r in d["rows"]}
+    assert set(rows) == {"dense", "lean"} and set(d["table"]["t1"]) == {"lean"}
+    assert rows["dense"]["driver"] == "not timed" and rows["dense"]["tok_s"] == {} and rows["dense"]["delta_ppl"] == 0.0
+    assert rows["lean"]["tok_s"]["1"]["8"] > 0 and isinstance(rows["lean"]["delta_ppl"], float)
+    assert any("fastest driver only" in n for n in d["notes"])
+    md = results.render(d)
+    assert "| dense | " in md and "| – |" in md.split("| dense | ")[1].split("\n")[0] + " |"
 
 
 def test_bench_flags_refuse_bad_labels(toy_model, tmp_path, capsys):

@@ -5,7 +5,7 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -392,10 +392,12 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
 def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, steps: int = 16, repeats: int = 5,
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
-                 say=None, own_past: int = 512, huge_pages: bool = True) -> dict[str, dict]:
+                 say=None, own_past: int = 512, huge_pages: bool = True,
+                 loop: Iterable[str] | None = None) -> dict[str, dict]:
     """Prefill and decode timing of several causal LMs in one process, interleaved.
 
-    ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow`, plus
+    ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow` (or only
+    the names in ``loop``: a model in ``models`` for the long pasts alone is not timed), plus
     "<name> | shared KV" (:class:`SharedRow`) for the names in ``shared`` and "<name> | og"
     (:class:`OgRow`) for ``og`` = {name: genai model directory}. One warm-up round, then ``repeats``
     rounds, each running every row once (order rotated): a ``prefill_len``-token prefill (after an
@@ -428,7 +430,8 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                 say(f"past {p}: cache built by {src} in {time.perf_counter() - t0:.1f} s")
             for n, (_, io_n) in models.items():
                 states[n][p] = state_from_kv(io_n, built)
-    drivers: dict[str, Any] = {n: LoopRow(s, io, states[n]) for n, (s, io) in models.items()}
+    timed = set(models if loop is None else loop)
+    drivers: dict[str, Any] = {n: LoopRow(s, io, states[n]) for n, (s, io) in models.items() if n in timed}
     for n in shared:
         s, io = models[n]
         drivers[f"{n} | shared KV"] = SharedRow(s, io, states[n], steps, prefill_len)
