@@ -48,6 +48,11 @@ def test_stream_read_and_chase(lib):
     buf = rng.integers(0, 2**63, size=1000, dtype=np.uint64)
     ptrs = (ctypes.c_void_p * 1)(buf.ctypes.data)
     assert lib.stream_read(ptrs, 1, 3, 997) == _xor(buf[3:])
+    for threads in (1, 2, 3):   # both threaded readers read every word of their range once
+        assert lib.stream_read_mt(ptrs, 1, 1000, threads) > 0
+        assert lib.stream_read4_mt(ptrs, 1, 1000, threads, 256) > 0
+    assert lib.stream_read4(ptrs, 1, 0, 1000, 256) == _xor(buf)
+    assert lib.stream_read4(ptrs, 1, 8, 992, 4096) == _xor(buf[8:])
     lines = 64
     perm = rng.permutation(lines).astype(np.uint64)
     cyc = np.zeros(lines * 8, dtype=np.uint64)

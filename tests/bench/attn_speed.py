@@ -286,6 +286,12 @@ def _stream_lib(tmp: Path):
     lib.stream_read.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
     lib.stream_read_mt.restype = ctypes.c_uint64
     lib.stream_read_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    lib.stream_read4.restype = ctypes.c_uint64
+    lib.stream_read4.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
+                                 ctypes.c_size_t]
+    lib.stream_read4_mt.restype = ctypes.c_uint64
+    lib.stream_read4_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
+                                    ctypes.c_size_t]
     lib.chase.restype = ctypes.c_uint64
     lib.chase.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
     lib.gather_rows.restype = ctypes.c_uint64

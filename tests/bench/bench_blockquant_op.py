@@ -110,94 +110,7 @@ def set_size(mib: int | None, llc_x: float) -> tuple[int, str]:
     return want, f"{llc_x:g} x the {c['bytes'] >> 20} MiB L{c['level']} cache"
 
 
-_STREAM4_C = r"""
-#include <stddef.h>
-#include <stdint.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <time.h>
-#include <immintrin.h>
-/* bytes [off, off + len) of each of n buffers read as four interleaved streams (quarters of the
-   range), software prefetch pf bytes ahead on each */
-static uint64_t read4(const uint8_t* const* bufs, int n, size_t off, size_t len, size_t pf) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  const size_t q = len / 4 / 64 * 64;
-  for (int b = 0; b < n; ++b) {
-    const uint8_t* p = bufs[b] + off;
-    for (size_t i = 0; i < q; i += 64) {
-      const uint8_t* x0 = p + i; const uint8_t* x1 = x0 + q; const uint8_t* x2 = x1 + q; const uint8_t* x3 = x2 + q;
-      _mm_prefetch((const char*)(x0 + pf), _MM_HINT_T0); _mm_prefetch((const char*)(x1 + pf), _MM_HINT_T0);
-      _mm_prefetch((const char*)(x2 + pf), _MM_HINT_T0); _mm_prefetch((const char*)(x3 + pf), _MM_HINT_T0);
-      a0 = _mm256_xor_si256(a0, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x0), _mm256_loadu_si256((const __m256i*)(x0 + 32))));
-      a1 = _mm256_xor_si256(a1, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x1), _mm256_loadu_si256((const __m256i*)(x1 + 32))));
-      a2 = _mm256_xor_si256(a2, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x2), _mm256_loadu_si256((const __m256i*)(x2 + 32))));
-      a3 = _mm256_xor_si256(a3, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)x3), _mm256_loadu_si256((const __m256i*)(x3 + 32))));
-    }
-    for (size_t i = 4 * q; i + 32 <= len; i += 32) a0 = _mm256_xor_si256(a0, _mm256_loadu_si256((const __m256i*)(p + i)));
-  }
-  a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-  return (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
-}
-static uint64_t now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
-}
-typedef struct { const uint8_t* const* bufs; int n; size_t off, len, pf; atomic_int* ready; atomic_int* go; uint64_t end, sink; } part_t;
-static void* worker(void* a) {
-  part_t* p = (part_t*)a;
-  atomic_fetch_add(p->ready, 1);
-  while (!atomic_load(p->go)) {}
-  p->sink = read4(p->bufs, p->n, p->off, p->len, p->pf);
-  p->end = now_ns();
-  return 0;
-}
-/* nanoseconds for `threads` threads to read the first `bytes` of every buffer (each thread a contiguous
-   share of every buffer), from the moment all threads are up to the last one's finish */
-uint64_t stream4_mt(const uint8_t* const* bufs, int n, size_t bytes, int threads, size_t pf) {
-  enum { kMax = 64 };
-  if (threads < 1) threads = 1;
-  if (threads > kMax) threads = kMax;
-  pthread_t th[kMax];
-  part_t part[kMax];
-  atomic_int ready = 0, go = 0;
-  const size_t share = (bytes / (size_t)threads + 63) / 64 * 64;
-  for (int i = 0; i < threads; ++i) {
-    const size_t off = share * (size_t)i < bytes ? share * (size_t)i : bytes;
-    const size_t len = bytes - off < share ? bytes - off : share;
-    part[i] = (part_t){bufs, n, off, len, pf, &ready, &go, 0, 0};
-  }
-  for (int i = 1; i < threads; ++i) pthread_create(&th[i], 0, worker, &part[i]);
-  while (atomic_load(&ready) < threads - 1) {}
-  const uint64_t t0 = now_ns();
-  atomic_store(&go, 1);
-  part[0].sink = read4(bufs, n, part[0].off, part[0].len, pf);
-  uint64_t end = now_ns();
-  for (int i = 1; i < threads; ++i) {
-    pthread_join(th[i], 0);
-    if (part[i].end > end) end = part[i].end;
-  }
-  return end - t0;
-}
-"""
 STREAM4_PREFETCH = 4096
-
-
-def _stream4_lib(tmp: Path):
-    import ctypes
-    import shutil
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise SystemExit("op bench: no C compiler for the streaming bound")
-    src, so = tmp / "bq_stream4.c", tmp / "bq_stream4.so"
-    src.write_text(_STREAM4_C)
-    subprocess.run([cc, "-O2", "-mavx2", "-shared", "-fPIC", "-pthread", str(src), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
-    lib.stream4_mt.restype = ctypes.c_uint64
-    lib.stream4_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
-                               ctypes.c_size_t]
-    return lib
 
 
 def _stream_best(libs, arrays, nbytes: int, threads: int) -> float:
@@ -207,10 +120,9 @@ def _stream_best(libs, arrays, nbytes: int, threads: int) -> float:
 
     from attn_speed import _stream_time
 
-    seq_lib, s4_lib = libs
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-    t4 = s4_lib.stream4_mt(ptrs, len(arrays), nbytes, threads, STREAM4_PREFETCH) * 1e-9
-    return min(_stream_time(seq_lib, arrays, nbytes, threads), t4)
+    t4 = libs.stream_read4_mt(ptrs, len(arrays), nbytes // 8, threads, STREAM4_PREFETCH) * 1e-9
+    return min(_stream_time(libs, arrays, nbytes, threads), t4)
 
 
 def machine() -> dict:
@@ -450,7 +362,7 @@ def main() -> None:
     from attn_speed import _stream_lib
 
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-bqbench-"))
-    libs = (_stream_lib(tmp), _stream4_lib(tmp))
+    libs = _stream_lib(tmp)
     threads = [int(t) for t in a.threads.split(",")]
     act_bits = tuple(int(b) for b in a.act_bits.split(","))
     if any(b not in (8, 16) for b in act_bits):
