@@ -17,7 +17,7 @@ Backend flags on the command line replace the two recipes by one rewrite with th
 (MiniLM) gets int8 weights (its quality is the embedding cosine).
 
 The rewritten models are kept in the work directory with a stamp of what made them (source model,
-flags, ortlean's commit and library); a later run with the same stamp reuses them (`--fresh` redoes
+flags, ortlean's Python code and op library); a later run with the same stamp reuses them (`--fresh` redoes
 them), so a warm demo spends its time measuring.
 """
 from __future__ import annotations
@@ -35,16 +35,25 @@ def _say(step: int, total: int, msg: str) -> None:
     print(f"[demo {step}/{total}] {msg}", file=sys.stderr, flush=True)
 
 
-def _stamp(source: Path, flags: list[str]) -> str:
-    """What a rewritten model depends on: the source export, the flags, ortlean's commit and library."""
+def _code_hash() -> str:
+    """The rewriter's own code: every Python file of the rewriter and custom_ops packages (a commit that
+    changes only tests, docs or benchmarks keeps the cached rewrites)."""
     import custom_ops
 
-    from . import results
+    h = hashlib.sha256()
+    for pkg in (Path(__file__).resolve().parent, Path(custom_ops.__file__).resolve().parent):
+        for f in sorted(pkg.rglob("*.py")):
+            h.update(str(f.relative_to(pkg.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _stamp(source: Path, flags: list[str]) -> str:
+    """What a rewritten model depends on: the source export, the flags, ortlean's code and library."""
+    import custom_ops
 
     lib = Path(custom_ops.library_path())
-    commit, dirty = results.git_commit()
     parts = {"source": str(source.resolve()), "source_mtime": int(source.stat().st_mtime), "flags": flags,
-             "commit": commit, "dirty": dirty, "library": hashlib.sha256(lib.read_bytes()).hexdigest()[:16]}
+             "code": _code_hash(), "library": hashlib.sha256(lib.read_bytes()).hexdigest()[:16]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -54,7 +63,7 @@ def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool, config) -> 
     stamp = _stamp(source, flags)
     rep, st = out.parent / "report.json", out.parent / "stamp.txt"
     if not fresh and out.is_file() and rep.is_file() and st.is_file() and st.read_text().strip() == stamp:
-        print(f"  reusing {out} (same source, flags, commit and library; --fresh redoes it)", file=sys.stderr)
+        print(f"  reusing {out} (same source, flags, code and library; --fresh redoes it)", file=sys.stderr)
         return json.loads(rep.read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     st.unlink(missing_ok=True)

@@ -1,5 +1,5 @@
 """`ortlean demo`'s parts that do not need a real model: its plot of a results file, its rewrite cache
-(same source, flags, commit and library: reused; anything else or --fresh: rewritten) and its CLI.
+(same source, flags, code and library: reused; anything else or --fresh: rewritten) and its CLI.
 The demo end to end on SmolLM2 is what `ortlean demo smollm2` is (minutes of rewriting and measuring)."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_plot_legend_carries_quality(tmp_path, monkeypatch):
     assert labels == ["dense (Δppl +0.00 %)", "lean (shared KV) (Δppl +1.23 %)"]
 
 
-def test_rewrite_is_cached_by_stamp(tiny, tmp_path, capsys):
+def test_rewrite_is_cached_by_stamp(tiny, tmp_path, capsys, monkeypatch):
     src = tiny["llama"] / "model.onnx"
     out = tmp_path / "r" / "model.onnx"
     flags = ["--weights", "int8", "--quality-budget", "off", "--attn-exact", "off"]
@@ -70,6 +70,10 @@ def test_rewrite_is_cached_by_stamp(tiny, tmp_path, capsys):
     demo._rewrite(src, out, flags, False, cli.rewrite_config)
     assert out.stat().st_mtime_ns != mtime
     assert json.loads((out.parent / "report.json").read_text())["output"]
+    # the stamp follows the rewriter's code, not the commit: a change of one of its files is a new stamp
+    before = demo._stamp(src, flags)
+    monkeypatch.setattr(demo, "_code_hash", lambda: "another code")
+    assert demo._stamp(src, flags) != before
 
 
 def test_demo_cli_flags():
