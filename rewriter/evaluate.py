@@ -228,11 +228,19 @@ def _has_gqa(path: str) -> bool:
 
 
 def _float_cache(path: str) -> bool:
-    """The model's cache is float past_key_values.N.key / .value (what long-past caches are built from)."""
+    """The model's cache holds K/V in float32 (what long-past caches are built from): past_key_values.N.key
+    / .value, or PackedAttention's fp32 rows with sign / ternary key bits (runtime.bench._float_kv)."""
     import onnx
 
-    names = {i.name for i in onnx.load(path, load_external_data=False).graph.input}
-    return "past_key_values.0.key" in names and "past_key_values.0.value" in names
+    m = onnx.load(path, load_external_data=False)
+    names = {i.name for i in m.graph.input}
+    if "past_key_values.0.key" in names and "past_key_values.0.value" in names:
+        return True
+    pa = [n for n in m.graph.node if n.op_type == "PackedAttention"]
+    if not pa or "past_key_values.0.kv" not in names:
+        return False
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in pa]
+    return all(a.get("kv_quant") == b"fp32" and a.get("mode", b"sign") in (b"sign", b"ternary") for a in attrs)
 
 
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
@@ -359,6 +367,11 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     if note:
         notes.append(f"--{note}")
     shared = [k for k, v in variants.items() if _has_gqa(v)]
+    # long pasts: built once (chunked prefill, then kept for every thread count) by a fused model with a
+    # float cache when there is one — ours, then a GQA peer (values do not change the cost); the unfused
+    # dense export's prefill at 8k is several times slower
+    src = next((k for k in ("lean", *also, *shared) if k in shared and _float_cache(variants[k])), "dense")
+    built: dict = {}
     og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
     loop = None
     if best:  # each model under its fastest driver only; the dense model is the quality reference
@@ -379,13 +392,12 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         for k, v in variants.items():
             s = _session(v, t)
             models[k] = (s, runtime.ModelIO.from_session(s, v))
-        # long pasts: built once (chunked prefill) by a fused model with a float cache when there is one
-        src = next((k for k in ("lean", *also, *shared) if k in shared and _float_cache(variants[k])), "dense")
         res["table"][f"t{t}"] = rb.decode_table(
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
-            long_past_from=src, say=say, huge_pages=huge_pages, loop=loop)
+            long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built)
         del models
+    del built
     if llama:
         name = peer_name(ref, peers)
         if name is None:

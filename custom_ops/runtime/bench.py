@@ -393,7 +393,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
                  say=None, own_past: int = 512, huge_pages: bool = True,
-                 loop: Iterable[str] | None = None) -> dict[str, dict]:
+                 loop: Iterable[str] | None = None, built: dict | None = None) -> dict[str, dict]:
     """Prefill and decode timing of several causal LMs in one process, interleaved.
 
     ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow` (or only
@@ -405,7 +405,8 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     Pasts ≤ ``own_past`` are each model's own cache; longer ones are built once by ``long_past_from`` (default
     the first model; a float ``.key`` / ``.value`` cache, prefilled in 512-token chunks) and given to
     every row (:func:`state_from_kv`: PackedAttention's quantized rows and key bits made from it as the
-    op stores them; values do not change the cost). ``huge_pages``: after the warm-up round (every row's
+    op stores them; values do not change the cost); ``built``: a dict that keeps those caches by past
+    length across calls (another thread count's table reuses them instead of prefilling again). ``huge_pages``: after the warm-up round (every row's
     buffers allocated), the process's resident memory, every row's weights alike, on 2 MiB pages
     (:func:`memory.huge_pages_for_process`). Returns
     {row: {"prefill": ms, "decode<P>": ms}} (medians over rounds / over all steps)."""
@@ -417,20 +418,27 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     step_ids = rng.integers(lo, hi, (1, steps))
     names = list(models)
     src = long_past_from or names[0]
+    timed = set(models if loop is None else loop)
+    need = timed | set(shared)   # the models whose caches a driver here reads (og builds its own)
     states: dict[str, dict[int, dict]] = {n: {} for n in names}
     for p in pasts:
         if p <= own_past:
             for n, (s, io) in models.items():
-                states[n][p] = io.next_state(run(s, io, feeds(io, past_ids[p])))
+                if n in need:
+                    states[n][p] = io.next_state(run(s, io, feeds(io, past_ids[p])))
         else:
-            t0 = time.perf_counter()
-            s, io = models[src]
-            built = chunked_state(s, io, past_ids[p])
-            if say:
-                say(f"past {p}: cache built by {src} in {time.perf_counter() - t0:.1f} s")
+            kv = None if built is None else built.get(p)
+            if kv is None:
+                t0 = time.perf_counter()
+                s, io = models[src]
+                kv = chunked_state(s, io, past_ids[p])
+                if built is not None:
+                    built[p] = kv
+                if say:
+                    say(f"past {p}: cache built by {src} in {time.perf_counter() - t0:.1f} s")
             for n, (_, io_n) in models.items():
-                states[n][p] = state_from_kv(io_n, built)
-    timed = set(models if loop is None else loop)
+                if n in need:
+                    states[n][p] = state_from_kv(io_n, kv)
     drivers: dict[str, Any] = {n: LoopRow(s, io, states[n]) for n, (s, io) in models.items() if n in timed}
     for n in shared:
         s, io = models[n]
