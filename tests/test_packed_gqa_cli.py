@@ -280,6 +280,38 @@ def test_tune_chooses_budget_window_min_context(forms, tmp_path):
     assert f"budget {t['budget']:g}, window {t['window']}" in rec["decision"]
 
 
+@pytest.mark.parametrize("kvq", ["int8", "fp32"])
+def test_tuner_decode_of_spans_in_one_batch_equals_span_by_span(forms, tmp_path, kvq):
+    """The tuner scores its spans in one batch (one row per span): the NLL of every scored token is
+    runtime.decode_perplexity's, span by span, for a PackedAttention model and for the exact GQA twin,
+    from a prefill and from the cache of an earlier call (also cut to a shorter context)."""
+    from rewriter.backends.packed_attention import _decode_nll_spans
+
+    src = forms["genai-fp32"] / "model.onnx"
+    out = tmp_path / "pa.onnx"
+    rc, _ = _rewrite(src, out, "--state-pack", "binary", "--quality-budget", "off", "--attn-kv", kvq,
+                     "--attn-budget", "0.5", "--attn-window", "8", "--attn-min-context", "16", "--attn-tune", "off")
+    assert rc == 0
+    ids = np.random.default_rng(11).integers(3, 256, 3 * 101)
+    C, score = 80, 20
+    for path in (src, out):
+        sess = custom_ops.session(str(path), threads=1)
+        io = runtime.ModelIO.from_session(sess, str(path))
+        spans = [ids[k * 101:(k + 1) * 101] for k in range(3)]
+        nll, state = _decode_nll_spans(sess, spans, C, score, io_hint=io)
+        want = runtime.decode_perplexity(sess, io, ids, context=C, score=score, windows=3)
+        assert want["loop"] == "shared"
+        np.testing.assert_allclose(nll, want["token_nll"], rtol=1e-4, atol=1e-4)
+        again, _ = _decode_nll_spans(sess, spans, C, score, state, io_hint=io)
+        np.testing.assert_allclose(again, nll, rtol=1e-5, atol=1e-5)
+        short, _ = _decode_nll_spans(sess, [x[C - 40:] for x in spans], 40, score, io_hint=io)   # not the same tokens
+        cut, _ = _decode_nll_spans(sess, spans, 40, score, state, io_hint=io)                    # the cache's first 40 rows
+        want40 = np.concatenate([runtime.decode_perplexity(sess, io, x, context=40, score=score, windows=1)["token_nll"]
+                                 for x in spans])
+        np.testing.assert_allclose(cut, want40, rtol=1e-4, atol=1e-4)
+        assert not np.allclose(short, cut)
+
+
 @pytest.mark.parametrize("speeds,want", [({0.5: 1.5, 0.25: 1.4}, 0.5),     # fastest, not the smallest budget
                                          ({0.5: 1.1, 0.25: 0.9}, 1.0)])    # none MIN_SPEEDUP faster: exact
 def test_tune_weighs_measured_speed(forms, tmp_path, monkeypatch, speeds, want):
@@ -302,6 +334,8 @@ def test_tune_weighs_measured_speed(forms, tmp_path, monkeypatch, speeds, want):
     t = next(r for r in rep["graph_passes"] if "tune" in r)["tune"]
     tried = {x["budget"]: x for x in t["quality"]["trials"]}
     assert {1.0, 0.5, 0.25} <= set(tried)            # all within the (wide) quality budget
+    # a budget whose first (largest) window passes tries no other window
+    assert len(t["quality"]["trials"]) == len(tried), t["quality"]["trials"]
     for b, sp in speeds.items():   # measured at the calibration context (300: between the grid's 64 and 1024)
         assert 0.8 * sp < tried[b]["speedup"] < sp
         assert tried[b]["speedup"] == pytest.approx(timing.speedup_at(fake(0, 0, 0, 0, {"budget": b}), 300), abs=1e-3)
