@@ -299,6 +299,9 @@ SCHEMAS: tuple[OpSchema, ...] = (
                  doc="kv_quant, > 0: GroupQueryAttention's layout (Q/K/V/Y [B, S, H*D], packed QKV, rotary)"),
             Attr("kv_num_heads", "int", default=0, valid=NONNEG, doc="with num_heads"),
             Attr("rotary_interleaved", "int", default=0, doc=FLAG),
+            Attr("ksmooth", "floats", default=(), valid=Valid(lo=0, finite=True),
+                 doc="num_heads > 0: key smoothing, KV heads x head dim (> 0, equal within each rotary pair): "
+                     "q * s, k / s before rotary (the cache holds K / s); empty: none"),
             Attr("cand_block", "int", default=1, valid=Valid(lo=1, hi=4096),
                  doc="kv_quant: candidates in blocks of this many consecutive keys (block score: its best key's); 1: key by key"),
             Attr("layer", "string", meta=True),
@@ -314,6 +317,8 @@ SCHEMAS: tuple[OpSchema, ...] = (
                     lambda a: sorted(a.get("pq_dims") or ()) == list(range(len(a.get("pq_dims") or ())))),
                Rule("cand_block > 1 needs kv_quant fp32 | int8 | int4",
                     lambda a: a["cand_block"] == 1 or a["kv_quant"] != "none"),
+               Rule("ksmooth needs num_heads > 0", lambda a: not a.get("ksmooth") or a["num_heads"] > 0),
+               Rule("ksmooth values must be > 0", lambda a: all(x > 0 for x in (a.get("ksmooth") or ()))),
                Rule("num_heads must be a multiple of kv_num_heads",
                     lambda a: not a["kv_num_heads"] or a["num_heads"] % a["kv_num_heads"] == 0)),
         reference="custom_ops.reference.attn:op",

@@ -85,6 +85,11 @@ takes GQA's own inputs, so no Split / RotaryEmbedding / Reshape / Transpose node
   (i, i + r/2), or (2i, 2i + 1) with rotary_interleaved = 1: x1' = x1 cos − x2 sin,
   x2' = x2 cos + x1 sin (padding rows, pos ≥ total_b, are not rotated). Then as above on
   [B, H, S, D].
+  Key smoothing, ksmooth [Hkv·D] (floats > 0, finite; empty: none): before the rotation each query
+  head of KV head hk is multiplied by s = ksmooth[hk] and each new key by float32(1 / s), so the cache
+  rows hold K / s and every logit (Q·s)·(K/s) equals Q·K in real arithmetic, while the per-row
+  int8 / int4 scale of K / s no longer spends its levels on a few outlier channels (Qwen2's keys).
+  s must be equal on both dims of every rotary pair (else it would not commute with the rotation).
 """
 from __future__ import annotations
 
@@ -578,6 +583,29 @@ def rotary(x: np.ndarray, pos: np.ndarray, cos_cache, sin_cache, interleaved: bo
     return y
 
 
+def check_ksmooth(ksmooth, Hkv: int, D: int, half: int, interleaved: bool) -> np.ndarray:
+    """The ksmooth attribute as [Hkv, D] float32; ValueError when its length, a value (finite, > 0,
+    finite reciprocal) or a rotary pair (both dims of a pair, (i, i + half) or (2i, 2i + 1), equal)
+    does not fit."""
+    s = np.asarray(ksmooth, np.float32).reshape(-1)
+    if s.size != Hkv * D:
+        raise ValueError(f"ksmooth has {s.size} values, expected KV heads x head dim = {Hkv * D}")
+    with np.errstate(divide="ignore", over="ignore"):
+        bad = ~((s > 0) & np.isfinite(s) & np.isfinite(np.float32(1) / s))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"ksmooth[{i}] = {s[i]}: must be finite and > 0 (with a finite reciprocal)")
+    s = s.reshape(Hkv, D)
+    i1 = np.arange(half) * 2 if interleaved else np.arange(half)
+    i2 = i1 + 1 if interleaved else i1 + half
+    diff = s[:, i1] != s[:, i2]
+    if diff.any():
+        h, i = (int(x[0]) for x in np.nonzero(diff))
+        raise ValueError(f"ksmooth differs within rotary pair ({i1[i]}, {i2[i]}) of KV head {h}: "
+                         f"{s[h, i1[i]]} vs {s[h, i2[i]]} (the scale must commute with the rotation)")
+    return s
+
+
 def gqa_layout_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, cos_cache=None,
                   sin_cache=None, **attrs):
     """The cache mode on GroupQueryAttention's layout (module docstring). Returns (Y [B, S, Hq·Dv],
@@ -597,6 +625,12 @@ def gqa_layout_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=No
         return np.ascontiguousarray(x.reshape(B, S, H, d).transpose(0, 2, 1, 3))
 
     Q4, K4, V4 = heads(Q, Hq, D), heads(K, Hkv, D), heads(V, Hkv, Dv)
+    sm = np.asarray(a.get("ksmooth") or (), np.float32)
+    if sm.size:
+        s = check_ksmooth(sm, Hkv, D, 0 if _absent(cos_cache) else np.asarray(cos_cache).shape[1],
+                          bool(a["rotary_interleaved"]))
+        Q4 = (Q4 * np.repeat(s, Hq // Hkv, axis=0)[None, :, None, :]).astype(np.float32)
+        K4 = (K4 * (np.float32(1) / s)[None, :, None, :]).astype(np.float32)
     if not _absent(cos_cache):
         P = 0 if _absent(past_kv) else np.asarray(past_kv).shape[2]
         total = (np.full(B, P + S, np.int64) if _absent(seqlens_k) else np.asarray(seqlens_k, np.int64).reshape(B) + 1)
@@ -606,7 +640,7 @@ def gqa_layout_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=No
             raise ValueError(f"position {pos.max()} beyond the rotary caches' {np.asarray(cos_cache).shape[0]} rows")
         inter = bool(a["rotary_interleaved"])
         Q4, K4 = rotary(Q4, pos, cos_cache, sin_cache, inter), rotary(K4, pos, cos_cache, sin_cache, inter)
-    core = {k: v for k, v in attrs.items() if k not in ("num_heads", "kv_num_heads", "rotary_interleaved")}
+    core = {k: v for k, v in attrs.items() if k not in ("num_heads", "kv_num_heads", "rotary_interleaved", "ksmooth")}
     Y, bits, kv = packed_attention_kv(Q4, K4, V4, mask, past_bits, past_kv, seqlens_k, **core)
     return np.ascontiguousarray(Y.transpose(0, 2, 1, 3)).reshape(B, S, Hq * Dv), bits, kv
 

@@ -226,6 +226,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   at.read({{"kv_quant", &kvq}, {"softcap", &p.softcap}});
   at.read({{"local_window", &p.local_window}, {"num_heads", &p.num_heads}, {"kv_num_heads", &p.kv_num_heads},
            {"rotary_interleaved", &p.rotary_interleaved}, {"cand_block", &p.cand_block}});
+  at.read({{"ksmooth", &p.ksmooth}});
   p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
   if (p.kv_bits && p.mix > 0) fail("attribute mix must be 0 with kv_quant " + kvq);
   if (p.kv_bits && layout != "bhtd") fail("attribute k_layout must be bhtd with kv_quant " + kvq);
@@ -237,6 +238,19 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   if (p.num_heads > 0 && p.num_heads % p.kv_num_heads)
     fail("num_heads " + std::to_string(p.num_heads) + " not a multiple of kv_num_heads " +
          std::to_string(p.kv_num_heads));
+  if (!p.ksmooth.empty()) {
+    if (p.num_heads <= 0) fail("attribute ksmooth needs GroupQueryAttention's layout (num_heads > 0)");
+    if (p.num_heads > 0 && static_cast<int64_t>(p.ksmooth.size()) % p.kv_num_heads)
+      fail("attribute ksmooth has " + std::to_string(p.ksmooth.size()) + " values, not KV heads (" +
+           std::to_string(p.kv_num_heads) + ") x head dim");
+    for (size_t i = 0; i < p.ksmooth.size(); ++i) {
+      const float s = p.ksmooth[i];
+      if (!(s > 0.0f) || !std::isfinite(s) || !std::isfinite(1.0f / s))
+        fail("attribute ksmooth[" + std::to_string(i) + "] = " + std::to_string(s) +
+             ": must be finite and > 0 (with a finite reciprocal)");
+      p.kinv.push_back(1.0f / s);
+    }
+  }
   p.mode = mode == "ternary" ? KeyMode::Ternary : mode == "binary" ? KeyMode::Binary : mode == "pq" ? KeyMode::Pq
                                                                                                : KeyMode::Sign;
   if (p.mode == KeyMode::Pq) {
@@ -310,6 +324,25 @@ void PackedAttentionKernel::check_list_lengths(int64_t Hkv, int64_t D) const {
       fail("attribute pq_dims has " + std::to_string(p.pq_dims.size()) + " values, expected head dim " +
            std::to_string(D));
   }
+}
+
+// ksmooth against the heads and head dim of the call, and equal within each rotary pair (a scale that
+// differs inside a pair does not commute with the rotation: logits would change)
+void PackedAttentionKernel::check_ksmooth(int64_t Hkv, int64_t D, int64_t half) const {
+  const std::vector<float>& s = p_.ksmooth;
+  if (s.empty()) return;
+  if (static_cast<int64_t>(s.size()) != Hkv * D)
+    fail("attribute ksmooth has " + std::to_string(s.size()) + " values, expected KV heads x head dim = " +
+         std::to_string(Hkv * D));
+  const bool inter = p_.rotary_interleaved != 0;
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t i1 = inter ? 2 * i : i, i2 = inter ? 2 * i + 1 : i + half;
+      if (s[static_cast<size_t>(h * D + i1)] != s[static_cast<size_t>(h * D + i2)])
+        fail("attribute ksmooth differs within rotary pair (" + std::to_string(i1) + ", " + std::to_string(i2) +
+             ") of KV head " + std::to_string(h) + ": " + std::to_string(s[static_cast<size_t>(h * D + i1)]) +
+             " vs " + std::to_string(s[static_cast<size_t>(h * D + i2)]) + " (the scale must commute with the rotation)");
+    }
 }
 
 // ------------------------------------------------------------------ compute
@@ -1473,18 +1506,27 @@ void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const 
   float* K4 = Q4 + round_up16(nq);
   float* V4 = K4 + round_up16(nk);
   const bool inter = p_.rotary_interleaved != 0;
-  auto put = [&](const float* src, float* dst, int64_t d, int64_t pos) {
-    std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(d));
+  check_ksmooth(Hkv, D, half);
+  const float* smq = p_.ksmooth.empty() ? nullptr : p_.ksmooth.data();  // key smoothing: q * s, k * (1 / s)
+  const float* smk = p_.kinv.empty() ? nullptr : p_.kinv.data();
+  // dst = src (times mul when given), then rotated at pos (pos < 0: not rotated)
+  auto put = [&](const float* src, float* dst, int64_t d, int64_t pos, const float* mul) {
+    if (mul) {
+      for (int64_t j = 0; j < d; ++j) dst[j] = src[j] * mul[j];
+    } else {
+      std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(d));
+    }
     if (pos < 0) return;
     const float* cr = cs + pos * half;
     const float* sr = sn + pos * half;
     for (int64_t i = 0; i < half; ++i) {
       const int64_t i1 = inter ? 2 * i : i, i2 = inter ? 2 * i + 1 : i + half;
-      const float x1 = src[i1], x2 = src[i2];
+      const float x1 = dst[i1], x2 = dst[i2];
       dst[i1] = x1 * cr[i] - x2 * sr[i];
       dst[i2] = x2 * cr[i] + x1 * sr[i];
     }
   };
+  const int64_t grp = Hq / Hkv;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t m = 0; m < M; ++m) {
       const int64_t pos = c.pos0[static_cast<size_t>(b)] + m;
@@ -1493,10 +1535,11 @@ void PackedAttentionKernel::stage_gqa(KvCall& c, Ort::KernelContext& ctx) const 
       if (rp >= max_pos && cs)
         fail("position " + std::to_string(rp) + " beyond the rotary caches' " + std::to_string(max_pos) + " rows");
       const int64_t row = b * M + m;
-      for (int64_t h = 0; h < Hq; ++h) put(q + row * qw + h * D, Q4 + ((b * Hq + h) * M + m) * D, D, rp);
+      for (int64_t h = 0; h < Hq; ++h)
+        put(q + row * qw + h * D, Q4 + ((b * Hq + h) * M + m) * D, D, rp, smq ? smq + (h / grp) * D : nullptr);
       for (int64_t h = 0; h < Hkv; ++h) {
-        put(k + row * kw + h * D, K4 + ((b * Hkv + h) * M + m) * D, D, rp);
-        put(v + row * vw + h * Dv, V4 + ((b * Hkv + h) * M + m) * Dv, Dv, -1);
+        put(k + row * kw + h * D, K4 + ((b * Hkv + h) * M + m) * D, D, rp, smk ? smk + h * D : nullptr);
+        put(v + row * vw + h * Dv, V4 + ((b * Hkv + h) * M + m) * Dv, Dv, -1, nullptr);
       }
     }
   }

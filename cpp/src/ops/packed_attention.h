@@ -41,6 +41,10 @@ struct AttnParams {
   // kv cache mode, GroupQueryAttention's layout when > 0: Q/K/V [B, S, H * D] (K and V absent: Q
   // holds the packed [B, S, (Hq + 2 Hkv) * D]), Y [B, S, Hq * Dv]; rotary from cos/sin caches
   int64_t num_heads = 0, kv_num_heads = 0, rotary_interleaved = 0;
+  // GroupQueryAttention's layout: key smoothing [Hkv * D] (empty: none): each query head times
+  // ksmooth of its KV head, each new key times kinv = float(1 / ksmooth), before rotary — the cache
+  // holds K / s, every logit is unchanged in real arithmetic; equal within each rotary pair
+  std::vector<float> ksmooth, kinv;
   // kv cache mode: candidates chosen in blocks of this many consecutive keys (block score: the max of
   // its keys' scores), so that the rows read run in order; 1: key by key
   int64_t cand_block = 1;
@@ -84,6 +88,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_int("num_heads", 0).range(0, kMaxDim),     // > 0: GroupQueryAttention's Q/K/V/Y layout
       attr_int("kv_num_heads", 0).range(0, kMaxDim),
       attr_int("rotary_interleaved", 0).flag(),
+      attr_list("ksmooth", AttrType::Floats),  // GQA layout: KV heads x head dim, > 0 and finite
       attr_optional("layer", AttrType::String),
   };
 
@@ -93,6 +98,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
  private:
   void check_list_lengths(const Ort::ConstKernelInfo& info) const;
   void check_list_lengths(int64_t Hkv, int64_t D) const;
+  void check_ksmooth(int64_t Hkv, int64_t D, int64_t half) const;
   // Q, K, V shapes (inputs 0-2), each checked to be rank 4
   std::array<std::vector<int64_t>, 3> qkv_shapes(Ort::KernelContext& ctx) const;
   AttnCall read_inputs(Ort::KernelContext& ctx) const;
