@@ -347,7 +347,8 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
     PackedAttention fp32-row cache): the same arrays where the formats agree, or for PackedAttention's
     cache state (``past_key_values.N.kv`` / ``.key_bits``) the K/V rows quantized and the keys packed
     as the op stores new rows: the K/V format from the state's row width, the key packing from the
-    node (``io.key_packing``, when ``io`` came from the model file; else sign / ternary by width))."""
+    node (``io.key_packing``, when ``io`` came from the model file; else sign / ternary by width)),
+    keys divided by the node's ``ksmooth`` when it has one."""
     from ..reference.attn import cache_bits_words, kv_row_words, pack_cache, pq_params
 
     out, packed = {}, {}  # packed: stem -> (bits, rows), one pack_cache per layer for its two states
@@ -376,6 +377,9 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
         if q is None:
             raise KeyError(f"{stem}.kv: row width {rw} is no K/V format of head dims {D}/{Dv}")
         spec = io.key_packing.get(stem)
+        if spec and spec.get("ksmooth"):  # key smoothing: the op stores K / s (s commutes with the rotation)
+            K = (K * (np.float32(1) / np.asarray(spec["ksmooth"], np.float32).reshape(K.shape[1], 1, D))
+                 ).astype(np.float32)
         if spec:  # the node's own packing (from_session(model_path)): pq codebooks, eps
             mode, eps = spec["mode"], spec["eps"]
             pq = pq_params(spec["pq_book"], spec["pq_dims"], K.shape[1], D) if mode == "pq" else None

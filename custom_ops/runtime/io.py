@@ -366,7 +366,7 @@ def feeds(io: ModelIO, input_ids, past: Mapping[str, np.ndarray] | None = None, 
 
 
 def key_packing(model_path) -> dict[str, dict]:
-    """{cache stem: {mode, eps, eps_heads, pq_book, pq_dims}} of every PackedAttention node of the
+    """{cache stem: {mode, eps, eps_heads, pq_book, pq_dims, ksmooth}} of every PackedAttention node of the
     model file (its past_bits input ``<stem>.key_bits``); {} for bytes or no such node."""
     if isinstance(model_path, (bytes, bytearray)):
         return {}
@@ -386,5 +386,6 @@ def key_packing(model_path) -> dict[str, dict]:
         out[n.input[4][: -len(".key_bits")]] = {
             "mode": mode.decode() if isinstance(mode, bytes) else mode,
             "eps": float(a.get("eps", 0.0)), "eps_heads": list(a.get("eps_heads", [])),
-            "pq_book": list(a.get("pq_book", [])), "pq_dims": list(a.get("pq_dims", []))}
+            "pq_book": list(a.get("pq_book", [])), "pq_dims": list(a.get("pq_dims", [])),
+            "ksmooth": list(a.get("ksmooth", []))}
     return out

@@ -71,6 +71,12 @@ class AttnConfig(Options):
     kv_quant: str = flag("--attn-kv", "int8", "fused graphs (GroupQueryAttention): the K/V cache rows PackedAttention "
                          "keeps — int8 (default, 0.29x the fp32 bytes with the key bits), int4 (0.16x), fp32 (exact)",
                          choices=("int8", "int4", "fp32"))
+    ksmooth: str = flag("--attn-ksmooth", "auto", "fused graphs, int8 / int4 K/V rows: key smoothing — per KV head "
+                        "and rotary pair a scale s from the --calib-text keys (their largest pair norms, s = that "
+                        "norm / its geometric mean), the op multiplies each query by s and stores K / s, every logit "
+                        "unchanged, so the per-row scale is no longer spent on a few outlier channels (Qwen2's keys; "
+                        "measured on Qwen2.5-Coder-1.5B: tests/bench/kv_quant_study.py). auto (default): with "
+                        "--calib-text | off", choices=("auto", "off"))
     tune: str = flag("--attn-tune", "auto", "fused graphs (GroupQueryAttention): choose what is not given on the "
                      "command line — --attn-budget and --attn-window from decode-mode perplexity on --calib-text "
                      "(teacher-forced decode through the cache vs the same model with exact attention) under "
@@ -149,14 +155,20 @@ def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None, max_pos: int | N
     eps, kscale, keys = {}, {}, {}
     for name, val in out.items():
         m = re.match(r"^present\.(\d+)\.key$", name)
-        if m and cfg.mode == "pq":
+        if m and (cfg.mode == "pq" or cfg.ksmooth == "auto"):
             keys[int(m.group(1))] = np.asarray(val[0], np.float32)   # [H, T, D]
         if m:
             a = np.abs(val[0])                                   # [H, T, D]
             eps[int(m.group(1))] = [float(np.quantile(a[h], 1.0 - cfg.target_density)) for h in range(a.shape[0])]
-            ks = a.mean(axis=1)                                  # [H, D]
-            kscale[int(m.group(1))] = [float(x) for x in (ks / np.maximum(ks.mean(-1, keepdims=True), 1e-30)).ravel()]
+            kscale[int(m.group(1))] = key_scale(a)
     return {"eps": eps, "kscale": kscale, "keys": keys}
+
+
+def key_scale(abs_keys: np.ndarray) -> list[float]:
+    """The sign-bit score's per-channel key scale (kscale): mean |k_d| per head over the calibration
+    tokens [H, T, D], relative to the head's mean."""
+    ks = abs_keys.mean(axis=1)                                   # [H, D]
+    return [float(x) for x in (ks / np.maximum(ks.mean(-1, keepdims=True), 1e-30)).ravel()]
 
 
 # --------------------------------------------------------------------------- pq key codes
@@ -217,6 +229,58 @@ def fit_pq_book(keys: np.ndarray, dims: list[int], rotary, n: int, seed: int) ->
                            seed=int(rng.integers(1 << 31)))
             book[s] = c
     return book
+
+
+def rotary_pairs(D: int, rotary) -> np.ndarray:
+    """[D] group id of each dim: a rotary pair's two dims ((i, i + r/2), or (2i, 2i + 1) interleaved)
+    share one, the unrotated dims have their own."""
+    gid = np.arange(D)
+    if rotary is not None:
+        half = rotary[0].shape[1]
+        i1 = np.arange(half) * 2 if rotary[2] else np.arange(half)
+        gid[i1 + 1 if rotary[2] else i1 + half] = i1
+    return gid
+
+
+def smooth_scales(k: np.ndarray, rotary, q: np.ndarray | None = None, alpha: float = 1.0) -> np.ndarray:
+    """Key smoothing (SmoothQuant's migration, QServe's SmoothAttention): per KV head and channel a
+    scale s [Hkv, D] so that K / s has flat channels for the per-row int8 cache while Q · s keeps
+    every logit: (Q·s)·(K/s) = Q·K. From calibration keys k [Hkv, T, D] (and queries q [Hq, T, D]
+    when alpha < 1), before or after rotary: per rotary pair the largest pair norm max_t |(x_i, x_j)|
+    (what the rotation leaves invariant; unrotated dims: max |x_d|), s = maxK^alpha /
+    maxQ^(1 - alpha) — alpha 1 (default): every pair of K / s has the same largest norm, the
+    queries are not needed (the op's query levels are int16, ample for Q · s) — equal on both
+    dims of a pair, so that s commutes with the rotation the op applies; normalised to geometric
+    mean 1 per head; a channel without signal gets 1."""
+    Hkv, D = k.shape[0], k.shape[-1]
+    gid = rotary_pairs(D, rotary)
+
+    def pair_max(x):                     # [H, T, D] -> [H, D]: max over tokens of each dim's pair norm
+        sq = np.asarray(x, np.float64) ** 2
+        pn = np.zeros(sq.shape[:2] + (D,))
+        for d in range(D):
+            pn[:, :, gid[d]] += sq[:, :, d]
+        return np.sqrt(pn.max(axis=1))[:, gid]
+
+    mk = pair_max(k)
+    if alpha != 1.0:
+        if q is None or q.shape[0] % Hkv or q.shape[-1] != D:
+            raise ValueError(f"smooth_scales alpha {alpha}: needs queries [Hq, T, {D}] with Hq a multiple of {Hkv}")
+        mq = pair_max(q).reshape(Hkv, q.shape[0] // Hkv, D).max(axis=1)
+    else:
+        mq = np.ones_like(mk)
+    ok = (mk > 0) & (mq > 0) & np.isfinite(mk) & np.isfinite(mq)
+    logs = np.where(ok, alpha * np.log(np.where(ok, mk, 1.0)) - (1.0 - alpha) * np.log(np.where(ok, mq, 1.0)), 0.0)
+    logs -= logs.sum(-1, keepdims=True) / np.maximum(ok.sum(-1, keepdims=True), 1)
+    return np.where(ok, np.exp(logs), 1.0).astype(np.float32)
+
+
+def smooth_vector(s: np.ndarray, Hq: int) -> np.ndarray:
+    """The Mul on GroupQueryAttention's packed QKV rows [(Hq + 2 Hkv) · D] that applies key
+    smoothing s [Hkv, D]: s on each query head of its KV head, 1 / s on the keys, 1 on the values."""
+    Hkv, D = s.shape
+    return np.concatenate([np.repeat(s, Hq // Hkv, axis=0).ravel(), (1.0 / s).ravel(),
+                           np.ones(Hkv * D)]).astype(np.float32)
 
 
 def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | None = None,
@@ -353,13 +417,14 @@ def _head_dims(node: ir.Node) -> tuple[int, int] | None:
 
 
 def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | None = None,
-              pq: dict | None = None) -> list[dict]:
+              pq: dict | None = None, ksmooth: dict | None = None) -> list[dict]:
     """Every GroupQueryAttention → one PackedAttention (kv_quant = cfg.kv_quant) on GQA's own inputs
     (num_heads / kv_num_heads: its [B, S, H·D] layout, packed QKV, rotary from its cos/sin caches;
     no nodes around it). GQA's semantics: causal, query positions from seqlens_k (pos0 = max(0,
     seqlens_k + 1 − S)), local_window_size, softcap, scale (0 → 1/sqrt(head_dim)); the cache becomes
     graph state past_key_values.N.kv / .key_bits → present.N.kv / .key_bits (int32 rows,
-    custom_ops/reference/attn.py) instead of .key/.value."""
+    custom_ops/reference/attn.py) instead of .key/.value. ``ksmooth``: {layer N: s [Hkv, D]} key
+    smoothing (smooth_scales), the node's ksmooth attribute."""
     graph = model.graph
     records = []
     for g in [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]:
@@ -412,6 +477,13 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
                 attrs["pq_dims"] = [int(x) for x in dims]
         elif kscale and N in kscale:
             attrs["kscale"] = kscale[N]
+        smooth_note = ""
+        if ksmooth and N in ksmooth:
+            s = np.asarray(ksmooth[N], np.float32)
+            if s.shape != (Hkv, D):
+                raise OrtleanError(f"{g.name}: key smoothing {s.shape} does not fit {Hkv} KV heads of dim {D}")
+            attrs["ksmooth"] = [float(x) for x in s.ravel()]
+            smooth_note = f", keys smoothed (s {s.min():.3g} .. {s.max():.3g})"
         ins = [q, k, v, None, bits_in, kv_in, seqlens, cos, sin]
         while ins[-1] is None:
             ins.pop()
@@ -434,7 +506,7 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
             graph.inputs.remove(i)
         keys = "pq key codes (k-means centroids)" if cfg.mode == "pq" else f"{cfg.mode} key bits"
         records.append({"layer": f"layers.{N}", "backend": "packed_attention", "node": pa.name, "cache": True,
-                        "decision": f"PackedAttention replaces GroupQueryAttention ({cfg.kv_quant} K/V rows, "
+                        "decision": f"PackedAttention replaces GroupQueryAttention ({cfg.kv_quant} K/V rows{smooth_note}, "
                                     f"{keys}, budget {cfg.budget})"})
     if any(r["backend"] == "packed_attention" for r in records):
         surgery.remove_dead(graph)
@@ -740,13 +812,19 @@ class PackedAttentionPass(GraphPassBase):
             raise OrtleanError(f"--state-pack {'ternary' if cfg.mode == 'ternary' else 'binary --attn-pack-bits eps'}: "
                                "give --state-pack-eps E, or --calib-text FILE to choose eps per head for "
                                "--attn-target-density")
-        if ctx.opts.calib_text and (need_eps or cfg.kscale == "auto" or cfg.mode == "pq") and ctx.io is not None \
-                and ctx.io.has_past:
+        if ctx.opts.calib_text and (need_eps or cfg.kscale == "auto" or cfg.ksmooth == "auto" or cfg.mode == "pq") \
+                and ctx.io is not None and ctx.io.has_past:
             cal = calibrate_eps(ctx.source(), ctx.calib, cfg, io_hint=ctx.io, max_pos=_max_positions(model, ctx))
         if fused:
             if need_eps:
                 raise OrtleanError("fused graph (GroupQueryAttention): eps-mode key bits need --state-pack-eps E "
                                    "(per-head calibration reads the optimum graph's present keys)")
+            smooth = None
+            if cfg.ksmooth == "auto" and cfg.kv_quant in ("int8", "int4") and cal.get("keys"):
+                # the op stores K / s: the pq codebooks and the sign-bit key scale are fitted on those keys
+                smooth = {N: smooth_scales(kk, rotary_of(model, N)) for N, kk in cal["keys"].items()}
+                cal["keys"] = {N: (kk / smooth[N][:, None, :]).astype(np.float32) for N, kk in cal["keys"].items()}
+                cal["kscale"] = {N: key_scale(np.abs(kk)) for N, kk in cal["keys"].items()}
             ks = cal.get("kscale") if cfg.kscale == "auto" and cfg.mode != "pq" else None
             pq = None
             if cfg.mode == "pq":
@@ -761,7 +839,7 @@ class PackedAttentionPass(GraphPassBase):
             max_pos = _max_positions(model, ctx)
             measure = ctx.opts.quality_budget is not None   # every setting is measured against the budget
             ref = model.clone() if measure and ctx.opts.calib_text else None  # the exact-attention twin
-            recs = apply_gqa(model, cfg, kscale=ks, pq=pq)
+            recs = apply_gqa(model, cfg, kscale=ks, pq=pq, ksmooth=smooth)
             if (cfg.tune == "auto" or measure) and any(r["backend"] == "packed_attention" for r in recs):
                 tune = tune_gqa(model, ref, cfg, ctx, max_pos)
                 for r in recs:
