@@ -101,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=_count(1), default=8, help="number of windows (causal LM) (default 8)")
     p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
     p.add_argument("--decode-context", type=_count(1), default=None,
-                   help="decode-mode (a model that approximates in decode, e.g. PackedAttention with a budget): "
-                   "prefill tokens before the scored decode steps (default 1024, or the shortest context at "
-                   "which the model approximates when that is longer — its min_context + 1; capped by the "
-                   "model's positions)")
+                   help="decode-mode (a model that approximates in decode, e.g. PackedAttention with a budget; "
+                   "given, any model — e.g. int8 K/V rows at budget 1 after a long context): prefill tokens before "
+                   "the scored decode steps (default 1024, or the shortest context at which the model "
+                   "approximates when that is longer — its min_context + 1; capped by the model's positions)")
     p.add_argument("--decode-score", type=_count(1), default=256,
                    help="decode-mode: teacher-forced decode steps scored per window (default 256; 4 windows: "
                    "1,024 tokens, the --attn-tune sample; the output adds the Δppl's one-sided 95 %% upper bound)")

@@ -138,7 +138,9 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
         if ids.size < 2:
             raise OrtleanError(f"--text {tp}: {ids.size} tokens, perplexity needs at least 2")
         approx_from = runtime.approximate_from(model)
-        if approx_from is not None:  # the approximation only runs in decode: measure there
+        if approx_from is not None or decode_context is not None:
+            # the approximation only runs in decode: measure there (and wherever --decode-context asks:
+            # e.g. int8 K/V rows at budget 1 after a long context)
             cap = min([p for p in (max_positions(model), max_positions(ref)) if p] or [1 << 30])
             # by default at a context where the candidate path runs (min_context + 1 of the model's nodes)
             want = decode_context if decode_context is not None else max(1024, approx_from)
@@ -148,7 +150,7 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
                                    f"{cap} positions")
             dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 2))  # 4 x 256 by default
             res["mode"] = f"decode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode steps)"
-            if ctx_len + decode_score < approx_from:
+            if approx_from is not None and ctx_len + decode_score < approx_from:
                 res["mode"] += (f"; the model approximates from context {approx_from} on: these steps run its exact "
                                 "path")
 

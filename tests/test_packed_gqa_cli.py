@@ -481,6 +481,9 @@ def test_eval_and_bench_defaults_follow_the_approximation(forms, tmp_path):
         assert res["tokens"] == 32 and res["delta_ppl_upper"] >= res["delta_ppl"]   # 2 windows x 16, paired bound
         assert evaluate.default_pasts(str(out)) == [128, 1024, 4096, 8192]
     assert evaluate.default_pasts(str(src)) == [128]
+    # --decode-context given: decode mode for any model (int8 rows at budget 1 after a long context)
+    res = evaluate.evaluate(str(src), str(src), str(text), threads=1, windows=4, decode_score=16, decode_context=64)
+    assert res["mode"].startswith("decode") and "64-token prefill" in res["mode"] and res["delta_ppl"] == 0.0
 
 
 def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
