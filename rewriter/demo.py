@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,25 +36,12 @@ def _say(step: int, total: int, msg: str) -> None:
     print(f"[demo {step}/{total}] {msg}", file=sys.stderr, flush=True)
 
 
-def _code_hash() -> str:
-    """The rewriter's own code: every Python file of the rewriter and custom_ops packages (a commit that
-    changes only tests, docs or benchmarks keeps the cached rewrites)."""
-    import custom_ops
-
-    h = hashlib.sha256()
-    for pkg in (Path(__file__).resolve().parent, Path(custom_ops.__file__).resolve().parent):
-        for f in sorted(pkg.rglob("*.py")):
-            h.update(str(f.relative_to(pkg.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
 def _stamp(source: Path, flags: list[str]) -> str:
     """What a rewritten model depends on: the source export, the flags, ortlean's code and library."""
-    import custom_ops
+    from .kit import stamps
 
-    lib = Path(custom_ops.library_path())
     parts = {"source": str(source.resolve()), "source_mtime": int(source.stat().st_mtime), "flags": flags,
-             "code": _code_hash(), "library": hashlib.sha256(lib.read_bytes()).hexdigest()[:16]}
+             "code": stamps.code_hash(), "library": stamps.library_hash()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -201,12 +189,15 @@ def run(args, config, custom=None) -> int:
                                                                        threads=max(args.threads), peers="auto")))
         return 0
     pasts = [p for p in args.decode_past]
+    qcache = work / "quality-cache"   # each row's Δppl scores by stamp (files, text, code): a warm demo reuses them
+    if args.fresh and qcache.is_dir():
+        shutil.rmtree(qcache)
     _say(4, total, f"quality and speed: Δppl on held-out {corpus.EVAL_NOVEL} for every row, then decode after "
                    f"{', '.join(map(str, pasts))} cached tokens with {', '.join(map(str, args.threads))} threads, "
                    "ours against onnxruntime-genai and llama.cpp in one run")
     res = evaluate.bench(models[main], str(dense), threads=args.threads, decode_past=pasts, nbits=(), profile=False,
                          repeats=args.repeats, steps=args.steps, also={k: models[k] for k in rest},
-                         quality_text=held, rows=args.rows)
+                         quality_text=held, rows=args.rows, quality_cache=str(qcache))
     print(evaluate.format_bench(res))
     _say(5, total, f"results: {work / 'results.json'}, {work / 'results.md'}, {work / 'speed-vs-context.png'}")
     doc = results.from_bench(res, "ortlean " + " ".join(args.argv), labels={"lean": main})

@@ -3,6 +3,7 @@ reference, both measured in the same process."""
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +171,7 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
             s = _session(path, threads)
             p = score(s, runtime.ModelIO.from_session(s, path))
             rows[name] = {"path": path, "ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
-            if "token_nll" in d and len(d["token_nll"]) == len(p["token_nll"]):
+            if d.get("token_nll") and len(d["token_nll"]) == len(p["token_nll"]):
                 rows[name]["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
             del s
         lq = llama_quality(ref, peers, ids, window, threads, notes)
@@ -248,7 +249,8 @@ def _float_cache(path: str) -> bool:
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
           nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
           huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,
-          trace_dir: str | None = None, tokenizer: str | None = None, rows: str = "all") -> dict:
+          trace_dir: str | None = None, tokenizer: str | None = None, rows: str = "all",
+          quality_cache: str | None = None) -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
@@ -262,7 +264,9 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     model with every driver it can run under; "best" times each model once, the way it is run at its
     fastest — ours and a GroupQueryAttention peer with shared K/V buffers, genai's int4 model in its own
     generator, llama.cpp in llama-bench — and leaves out the rows that only explain (the dense model
-    is the quality reference, not timed; genai's fp32 model; other drivers)."""
+    is the quality reference, not timed; genai's fp32 model; other drivers). ``quality_cache``: a
+    directory where each row's quality scores are kept and reused under the same stamp
+    (:func:`table_quality`)."""
     if rows not in ("all", "best"):
         raise OrtleanError(f"rows={rows!r}: 'all' or 'best'")
     also = dict(also or {})
@@ -276,7 +280,7 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
         return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                              huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
-                             tokenizer=tokenizer, best=rows == "best")
+                             tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache)
     if quality_text:
         raise OrtleanError("--quality-text: Δppl is measured for causal LMs; an encoder's quality is "
                            "`ortlean eval`'s embedding cosine")
@@ -341,7 +345,7 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                   huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
-                  best=False) -> dict:
+                  best=False, quality_cache=None) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -407,16 +411,21 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         else:
             from models import peers as pm
 
-            say("llama.cpp: llama-bench")
+            # llama-bench prefills each depth again for every repetition (8k tokens: about a minute on
+            # one thread): as many repetitions as the table's rounds, at most 3
+            reps = max(1, min(3, int(repeats)))
+            say(f"llama.cpp: llama-bench, {reps} repetitions")
+            t0 = time.perf_counter()
             rows, note = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,
-                                        depths=tuple(pasts), repetitions=3)
+                                        depths=tuple(pasts), repetitions=reps)
+            say(f"llama.cpp: llama-bench took {time.perf_counter() - t0:.0f} s")
             res["llama_cpp"] = {"rows": rows, "command": note}
             if not rows:
                 notes.append(note)
     if quality_text:
         say(f"quality: Δppl of every row on {Path(quality_text).name}")
         res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say,
-                                       llama_peers=peers if llama else None)
+                                       llama_peers=peers if llama else None, cache_dir=quality_cache)
     decodes = all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean"))
     if (profile or trace_dir) and decodes:
         res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages, say, trace_dir=trace_dir)
@@ -454,14 +463,16 @@ def llama_quality(ref: str, peers: str, ids, window: int, threads: int, notes: l
 
 def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, tokenizer: str | None = None,
                   window: int = 512, windows: int = 8, decode_score: int = 256, say=None,
-                  llama_peers: str | None = None) -> dict:
+                  llama_peers: str | None = None, cache_dir: str | None = None) -> dict:
     """Δppl of every model in ``variants`` ({row: path}) against ``ref`` on ``text_path``, all in one
     mode, as ``ortlean eval`` measures one model: teacher-forced ``windows`` x ``window``-token windows,
     or — when any model approximates in decode (PackedAttention with a budget) — decode-mode
     perplexity at a context where that approximation runs (4 windows of ``decode_score`` decode
     steps), with each row's one-sided 95 % upper bound from the paired per-token NLLs. Returns
     {"text", "mode", "tokens", "ppl_ref", "rows": {row: {"ppl", "delta_ppl"[, "delta_ppl_upper"]} or
-    {"note"} when a row could not be scored}}."""
+    {"note"} when a row could not be scored}}. ``cache_dir``: each model's scores kept there by a stamp
+    of its files, the text, the mode, the thread count and ortlean's code and library
+    (:mod:`rewriter.kit.stamps`), and reused under the same stamp (the demo's warm runs)."""
     tp = Path(text_path)
     if not tp.is_file():
         raise OrtleanError(f"--quality-text {tp}: no such file")
@@ -486,9 +497,38 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
 
         def score(s, io_):
             return runtime.perplexity(s, io_, ids, window=window)
-    s_ref = _session(ref, threads)
-    d = score(s_ref, runtime.ModelIO.from_session(s_ref, ref))
-    del s_ref
+    from .kit import stamps
+
+    cache = stamps.JsonCache(cache_dir) if cache_dir else None
+    common = None
+    if cache is not None:
+        common = {"text": hashlib.sha256(text.encode()).hexdigest()[:16], "mode": mode, "threads": threads,
+                  "window": window, "windows": windows, "score": decode_score, "code": stamps.code_hash(),
+                  "library": stamps.library_hash()}
+
+    def scored(name: str, path: str) -> dict:
+        parts = {**(common or {}), "model": stamps.file_stamp(path)}
+        if cache is not None:
+            hit = cache.get(parts)
+            if hit is not None:
+                if say:
+                    say(f"quality: {name}: reused (same files, text, mode, code and library)")
+                return hit
+        t0 = time.perf_counter()
+        s = _session(path, threads)
+        p = score(s, runtime.ModelIO.from_session(s, path))
+        del s
+        got = {"ppl": float(p["ppl"]), "tokens": int(p["tokens"]),
+               "token_nll": [float(x) for x in p.get("token_nll", [])]}
+        if say:
+            say(f"quality: {name}: {time.perf_counter() - t0:.0f} s")
+        if cache is not None:
+            cache.put(parts, got)
+        return got
+
+    if say:
+        say("quality: the reference")
+    d = scored("the reference", ref)
     out = {"text": tp.name, "mode": mode, "tokens": int(d["tokens"]), "ppl_ref": float(d["ppl"]), "rows": {}}
     for name, path in variants.items():
         if name == "dense" or not path:
@@ -496,21 +536,31 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
         if say:
             say(f"quality: {name}")
         try:
-            s = _session(path, threads)
-            p = score(s, runtime.ModelIO.from_session(s, path))
-            del s
+            p = scored(name, path)
         except Exception as e:  # a row whose quality cannot be measured says why; the others go on
             out["rows"][name] = {"note": f"Δppl not measured: {str(e).splitlines()[0][:160]}"}
             continue
         row = {"ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
-        if "token_nll" in d and len(d["token_nll"]) == len(p["token_nll"]):
+        if d.get("token_nll") and len(d["token_nll"]) == len(p["token_nll"]):
             row["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
         out["rows"][name] = row
     if llama_peers is not None:   # llama.cpp's row, measured by llama.cpp on the same text
         if say:
             say("quality: llama.cpp (its GGUF vs F32)")
         notes: list = []
-        lq = llama_quality(ref, llama_peers, all_ids[: window * windows], window, threads, notes)
+        lids = all_ids[: window * windows]
+        parts = None
+        lq = None
+        if cache is not None:
+            parts = {"llama.cpp": peer_name(ref, llama_peers), "ids": hashlib.sha256(np.asarray(lids, np.int64).tobytes())
+                     .hexdigest()[:16], "window": window, "threads": threads, "code": common["code"]}
+            lq = cache.get(parts)
+            if lq is not None and say:
+                say("quality: llama.cpp: reused (same GGUF, tokens and window)")
+        if lq is None:
+            lq = llama_quality(ref, llama_peers, lids, window, threads, notes)
+            if lq is not None and cache is not None:
+                cache.put(parts, lq)
         out["rows"]["llama.cpp"] = ({k: lq[k] for k in ("ppl", "delta_ppl", "delta_ppl_upper", "note")} if lq
                                     else {"note": notes[0] if notes else "no GGUF for this model"})
     return out

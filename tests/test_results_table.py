@@ -200,3 +200,35 @@ def test_bench_profile_traces_of_a_decoder(tmp_path, capfd):
     assert d["profile_traces"]["MatMulNBits int4"]["1"].endswith("MatMulNBits-int4.t1.json")
     assert d["contexts"] == [16, 40] and all(set(r["tok_s"]["1"]) == {"16", "40"} for r in d["rows"])
     assert {r["name"] for r in d["rows"]} == {"dense", "lean", "MatMulNBits int4"}
+
+
+def test_table_quality_cache_reuses_only_under_the_same_stamp(toy_model, toy_text, tmp_path):
+    """The demo's quality cache: a second run with the same files, text and code reuses every row's
+    scores (same figures, no scoring), a changed model file is scored again, and another text is a
+    new stamp."""
+    import os
+    import shutil
+
+    from rewriter import evaluate
+
+    other = tmp_path / "other" / "model.onnx"
+    other.parent.mkdir()
+    shutil.copy(toy_model, other)
+    cache, said = tmp_path / "qcache", []
+    kw = dict(threads=1, window=64, windows=2, say=said.append, cache_dir=str(cache))
+    a = evaluate.table_quality({"lean": str(other)}, str(toy_model), str(toy_text), **kw)
+    assert not any("reused" in m for m in said) and len(list(cache.glob("*.json"))) == 2
+    said.clear()
+    b = evaluate.table_quality({"lean": str(other)}, str(toy_model), str(toy_text), **kw)
+    assert a == b and sum("reused" in m for m in said) == 2, said
+    said.clear()
+    st = other.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))    # the row's file changed: scored again
+    c = evaluate.table_quality({"lean": str(other)}, str(toy_model), str(toy_text), **kw)
+    assert [m for m in said if "reused" in m] == ["quality: the reference: reused (same files, text, mode, code and library)"]
+    assert c["rows"]["lean"]["ppl"] == pytest.approx(a["rows"]["lean"]["ppl"], rel=1e-6)
+    text2 = tmp_path / "t2.txt"
+    text2.write_text(toy_text.read_text()[::-1])
+    said.clear()
+    evaluate.table_quality({"lean": str(other)}, str(toy_model), str(text2), **kw)
+    assert not any("reused" in m for m in said)

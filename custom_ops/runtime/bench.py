@@ -451,6 +451,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
         drivers[f"{n} | og"] = OgRow(d, threads, past_ids, steps, 1 + repeats)
     times = {r: {"prefill": [], **{f"decode{p}": [] for p in pasts}} for r in drivers}
     rows = list(drivers)
+    t_round = time.perf_counter()
     for rnd in range(1 + repeats):
         k = rnd % len(rows)
         for r in rows[k:] + rows[:k]:
@@ -463,7 +464,8 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                 for p in pasts:
                     times[r][f"decode{p}"].extend(dts[p])
         if say:
-            say(f"threads {threads}: round {rnd}/{repeats}")
+            say(f"threads {threads}: round {rnd}/{repeats} ({time.perf_counter() - t_round:.0f} s)")
+        t_round = time.perf_counter()
         if rnd == 0 and huge_pages:
             from .memory import huge_pages_for_process
 
