@@ -694,7 +694,8 @@ def test_fit_pq_book_and_rotary_helpers():
 def test_og_row_runs_pasts_near_the_context_length(forms):
     """The genai generator row (`ortlean bench`'s "| og") at a past whose rounds of steps would run
     past the model's context_length (SmolLM2: past 8176 + rounds x 16 > 8192, og refused max_length):
-    max_length is capped and the generator built again, untimed, when a round has no room left."""
+    max_length is capped, and when a round has no room left the generator is rewound to the past's
+    length, untimed (before: built again, a prefill of the whole past per round)."""
     pytest.importorskip("onnxruntime_genai")
     from custom_ops.runtime.bench import OgRow
 
@@ -704,7 +705,11 @@ def test_og_row_runs_pasts_near_the_context_length(forms):
     ids = np.random.default_rng(0).integers(3, 200, (1, p))
     row = OgRow(d, threads=1, past_ids={p: ids}, steps=steps, rounds=4)
     assert row.max_len == ctx
+    gens = []
     for _ in range(4):
         t = row.decode(p, np.zeros((1, steps), np.int64))
         assert len(t) == steps and all(x > 0 for x in t)
         assert row.used[p] <= ctx
+        gens.append(row.gens[p])
+    assert all(g is gens[0] for g in gens)   # one generator, rewound (og has rewind_to)
+    assert gens[0].token_count() == ctx
