@@ -16,9 +16,14 @@ markdown table and ``speed-vs-context.png`` into the work directory.
 Backend flags on the command line replace the two recipes by one rewrite with those flags. An encoder
 (MiniLM) gets int8 weights (its quality is the embedding cosine).
 
+Speed rows: each model once, under its fastest driver (`ortlean bench --rows best`: ours with shared
+K/V buffers, genai's int4 model in its own generator, llama.cpp in llama-bench); the dense export is
+the quality reference.
+
 The rewritten models are kept in the work directory with a stamp of what made them (source model,
-flags, ortlean's Python code and op library); a later run with the same stamp reuses them (`--fresh` redoes
-them), so a warm demo spends its time measuring.
+flags, ortlean's Python code and op library), and so is every row's quality score (stamped by its
+files, the text and mode, the code and library: ``quality-cache/``); a later run with the same stamp
+reuses them (`--fresh` redoes both), so a warm demo spends its time measuring speed.
 """
 from __future__ import annotations
 
