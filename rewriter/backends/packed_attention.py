@@ -820,7 +820,8 @@ class PackedAttentionPass(GraphPassBase):
                 raise OrtleanError("fused graph (GroupQueryAttention): eps-mode key bits need --state-pack-eps E "
                                    "(per-head calibration reads the optimum graph's present keys)")
             smooth = None
-            if cfg.ksmooth == "auto" and cfg.kv_quant in ("int8", "int4") and cal.get("keys"):
+            if cfg.ksmooth == "auto" and cfg.kv_quant in ("int8", "int4") and cfg.mode in ("sign", "pq") \
+                    and cal.get("keys"):   # (eps modes: a given --state-pack-eps is in the keys' own units)
                 # the op stores K / s: the pq codebooks and the sign-bit key scale are fitted on those keys
                 smooth = {N: smooth_scales(kk, rotary_of(model, N)) for N, kk in cal["keys"].items()}
                 cal["keys"] = {N: (kk / smooth[N][:, None, :]).astype(np.float32) for N, kk in cal["keys"].items()}
