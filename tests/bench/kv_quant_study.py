@@ -20,6 +20,10 @@ exact attention over every earlier key (float64) is compared with attention over
 with the op's integer q.k (each query head to ±32767 levels, custom_ops.reference.attn.query_int16).
 Printed per layer and overall: mean over query heads and steps of |y' - y| / |y| (y = softmax . V)
 and of the logits' max abs error times the scale (what the softmax sees).
+
+Result (Qwen2.5-Coder-1.5B on its GGUF weights, results/packed-attention/kv-int8-error-by-layer-qwen.log):
+keys lose, values barely — mean over layers k8 0.0236, v8 0.0064, kv8 0.0258; layer 0 (a key channel
+88x the median) 0.227, layer 1 (41x) 0.047; smoothed kv8s@1 0.0149 (layer 0 0.036), kv8s@0.5 0.0177.
 """
 from __future__ import annotations
 
