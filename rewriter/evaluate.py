@@ -54,9 +54,10 @@ def peer_name(ref: str, peers: str = "auto") -> str | None:
                 None)
 
 
-def peer_models(ref: str, peers: str, notes: list) -> dict[str, str]:
-    """{"genai fp32": path, "genai int4": path} of the onnxruntime-genai builder built from the same
-    checkpoint as ``ref`` (cached); {} with a note when onnxruntime-genai is absent or the build fails."""
+def peer_models(ref: str, peers: str, notes: list, precisions=None) -> dict[str, str]:
+    """{"genai fp32": path, "genai int4": path} (or only ``precisions``) of the onnxruntime-genai
+    builder built from the same checkpoint as ``ref`` (cached); {} with a note when onnxruntime-genai
+    is absent or the build fails."""
     name = peer_name(ref, peers)
     if name is None:
         return {}
@@ -67,7 +68,7 @@ def peer_models(ref: str, peers: str, notes: list) -> dict[str, str]:
         notes.append(f"genai rows skipped: {why}")
         return {}
     out = {}
-    for prec in pm.GENAI_PRECISIONS:
+    for prec in precisions or pm.GENAI_PRECISIONS:
         try:
             out[f"genai {prec}"] = str(pm.genai_model(name, prec) / "model.onnx")
         except Exception as e:  # a comparison row we cannot make is a note, not fatal
@@ -365,9 +366,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             variants[f"MatMulNBits int{b}"] = nbits_model(ref, b)
         except Exception as e:  # a comparison row we cannot make is reported, not fatal
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
-    genai = peer_models(ref, peers, notes)
-    if best:  # the peer users ship is genai's int4 model; its fp32 one only shows the builder's graph
-        genai = {k: v for k, v in genai.items() if k != "genai fp32"}
+    # rows=best: the peer users ship is genai's int4 model; its fp32 one only shows the builder's graph
+    # (not even built: for a 1.5B model that is a 7 GB export)
+    genai = peer_models(ref, peers, notes, precisions=("int4",) if best else None)
     variants.update(genai)
     pasts, note = fit_pasts(pasts, steps, variants.values())
     if note:
@@ -396,6 +397,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     for t in threads:
         models = {}
         for k, v in variants.items():
+            if best and k == "dense" and src != "dense":   # neither timed nor building caches: no session
+                continue
             s = _session(v, t)
             models[k] = (s, runtime.ModelIO.from_session(s, v))
         res["table"][f"t{t}"] = rb.decode_table(
