@@ -29,6 +29,7 @@ def corpus():
     return n[c.CALIB_NOVEL], n[c.EVAL_NOVEL]
 
 
+@pytest.mark.heavy   # 25 s on a quiet machine, 100-260 s on a loaded one (its rank search times every layer)
 def test_minilm_tt_both_end_to_end(tmp_path, corpus):
     from models import prepare
 
