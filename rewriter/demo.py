@@ -27,7 +27,6 @@ reuses them (`--fresh` redoes both), so a warm demo spends its time measuring sp
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -47,7 +46,7 @@ def _stamp(source: Path, flags: list[str]) -> str:
 
     parts = {"source": str(source.resolve()), "source_mtime": int(source.stat().st_mtime), "flags": flags,
              "code": stamps.code_hash(), "library": stamps.library_hash()}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return stamps.stamp(parts)
 
 
 def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool, config) -> dict:

@@ -509,25 +509,24 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
                   "window": window, "windows": windows, "score": decode_score, "code": stamps.code_hash(),
                   "library": stamps.library_hash()}
 
+    def cached(parts: dict, compute, reused: str):
+        if cache is None:
+            return compute()
+        return cache.value(parts, compute, on_hit=(lambda: say(reused)) if say else None)
+
     def scored(name: str, path: str) -> dict:
-        parts = {**(common or {}), "model": stamps.file_stamp(path)}
-        if cache is not None:
-            hit = cache.get(parts)
-            if hit is not None:
-                if say:
-                    say(f"quality: {name}: reused (same files, text, mode, code and library)")
-                return hit
-        t0 = time.perf_counter()
-        s = _session(path, threads)
-        p = score(s, runtime.ModelIO.from_session(s, path))
-        del s
-        got = {"ppl": float(p["ppl"]), "tokens": int(p["tokens"]),
-               "token_nll": [float(x) for x in p.get("token_nll", [])]}
-        if say:
-            say(f"quality: {name}: {time.perf_counter() - t0:.0f} s")
-        if cache is not None:
-            cache.put(parts, got)
-        return got
+        def compute() -> dict:
+            t0 = time.perf_counter()
+            s = _session(path, threads)
+            p = score(s, runtime.ModelIO.from_session(s, path))
+            del s
+            if say:
+                say(f"quality: {name}: {time.perf_counter() - t0:.0f} s")
+            return {"ppl": float(p["ppl"]), "tokens": int(p["tokens"]),
+                    "token_nll": [float(x) for x in p.get("token_nll", [])]}
+
+        return cached({**(common or {}), "model": stamps.file_stamp(path)}, compute,
+                      f"quality: {name}: reused (same files, text, mode, code and library)")
 
     if say:
         say("quality: the reference")
@@ -552,18 +551,10 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
             say("quality: llama.cpp (its GGUF vs F32)")
         notes: list = []
         lids = all_ids[: window * windows]
-        parts = None
-        lq = None
-        if cache is not None:
-            parts = {"llama.cpp": peer_name(ref, llama_peers), "ids": hashlib.sha256(np.asarray(lids, np.int64).tobytes())
-                     .hexdigest()[:16], "window": window, "threads": threads, "code": common["code"]}
-            lq = cache.get(parts)
-            if lq is not None and say:
-                say("quality: llama.cpp: reused (same GGUF, tokens and window)")
-        if lq is None:
-            lq = llama_quality(ref, llama_peers, lids, window, threads, notes)
-            if lq is not None and cache is not None:
-                cache.put(parts, lq)
+        parts = {"llama.cpp": peer_name(ref, llama_peers), "ids": hashlib.sha256(np.asarray(lids, np.int64).tobytes())
+                 .hexdigest()[:16], "window": window, "threads": threads, "code": (common or {}).get("code")}
+        lq = cached(parts, lambda: llama_quality(ref, llama_peers, lids, window, threads, notes),
+                    "quality: llama.cpp: reused (same GGUF, tokens and window)")
         out["rows"]["llama.cpp"] = ({k: lq[k] for k in ("ppl", "delta_ppl", "delta_ppl_upper", "note")} if lq
                                     else {"note": notes[0] if notes else "no GGUF for this model"})
     return out

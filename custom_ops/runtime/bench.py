@@ -296,15 +296,15 @@ class OgRow:
         n = step_ids.shape[1]
         cap = p + self.steps * (self.rounds + 2) + 2
         cap = min(cap, self.max_len) if self.max_len else cap
+        past = np.asarray(self.past_ids[p]).reshape(-1).astype(np.int32)
         if p in self.gens and self.used[p] + n > cap and hasattr(self.gens[p], "rewind_to"):
             # no room left for this round's steps (a past near the context length): back to the past's
             # length (og >= 0.6 rewinds its shared-buffer cache by its length alone), untimed
             # (to one token short of it: og keeps the pending next token and appends it on the first step)
-            self.gens[p].rewind_to(int(np.asarray(self.past_ids[p]).size) - 1)
-            self.used[p] = int(np.asarray(self.past_ids[p]).size)
+            self.gens[p].rewind_to(past.size - 1)
+            self.used[p] = past.size
         if p not in self.gens or self.used[p] + n > cap:
             # new, or no room left and no rewind: built again (a prefill of the whole past), untimed
-            past = np.asarray(self.past_ids[p]).reshape(-1).astype(np.int32)
             g = self._gen(cap)
             g.append_tokens(past)
             self.gens[p], self.used[p] = g, past.size

@@ -4,6 +4,7 @@ and op library, and model files by path, size and modification time (their exter
 A cached value is reused only under the same stamp; anything else is measured again."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -11,9 +12,10 @@ from pathlib import Path
 __all__ = ["code_hash", "library_hash", "file_stamp", "stamp", "JsonCache"]
 
 
+@functools.lru_cache(maxsize=None)
 def code_hash() -> str:
     """The rewriter's code: its Python sources (a commit that changes only tests, docs or results keeps
-    every stamp)."""
+    every stamp). Read once per process: the code a process runs does not change under it."""
     import custom_ops
 
     h = hashlib.sha256()
@@ -23,8 +25,9 @@ def code_hash() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
 def library_hash() -> str:
-    """The op library the process loads (its bytes)."""
+    """The op library the process loads (its bytes; read once per process, as it is loaded once)."""
     import custom_ops
 
     return hashlib.sha256(Path(custom_ops.library_path()).read_bytes()).hexdigest()[:16]
@@ -44,7 +47,8 @@ def stamp(parts: dict) -> str:
 
 class JsonCache:
     """Values (JSON) under ``root`` by stamp: ``get(parts)`` / ``put(parts, value)``, written
-    atomically; an unreadable entry is a miss."""
+    atomically; an unreadable entry is a miss; ``value(parts, compute, on_hit)``: the cached value, or
+    ``compute()``'s (kept when not None)."""
 
     def __init__(self, root):
         self.root = Path(root)
@@ -65,3 +69,14 @@ class JsonCache:
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps({"parts": parts, "value": value}, default=str))
         tmp.replace(p)
+
+    def value(self, parts: dict, compute, on_hit=None):
+        hit = self.get(parts)
+        if hit is not None:
+            if on_hit:
+                on_hit()
+            return hit
+        got = compute()
+        if got is not None:
+            self.put(parts, got)
+        return got
