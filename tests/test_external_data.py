@@ -315,15 +315,17 @@ def test_rewrite_optimum_export_with_constants_in_external_data(tmp_path, monkey
     outs = {}
     for name, path in (("single", d / "model.onnx"), ("external", src)):
         out = tmp_path / name / "model.lean.onnx"
+        # --attn-exact is pinned: auto times GQA against the op per rewrite, and on a loaded machine the
+        # two rewrites (same model) decided differently, so their graphs had different inputs.
         rc = cli.main(["rewrite", str(path), "-o", str(out), "--weights", "int4", f"--fuse={fuse}",
-                       "--quality-budget=off", "-q"])
+                       "--attn-exact=on", "--quality-budget=off", "-q"])
         assert rc == 0, name
         outs[name] = out
     assert digest(src.parent) == before
     assert _attr_external(outs["external"]) == []
     assert (outs["external"].parent / "model.lean.onnx.data").is_file() == large
     ops = {n.op_type for n in onnx.load(str(outs["external"])).graph.node}
-    assert "BlockQuantMatMul" in ops and (("GroupQueryAttention" in ops or "PackedAttention" in ops) == (fuse == "auto"))
+    assert "BlockQuantMatMul" in ops and ("PackedAttention" in ops) == (fuse == "auto")
     sessions = [custom_ops.session(str(outs[k]), threads=1) for k in ("single", "external")]
     feeds = _feeds(sessions[0], T=6)
     for a, b in zip(*(s.run(None, feeds) for s in sessions)):
