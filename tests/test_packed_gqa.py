@@ -719,6 +719,36 @@ def test_gqa_replaced_int8_close_and_shared_buffer(tmp_path):
     np.testing.assert_allclose(np.stack(shared, 1), got, atol=1e-5)
 
 
+@requires_native
+@pytest.mark.parametrize("which", ["gqa", "packed"])
+def test_shared_kv_chunked_prefill(tmp_path, which):
+    """SharedKV.prefill(chunk=c): the prompt in runs of c tokens (the last one short), each after the
+    cached ones, gives the last chunk's logits and the cache one run gives (GroupQueryAttention, and
+    PackedAttention int8 rows with its candidate path on), and the decode steps after it agree."""
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+
+    if which == "gqa":
+        path = _save(_fused("qwen2"), tmp_path / "gqa.onnx")
+    else:
+        m, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=0.5, min_context=8, window=4, sinks=2,
+                            min_candidates=4)
+        path = _save(m, tmp_path / "packed.onnx")
+    sess = custom_ops.session(path, threads=1)
+    io = runtime.ModelIO.from_session(sess)
+    r = np.random.default_rng(3)
+    prompt, steps = r.integers(0, 256, (1, 47)), r.integers(0, 256, (1, 4))
+    one, chunked = SharedKV(sess, io, max_len=64), SharedKV(sess, io, max_len=64)
+    full = one.prefill(prompt)
+    last = chunked.prefill(prompt, chunk=10)
+    assert last.shape[1] == 7 and chunked.length == one.length == 47
+    np.testing.assert_allclose(last, full[:, -7:], atol=1e-5)
+    for name in one.arrays:
+        np.testing.assert_allclose(chunked.arrays[name][:, :, :47], one.arrays[name][:, :, :47], atol=1e-5)
+    for t in steps.T:
+        np.testing.assert_allclose(chunked.step(t[:, None]), one.step(t[:, None]), atol=1e-5)
+
+
 def _gqa_layer_model(Hq, Hkv, D, *, window=-1, softcap=0.0, packed=True, rotary=True, max_pos=256):
     """One GroupQueryAttention node as the genai builder writes it (packed QKV, rotary inside),
     with its own seqlens_k / total_sequence_length inputs."""

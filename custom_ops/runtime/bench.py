@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .io import ModelIO, feeds, run
+from .shared_kv import PREFILL_CHUNK
 
 # benchmarking
 # An idle intra-op pool keeps its workers spinning for tens of milliseconds after a Run (~30-40 ms with
@@ -306,7 +307,8 @@ class OgRow:
         if p not in self.gens or self.used[p] + n > cap:
             # new, or no room left and no rewind: built again (a prefill of the whole past), untimed
             g = self._gen(cap)
-            g.append_tokens(past)
+            for c0 in range(0, past.size, PREFILL_CHUNK):  # og's logits of a whole 32k past: 20 GB at Qwen's vocab
+                g.append_tokens(past[c0:c0 + PREFILL_CHUNK])
             self.gens[p], self.used[p] = g, past.size
         self.used[p] += n
         g, out = self.gens[p], []

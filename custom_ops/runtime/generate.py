@@ -357,7 +357,7 @@ class Decoder:
 
     def feed(self, ids) -> np.ndarray:
         """Run ``ids`` (a list or 1-D array) after the tokens fed so far; the last row's logits [V]."""
-        from .shared_kv import SharedKVError
+        from .shared_kv import PREFILL_CHUNK, SharedKVError
 
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         name = self.io.logits_name
@@ -368,7 +368,7 @@ class Decoder:
             return out[name][0, -1]
         if self.kv is not None:
             try:
-                logits = self.kv.prefill(ids) if self.length == 0 else self.kv.step(ids)
+                logits = self.kv.prefill(ids, chunk=PREFILL_CHUNK) if self.length == 0 else self.kv.step(ids)
                 self.length = self.kv.length
                 return logits[0, -1]
             except SharedKVError:

@@ -191,7 +191,7 @@ def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 
     as onnxruntime-genai runs fused graphs) when the graph allows it, else the growing-state loop.
     Returns ``ppl``, ``nll``, ``tokens``, ``windows``, ``context``, ``loop`` (shared | growing),
     ``token_nll`` (each scored token's NLL, in order: paired_delta against another model's)."""
-    from .shared_kv import SharedKV, SharedKVError
+    from .shared_kv import PREFILL_CHUNK, SharedKV, SharedKVError
 
     if io.kind != "causal-lm" or not io.logits_name:
         raise ValueError("decode_perplexity needs a causal LM with a logits output")
@@ -217,7 +217,7 @@ def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 
         chunk = ids[w * span:(w + 1) * span]
         if kv is not None:
             try:
-                kv.prefill(chunk[None, :context])
+                kv.prefill(chunk[None, :context], chunk=PREFILL_CHUNK)
             except SharedKVError:
                 kv, loop = None, "growing"
         if kv is None:

@@ -561,7 +561,7 @@ def _decode_nll_spans(sess, spans: list, context: int, score: int, state: dict |
         one = runtime.SharedKV(sess, io, max_len=context)
         parts = []
         for x in ids:
-            one.prefill(x[None, :context])
+            one.prefill(x[None, :context], chunk=runtime.PREFILL_CHUNK)
             parts.append({k: v.copy() for k, v in first_rows(one.arrays, context).items()})
         del one
         state = {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
