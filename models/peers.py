@@ -123,7 +123,8 @@ def genai_io(sess, model_dir):
 # llama.cpp
 def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: int = 64,
                 depths=(), repetitions: int = 5, timeout: float = 1800) -> tuple[list[dict], str]:
-    """Run ``llama-bench -m GGUF -t T.. -p P -n N [-d D..] -r R -o json`` on the package's GGUF with
+    """Run ``llama-bench -m GGUF -t T.. -p P -n N -r R -o json`` on the package's GGUF (with depths:
+    ``-p P -n 0`` and ``-p 0 -n N -d D..``, two runs, so that no depth is prefilled for a prompt test) with
     llama.cpp's tools from :mod:`models.llamacpp` (Debian's build, fetched on first use; or
     ``$ORTLEAN_ANCHORS_SCRIPT``). Returns (rows, note): rows are dicts with ``test`` ("pp128",
     "tg64", "tg64@d4096"), ``threads``, ``tok_s`` (mean), ``tok_s_std``, ``depth``; note is the command
@@ -134,29 +135,39 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
     if not spec.gguf:
         return [], f"llama.cpp rows skipped: {name} has no GGUF in its package"
     gguf = gguf_path(name)
-    args = ["-m", str(gguf), "-t", ",".join(map(str, threads)), "-p", str(prompt), "-n", str(gen),
-            "-r", str(repetitions), "-o", "json"]
+    base = ["-m", str(gguf), "-t", ",".join(map(str, threads))]
+    tail = ["-r", str(repetitions), "-o", "json"]
+    # llama-bench prefills every depth again for each test and repetition, and a prompt test at a depth
+    # prefills it too: with depths, the prompt runs once at depth 0 and the depths only decode
     if depths:
-        args += ["-d", ",".join(map(str, depths))]
-    try:
-        res, how = llamacpp.run_tool("llama-bench", args, timeout=timeout)
-    except llamacpp.LlamaCppError as e:
-        return [], f"llama.cpp rows skipped: {e}"
-    except subprocess.TimeoutExpired:
-        return [], f"llama.cpp rows skipped: llama-bench did not finish in {timeout:.0f} s"
-    if res.returncode != 0:
-        tail = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
-        return [], f"llama.cpp rows skipped: llama-bench ({how}) exited {res.returncode}: {tail[0]}"
-    try:
-        data = json.loads(res.stdout)
-    except json.JSONDecodeError:
-        return [], f"llama.cpp rows skipped: llama-bench ({how}) printed no JSON"
-    rows = []
-    for r in data:
-        test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
-        if r.get("n_depth"):
-            test += f"@d{r['n_depth']}"
-        rows.append({"test": test, "threads": int(r["n_threads"]), "tok_s": float(r["avg_ts"]),
-                     "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
-                     "model_type": r.get("model_type"), "build": f"{r.get('build_commit')} {r.get('build_number')}"})
-    return rows, " ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf) + f" ({how})"
+        runs = [base + ["-p", str(prompt), "-n", "0"] + tail,
+                base + ["-p", "0", "-n", str(gen)] + tail + ["-d", ",".join(map(str, depths))]]
+    else:
+        runs = [base + ["-p", str(prompt), "-n", str(gen)] + tail]
+    # the timeout grows with the depths' prefills (about 0.1 s a token on one core, with room)
+    timeout = timeout + 0.1 * sum(depths) * int(repetitions) * len(tuple(threads))
+    rows, notes = [], []
+    for args in runs:
+        try:
+            res, how = llamacpp.run_tool("llama-bench", args, timeout=timeout)
+        except llamacpp.LlamaCppError as e:
+            return [], f"llama.cpp rows skipped: {e}"
+        except subprocess.TimeoutExpired:
+            return [], f"llama.cpp rows skipped: llama-bench did not finish in {timeout:.0f} s"
+        if res.returncode != 0:
+            last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
+            return [], f"llama.cpp rows skipped: llama-bench ({how}) exited {res.returncode}: {last[0]}"
+        try:
+            data = json.loads(res.stdout)
+        except json.JSONDecodeError:
+            return [], f"llama.cpp rows skipped: llama-bench ({how}) printed no JSON"
+        for r in data:
+            test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
+            if r.get("n_depth"):
+                test += f"@d{r['n_depth']}"
+            rows.append({"test": test, "threads": int(r["n_threads"]), "tok_s": float(r["avg_ts"]),
+                         "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
+                         "model_type": r.get("model_type"),
+                         "build": f"{r.get('build_commit')} {r.get('build_number')}"})
+        notes.append(" ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf))
+    return rows, "; ".join(notes) + f" ({how})"

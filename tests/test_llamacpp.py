@@ -120,9 +120,12 @@ def test_override_script_runs_instead(tmp_path, monkeypatch):
     script.write_text(f"#!/bin/bash\n[ \"$1\" = llama-bench ] || exit 9\necho '{json.dumps(out)}'\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64,), repetitions=1)
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, repetitions=1)
     assert [r["test"] for r in rows] == ["pp8", "tg2@d64"] and rows[1]["tok_s"] == 50.0 and rows[1]["depth"] == 64
     assert note.startswith("llama-bench -m SmolLM2") and "(llama.sh)" in note
+    # with depths: the prompt at depth 0 and the depths decoding only — two runs (the script answers both)
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64,), repetitions=1)
+    assert len(rows) == 4 and "-p 8 -n 0 -r 1 -o json; llama-bench" in note and "-p 0 -n 2 -r 1 -o json -d 64" in note
     monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(tmp_path / "nope.sh"))
     rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2)
     assert rows == [] and "nope.sh: no such file" in note
@@ -138,7 +141,7 @@ def test_fetch_and_run_llama_bench_on_the_packaged_gguf(monkeypatch):
     t = llamacpp.tools()
     assert t.loader.exists() and (t.backend is None or t.backend.is_file())
     rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(16,), repetitions=1)
-    assert [r["test"] for r in rows] == ["pp8@d16", "tg2@d16"], note
+    assert [r["test"] for r in rows] == ["pp8", "tg2@d16"], note
     assert all(r["tok_s"] > 0 and r["threads"] == 1 for r in rows) and "Q4_1" in rows[0]["model_type"]
     assert f"llama.cpp-tools {t.version}" in note
 
