@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-text", default=None, metavar="FILE",
                    help="causal LMs: also Δppl of every row against --ref on this held-out text, measured as "
                    "`ortlean eval` does (decode-mode when a row approximates in decode)")
+    p.add_argument("--quality-cache", default=None, metavar="DIR",
+                   help="--quality-text: keep every row's scores in DIR by a stamp of its files, the text and mode, "
+                   "ortlean's code and library, and reuse them under the same stamp (as `ortlean demo` does)")
     p.add_argument("--tokenizer", help="tokenizer.json for --quality-text (default: beside --ref)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write ONNX Runtime's profiler trace (chrome trace JSON) of every row at every thread count "
@@ -408,11 +411,13 @@ def cmd_bench(args) -> int:
         raise OrtleanError(f"--label {args.label!r}: a row name without '|', not one of the --also labels")
     if args.json:
         _writable(args.json, "--json")
+    if args.quality_cache and not args.quality_text:
+        raise OrtleanError("--quality-cache keeps --quality-text's scores: give --quality-text too")
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=decode_past,
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
                          llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on", also=also,
                          quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer,
-                         rows=args.rows)
+                         rows=args.rows, quality_cache=args.quality_cache)
     print(evaluate.format_bench(res))
     if args.profile:
         n = sum(len(v) for v in (res.get("profile_traces") or {}).values())

@@ -415,8 +415,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             from models import peers as pm
 
             # llama-bench prefills each depth again for every repetition (8k tokens: about a minute on
-            # one thread): as many repetitions as the table's rounds, at most 3
-            reps = max(1, min(3, int(repeats)))
+            # one thread): as many repetitions as the table's rounds, at most 3 — one beyond 8k (a 32k
+            # depth is several minutes of prefill per repetition; each reports the mean of 32 steps)
+            reps = max(1, min(3 if max(pasts) <= 8192 else 1, int(repeats)))
             say(f"llama.cpp: llama-bench, {reps} repetitions")
             t0 = time.perf_counter()
             rows, note = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,

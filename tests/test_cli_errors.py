@@ -144,6 +144,7 @@ BAD_FLAGS = [
     (["bench", "{good}", "--ref", "{good}", "--repeats", "0"], ["--repeats", "0"]),
     (["bench", "{good}", "--ref", "{good}", "--threads", "0"], ["--threads", "0"]),
     (["bench", "{good}", "--ref", "{good}", "--huge-pages", "maybe"], ["--huge-pages", "maybe"]),
+    (["bench", "{good}", "--ref", "{good}", "--quality-cache", "{out}/qc"], ["--quality-cache", "--quality-text"]),
     (["perf", "{good}", "--iterations", "0"], ["--iterations", "0"]),
     (["perf", "{good}", "--inputs", "{out}/nope.npz"], ["nope.npz"]),
     (["generate", "{good}", "--prompt", "the", "--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),

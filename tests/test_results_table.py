@@ -118,8 +118,10 @@ def test_bench_json_is_the_results_schema_with_profile_traces(toy_model, toy_tex
     rc = cli.main(["bench", str(tmp_path / "a" / "model.onnx"), "--ref", str(toy_model), "--also",
                    f"mlp={tmp_path / 'b' / 'model.onnx'}", "--label", "all", "--threads", "1,2", "--prefill", "16",
                    "--decode-past", "8", "--repeats", "1", "--nbits", "none", "--huge-pages", "off",
-                   "--quality-text", str(toy_text), "--profile", str(traces), "--json", str(out)])
+                   "--quality-text", str(toy_text), "--quality-cache", str(tmp_path / "qc"), "--profile", str(traces),
+                   "--json", str(out)])
     assert rc == 0
+    assert len(list((tmp_path / "qc").glob("*.json"))) == 3     # the reference's and both rows' scores kept
     d = json.loads(out.read_text())
     assert d["schema"] == results.SCHEMA and d["contexts"] == [8] and d["threads"] == [1, 2]
     assert d["command"].startswith("ortlean bench ") and "--also" in d["command"]
