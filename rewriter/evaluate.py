@@ -347,7 +347,10 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                   huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
                   best=False, quality_cache=None) -> dict:
+    import resource
     import sys
+
+    from custom_ops.runtime.weights import cache_bytes_per_token
 
     from custom_ops.runtime import bench as rb
 
@@ -389,6 +392,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
            "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
            "variants": variants, "weight_bytes": {k: runtime.weight_bytes(v) for k, v in variants.items()},
+           "cache_bytes_per_token": {k: cache_bytes_per_token(v) for k, v in variants.items()},
            "table": {}, "ours": ["lean", *also], "model_name": peer_name(ref, peers) or Path(ref).parent.name}
 
     def say(msg):
@@ -420,12 +424,22 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             reps = max(1, min(3 if max(pasts) <= 8192 else 1, int(repeats)))
             say(f"llama.cpp: llama-bench, {reps} repetitions")
             t0 = time.perf_counter()
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
             rows, note = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,
                                         depths=tuple(pasts), repetitions=reps)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss   # the largest child's peak, KiB
             say(f"llama.cpp: llama-bench took {time.perf_counter() - t0:.0f} s")
-            res["llama_cpp"] = {"rows": rows, "command": note}
+            res["llama_cpp"] = {"rows": rows, "command": note,
+                                "peak_rss_mb": round(after / 1024) if after > before else None}
+            dense_cache = res["cache_bytes_per_token"].get("dense")
+            if dense_cache and runtime.ModelIO.from_model(ref).state_types.get("past_key_values.0.key") == np.float32:
+                # llama-bench's default cache type is f16 (-ctk / -ctv): half of the fp32 export's K/V
+                res["llama_cpp"]["cache_bytes_per_token"] = dense_cache // 2
             if not rows:
                 notes.append(note)
+    # the process's peak RSS after the timed rows (every ONNX row's weights and caches in this one
+    # process; the quality rows after it load their models again)
+    res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if quality_text:
         say(f"quality: Δppl of every row on {Path(quality_text).name}")
         res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say,

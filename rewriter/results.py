@@ -25,7 +25,10 @@ are all a reader of the file needs::
                "delta_ppl": 0.006, "delta_ppl_upper": 0.011, "ppl": 12.4,   # null when not measured
                "quality_note": null,
                "tok_s": {"1": {"128": 190.2, "4096": 157.6}, "2": {...}},  # decode tokens/s per thread count, per past
-               "prefill_tok_s": {"1": 2400.0, "2": 4100.0}}, ...]}
+               "prefill_tok_s": {"1": 2400.0, "2": 4100.0},
+               "cache_bytes_per_token": 15680,   # the model's cache states per cached token (llama.cpp: its f16 K/V)
+               "peak_rss_mb": null}, ...],       # llama.cpp's row: llama-bench's own process
+     "peak_rss_mb": 9216}                        # the bench process after the timed rows (every ONNX row in it)
 
 ``render(doc)`` turns a file into the markdown table; ``update(text, root)`` rewrites every table
 between ``<!-- results-table src=PATH -->`` and ``<!-- /results-table -->`` in a markdown text from the
@@ -210,7 +213,8 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
                 "path": variants.get(model), "weight_bytes": (res.get("weight_bytes") or {}).get(model),
                 "delta_ppl": 0.0 if model == "dense" and quality else q.get("delta_ppl"),
                 "delta_ppl_upper": q.get("delta_ppl_upper"), "ppl": q.get("ppl"),
-                "quality_note": q.get("note"), "tok_s": {}, "prefill_tok_s": {}}
+                "quality_note": q.get("note"), "tok_s": {}, "prefill_tok_s": {},
+                "cache_bytes_per_token": (res.get("cache_bytes_per_token") or {}).get(model)}
 
     if "table" in res:  # causal LM: decode_table rows per thread count
         prefill = res["prefill"]
@@ -230,7 +234,8 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
             row = base_row("llama.cpp", "llama-bench")
             build = next((x.get("build") for x in lc["rows"] if x.get("build")), "")
             mtype = next((x.get("model_type") for x in lc["rows"] if x.get("model_type")), "")
-            row.update(side="peer", path=None, weight_bytes=None,
+            row.update(side="peer", path=None, weight_bytes=None, cache_bytes_per_token=lc.get("cache_bytes_per_token"),
+                       peak_rss_mb=lc.get("peak_rss_mb"),
                        what=f"llama.cpp ({build.strip()}) on the package's GGUF ({mtype})".replace(" ()", ""),
                        quality_note=(qrows.get("llama.cpp") or {}).get("note") or lc.get("quality_note")
                        or "not measured here (llama.cpp's own runtime)")
@@ -262,7 +267,8 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
     out = provenance()
     out.update({"command": command, "model_name": res.get("model_name") or Path(str(res.get("ref", "model"))).stem,
                 "contexts": contexts, "threads": threads, "prefill_tokens": res.get("prefill"),
-                "quality": ({k: v for k, v in quality.items() if k != "rows"} if quality else None), "rows": rows})
+                "quality": ({k: v for k, v in quality.items() if k != "rows"} if quality else None),
+                "peak_rss_mb": res.get("peak_rss_mb"), "rows": rows})
     return out
 
 
@@ -316,9 +322,15 @@ def render(doc: dict, src: str = "") -> str:
         head += [f"decode tok/s, {t} thread{'s' if t != '1' else ''}: after {' / '.join(f'{c:,}' for c in ctxs)}"
                  for t in threads]
     head += [f"prefill tok/s ({doc.get('prefill_tokens')} tokens), {' / '.join(threads)} threads"]
+    picked = pick_rows(doc)
+    # the cache a token costs, against the reference's (fp32 K/V): in files that have it
+    fp32 = next((r.get("cache_bytes_per_token") for r in picked if r["side"] == "reference"), None)
+    with_cache = any(r.get("cache_bytes_per_token") for r in picked)
+    if with_cache:
+        head += ["cache bytes / token" + (" (x fp32)" if fp32 else "")]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["--:"] * (len(head) - 2)) + "|"]
     notes = []
-    for r in pick_rows(doc):
+    for r in picked:
         name = f"**{r['name']}**" if r["side"] == "ours" else r["name"]
         if r["driver"] not in ("plain loop", "llama-bench", "not timed") and f"({r['driver']})" not in name:
             name += f" ({r['driver']})"
@@ -331,6 +343,9 @@ def render(doc: dict, src: str = "") -> str:
             per = (r.get("tok_s") or {}).get(t) or {}
             cells.append(" / ".join(_fmt_tok(per.get(str(c))) for c in ctxs))
         cells.append(" / ".join(_fmt_tok((r.get("prefill_tok_s") or {}).get(t)) for t in threads))
+        if with_cache:
+            cb = r.get("cache_bytes_per_token")
+            cells.append("–" if not cb else f"{cb:,}" + (f" ({cb / fp32:.2f}x)" if fp32 else ""))
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     m = doc.get("machine") or {}
     q = doc.get("quality")
@@ -345,6 +360,11 @@ def render(doc: dict, src: str = "") -> str:
         cap += "Δppl not measured in this run (`--quality-text`). "
     cap += ("Decode: tokens/s of single-token steps after the given number of cached tokens; rows interleaved "
             "in one process; each row with its fastest driver.")
+    if doc.get("peak_rss_mb"):
+        llama_rss = next((r.get("peak_rss_mb") for r in picked if r.get("driver") == "llama-bench"), None)
+        cap += (f" Peak RSS {doc['peak_rss_mb'] / 1024:.1f} GiB for every ONNX row together (one process, each "
+                "row's weights and caches at every context)"
+                + (f"; llama-bench's own process {llama_rss / 1024:.1f} GiB" if llama_rss else "") + ".")
     lines += ["", cap]
     if doc.get("command"):
         lines += ["", f"`{doc['command']}`"]

@@ -62,6 +62,25 @@ def test_render_picks_each_models_fastest_driver_and_states_provenance():
         results.render({**doc, "schema": "other/1"})
 
 
+def test_render_cache_bytes_column_and_peak_rss_only_when_measured():
+    """Files with each row's cache bytes per token get a column relative to the reference's fp32 cache,
+    and the caption gives the process's and llama-bench's peak RSS; files without them render as before."""
+    from rewriter import results
+
+    assert "cache bytes" not in results.render(_doc()) and "Peak RSS" not in results.render(_doc())
+    doc = _doc()
+    for r in doc["rows"]:
+        r["cache_bytes_per_token"] = {"dense": 57344, "lean": 15680, "llama.cpp": 28672}[r["model"]]
+    doc["rows"][-1]["peak_rss_mb"] = 3072
+    doc["peak_rss_mb"] = 9216
+    md = results.render(doc)
+    assert md.splitlines()[0].endswith("| cache bytes / token (x fp32) |")
+    body = {ln.split(" | ")[0]: ln for ln in md.splitlines() if ln.startswith("| ") and "---" not in ln}
+    assert body["| dense"].endswith("| 57,344 (1.00x) |") and body["| **lean (shared KV)**"].endswith("| 15,680 (0.27x) |")
+    assert body["| llama.cpp"].endswith("| 28,672 (0.50x) |")
+    assert "Peak RSS 9.0 GiB for every ONNX row together" in md and "llama-bench's own process 3.0 GiB" in md
+
+
 def test_update_rewrites_between_markers_and_check_sees_stale_tables(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "res").mkdir()
@@ -133,6 +152,8 @@ def test_bench_json_is_the_results_schema_with_profile_traces(toy_model, toy_tex
     assert rows["dense"]["side"] == "reference" and rows["all"]["side"] == rows["mlp"]["side"] == "ours"
     assert rows["all"]["what"].startswith("ortlean: TTMatMul x")
     assert d["quality"]["tokens"] > 0 and "windows" in d["quality"]["mode"]
+    assert rows["dense"]["cache_bytes_per_token"] is None    # the toy LM has no cache
+    assert d["peak_rss_mb"] > 0
     for r in rows.values():
         assert isinstance(r["delta_ppl"], float) and set(r["tok_s"]) == {"1", "2"}
         assert all(r["tok_s"][t]["8"] > 0 and r["prefill_tok_s"][t] > 0 for t in ("1", "2"))
@@ -160,6 +181,27 @@ def test_bench_json_is_the_results_schema_with_profile_traces(toy_model, toy_tex
     assert any("fastest driver only" in n for n in d["notes"])
     md = results.render(d)
     assert "| dense | " in md and "| – |" in md.split("| dense | ")[1].split("\n")[0] + " |"
+
+
+def test_cache_bytes_per_token_of_fp32_and_packed_caches(tmp_path):
+    """fp32 K/V: layers x (key, value) x kv_heads x head_dim x 4 bytes; PackedAttention's state: its
+    key-code and row words (int8 rows: about a quarter of fp32)."""
+    import tiny_hf
+    from custom_ops.runtime.weights import cache_bytes_per_token
+
+    from rewriter import cli
+
+    src = tiny_hf.models()["qwen2"] / "model.onnx"
+    cfg = json.loads((src.parent / "config.json").read_text())
+    kv, hd = cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    fp32 = cfg["num_hidden_layers"] * 2 * kv * hd * 4
+    assert cache_bytes_per_token(src) == fp32
+    out = tmp_path / "p" / "model.onnx"
+    assert cli.main(["rewrite", str(src), "-o", str(out), "--weights", "int8", "--state-pack", "binary",
+                     "--quality-budget=off", "-q"]) == 0
+    packed = cache_bytes_per_token(out)
+    assert packed is not None and 0.25 * fp32 < packed < 0.5 * fp32, (packed, fp32)
+
 
 
 def test_bench_flags_refuse_bad_labels(toy_model, tmp_path, capsys):

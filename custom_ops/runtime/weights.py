@@ -63,6 +63,29 @@ def _tensor_nbytes(t, base_dir: Path) -> int:
     return numel * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
 
+def cache_bytes_per_token(model_path) -> int | None:
+    """Bytes the model's cache states (``past_key_values.N.*``, every layer) hold per cached token:
+    each state's element size times its declared dimensions other than batch and sequence
+    (fp32 K/V: layers x 2 x kv_heads x head_dim x 4; PackedAttention: its key-code and K/V row words).
+    None for a model without a cache or with a symbolic non-sequence dimension."""
+    from .io import ModelIO
+
+    io = ModelIO.from_model(str(model_path))
+    if not io.state_shapes:
+        return None
+    total = 0
+    for n, shape in io.state_shapes.items():
+        per = np.dtype(io.state_types[n]).itemsize
+        for i, d in enumerate(shape):
+            if i == 0 or i == io.state_seq_axis[n]:
+                continue
+            if not isinstance(d, int) or d <= 0:
+                return None
+            per *= d
+        total += per
+    return int(total)
+
+
 def weight_bytes(model_path) -> int:
     """Bytes of all initializers (main graph and subgraphs), external data included, as stored."""
     import onnx
