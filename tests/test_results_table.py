@@ -276,3 +276,20 @@ def test_table_quality_cache_reuses_only_under_the_same_stamp(toy_model, toy_tex
     said.clear()
     evaluate.table_quality({"lean": str(other)}, str(toy_model), str(text2), **kw)
     assert not any("reused" in m for m in said)
+
+
+def test_plot_script_draws_a_committed_results_file(tmp_path):
+    """tests/bench/plot_results.py: the demo's tok/s-against-context plot from a results file."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plot_results", root / "tests/bench/plot_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    png = tmp_path / "p.png"
+    assert mod.main([str(root / "tests/bench/results/smollm2.json"), str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = tmp_path / "none.json"
+    doc.write_text(json.dumps({"schema": "ortlean-results/1", "contexts": [], "threads": [1], "rows": []}))
+    assert mod.main([str(doc), str(tmp_path / "q.png")]) == 1 and not (tmp_path / "q.png").exists()
