@@ -193,7 +193,9 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
 
 def format_eval(r: dict) -> str:
     if r["kind"] == "causal-lm":
-        how = f"decode-mode, {r['mode']}" if r.get("mode") else f"{r['window']}-token windows"
+        mode = r.get("mode") or ""   # "decode (4 windows: ...)" -> "decode-mode (4 windows: ...)"
+        how = ("decode-mode" + mode[len("decode"):] if mode.startswith("decode") else mode) if mode \
+            else f"{r['window']}-token windows"
         out = (f"perplexity on {r['tokens']} tokens ({how}) of {Path(r['text']).name}: "
                f"dense {r['ppl_ref']:.3f}, lean {r['ppl']:.3f}, Δppl {100 * r['delta_ppl']:+.2f} %")
         if "delta_ppl_upper" in r:
