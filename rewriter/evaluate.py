@@ -3,6 +3,7 @@ reference, both measured in the same process."""
 from __future__ import annotations
 
 import hashlib
+import resource
 import time
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
                 raise OrtleanError(f"--decode-context {want} + --decode-score {decode_score}: the model takes "
                                    f"{cap} positions")
             dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 2))  # 4 x 256 by default
-            res["mode"] = f"decode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode steps)"
+            res["mode"] = (f"decode-mode ({dm['windows']} windows: {dm['context']}-token prefill, {dm['score']} decode "
+                           "steps)")
             if approx_from is not None and ctx_len + decode_score < approx_from:
                 res["mode"] += (f"; the model approximates from context {approx_from} on: these steps run its exact "
                                 "path")
@@ -193,9 +195,7 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
 
 def format_eval(r: dict) -> str:
     if r["kind"] == "causal-lm":
-        mode = r.get("mode") or ""   # "decode (4 windows: ...)" -> "decode-mode (4 windows: ...)"
-        how = ("decode-mode" + mode[len("decode"):] if mode.startswith("decode") else mode) if mode \
-            else f"{r['window']}-token windows"
+        how = r.get("mode") or f"{r['window']}-token windows"
         out = (f"perplexity on {r['tokens']} tokens ({how}) of {Path(r['text']).name}: "
                f"dense {r['ppl_ref']:.3f}, lean {r['ppl']:.3f}, Δppl {100 * r['delta_ppl']:+.2f} %")
         if "delta_ppl_upper" in r:
@@ -349,10 +349,7 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                   huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
                   best=False, quality_cache=None) -> dict:
-    import resource
     import sys
-
-    from custom_ops.runtime.weights import cache_bytes_per_token
 
     from custom_ops.runtime import bench as rb
 
@@ -394,7 +391,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
            "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
            "variants": variants, "weight_bytes": {k: runtime.weight_bytes(v) for k, v in variants.items()},
-           "cache_bytes_per_token": {k: cache_bytes_per_token(v) for k, v in variants.items()},
+           "cache_bytes_per_token": {k: runtime.cache_bytes_per_token(v) for k, v in variants.items()},
            "table": {}, "ours": ["lean", *also], "model_name": peer_name(ref, peers) or Path(ref).parent.name}
 
     def say(msg):

@@ -203,7 +203,6 @@ def test_cache_bytes_per_token_of_fp32_and_packed_caches(tmp_path):
     assert packed is not None and 0.25 * fp32 < packed < 0.5 * fp32, (packed, fp32)
 
 
-
 def test_bench_flags_refuse_bad_labels(toy_model, tmp_path, capsys):
     from rewriter import cli
 

@@ -26,11 +26,11 @@ from .profile import ATTENTION_OPS, ProfileSummary, decode_profile, profile_summ
 from .shared_kv import PREFILL_CHUNK, SharedKV, SharedKVError
 from .quality import (approximate_decode, approximate_from, decode_perplexity, embeddings, paired_delta, perplexity,
                       sentences_from_text)
-from .weights import quantize_matmul_nbits, weight_bytes
+from .weights import cache_bytes_per_token, quantize_matmul_nbits, weight_bytes
 
 __all__ = [
     "ModelIO", "load_tokenizer", "tokenize", "feeds", "run", "perplexity", "decode_perplexity", "paired_delta", "approximate_decode", "approximate_from", "embeddings",
     "sentences_from_text", "generate", "bench_sessions", "time_sessions", "time_cpu", "profile_summary", "decode_profile", "ATTENTION_OPS",
-    "ProfileSummary", "SharedKV", "SharedKVError", "PREFILL_CHUNK", "weight_bytes", "quantize_matmul_nbits", "EOS_TOKENS",
+    "ProfileSummary", "SharedKV", "SharedKVError", "PREFILL_CHUNK", "weight_bytes", "cache_bytes_per_token", "quantize_matmul_nbits", "EOS_TOKENS",
     "Generation", "Sampling", "TextStream", "model_eos_ids",
 ]
