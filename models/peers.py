@@ -124,11 +124,12 @@ def genai_io(sess, model_dir):
 def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: int = 64,
                 depths=(), repetitions: int = 5, timeout: float = 1800) -> tuple[list[dict], str]:
     """Run ``llama-bench -m GGUF -t T.. -p P -n N -r R -o json`` on the package's GGUF (with depths:
-    ``-p P -n 0`` and ``-p 0 -n N -d D..``, two runs, so that no depth is prefilled for a prompt test) with
-    llama.cpp's tools from :mod:`models.llamacpp` (Debian's build, fetched on first use; or
-    ``$ORTLEAN_ANCHORS_SCRIPT``). Returns (rows, note): rows are dicts with ``test`` ("pp128",
-    "tg64", "tg64@d4096"), ``threads``, ``tok_s`` (mean), ``tok_s_std``, ``depth``; note is the command
-    and what ran it, or — rows == [] — one line saying why the rows were skipped."""
+    ``-p P -n 0``, then ``-p 0 -n N -d D`` once per depth, so that no depth is prefilled for a prompt
+    test and a depth that fails or runs out of time keeps the rows before it) with llama.cpp's tools
+    from :mod:`models.llamacpp` (Debian's build, fetched on first use; or ``$ORTLEAN_ANCHORS_SCRIPT``).
+    Returns (rows, note): rows are dicts with ``test`` ("pp128", "tg64", "tg64@d4096"), ``threads``,
+    ``tok_s`` (mean), ``tok_s_std``, ``depth``; note is the commands and what ran them (and which run
+    stopped, and why), or — rows == [] — one line saying why the rows were skipped."""
     from . import llamacpp
 
     spec = _spec(name)
@@ -138,29 +139,39 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
     base = ["-m", str(gguf), "-t", ",".join(map(str, threads))]
     tail = ["-r", str(repetitions), "-o", "json"]
     # llama-bench prefills every depth again for each test and repetition, and a prompt test at a depth
-    # prefills it too: with depths, the prompt runs once at depth 0 and the depths only decode
+    # prefills it too: with depths, the prompt runs once at depth 0 and each depth only decodes, in a
+    # run of its own (llama-bench reports at its end: a 32k depth is most of an hour on two cores)
     if depths:
-        runs = [base + ["-p", str(prompt), "-n", "0"] + tail,
-                base + ["-p", "0", "-n", str(gen)] + tail + ["-d", ",".join(map(str, depths))]]
+        runs = [(base + ["-p", str(prompt), "-n", "0"] + tail, 0)]
+        runs += [(base + ["-p", "0", "-n", str(gen)] + tail + ["-d", str(d)], int(d)) for d in depths]
     else:
-        runs = [base + ["-p", str(prompt), "-n", str(gen)] + tail]
-    # the timeout grows with the depths' prefills (about 0.1 s a token on one core, with room)
-    timeout = timeout + 0.1 * sum(depths) * int(repetitions) * len(tuple(threads))
-    rows, notes = [], []
-    for args in runs:
+        runs = [(base + ["-p", str(prompt), "-n", str(gen)] + tail, 0)]
+    rows, notes, how = [], [], "llama.cpp"
+    for args, depth in runs:
+        # the timeout grows with the depth's prefills (about 0.1 s a token on one core, with room)
+        limit = timeout + 0.1 * depth * int(repetitions) * len(tuple(threads))
+        cmd = " ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf)
+        why = None
         try:
-            res, how = llamacpp.run_tool("llama-bench", args, timeout=timeout)
+            res, how = llamacpp.run_tool("llama-bench", args, timeout=limit)
         except llamacpp.LlamaCppError as e:
             return [], f"llama.cpp rows skipped: {e}"
         except subprocess.TimeoutExpired:
-            return [], f"llama.cpp rows skipped: llama-bench did not finish in {timeout:.0f} s"
-        if res.returncode != 0:
-            last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
-            return [], f"llama.cpp rows skipped: llama-bench ({how}) exited {res.returncode}: {last[0]}"
-        try:
-            data = json.loads(res.stdout)
-        except json.JSONDecodeError:
-            return [], f"llama.cpp rows skipped: llama-bench ({how}) printed no JSON"
+            why = f"did not finish in {limit:.0f} s"
+        else:
+            if res.returncode != 0:
+                last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
+                why = f"exited {res.returncode}: {last[0]}"
+            else:
+                try:
+                    data = json.loads(res.stdout)
+                except json.JSONDecodeError:
+                    why = "printed no JSON"
+        if why is not None:
+            if not rows:
+                return [], f"llama.cpp rows skipped: llama-bench ({how}) {why}"
+            notes.append(f"{cmd} stopped: {why} (later runs not started)")
+            break
         for r in data:
             test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
             if r.get("n_depth"):
@@ -169,5 +180,5 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
                          "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
                          "model_type": r.get("model_type"),
                          "build": f"{r.get('build_commit')} {r.get('build_number')}"})
-        notes.append(" ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf))
+        notes.append(cmd)
     return rows, "; ".join(notes) + f" ({how})"

@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="auto", help="rows for the genai builder's fp32/int4 models and llama.cpp: auto "
                    "(when --ref is a packaged model's export, default) | none | a packaged model name")
     p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp rows")
+    p.add_argument("--no-genai", action="store_true", help="skip the onnxruntime-genai rows")
+    p.add_argument("--past-cache", default=None, metavar="DIR|off",
+                   help="causal LMs: keep the caches of pasts above 512 tokens in DIR (default: "
+                   "<ortlean cache>/pasts), by the building model's file stamp and the token ids, and load them "
+                   "in later runs instead of prefilling again; off: build them in memory for this run only")
     p.add_argument("--rows", choices=["all", "best"], default="all",
                    help="decoders: all = every model under every driver it runs with (plain loop, shared K/V "
                    "buffers, onnxruntime-genai's generator; default); best = each model once, under its fastest "
@@ -398,6 +403,16 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _past_cache(arg: str | None) -> str | None:
+    if arg == "off":
+        return None
+    if arg is None:
+        from models.cache import cache_root
+
+        return str(cache_root() / "pasts")
+    return arg
+
+
 def cmd_bench(args) -> int:
     from . import evaluate
 
@@ -417,7 +432,8 @@ def cmd_bench(args) -> int:
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
                          llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on", also=also,
                          quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer,
-                         rows=args.rows, quality_cache=args.quality_cache)
+                         rows=args.rows, quality_cache=args.quality_cache, genai=not args.no_genai,
+                         past_cache=_past_cache(args.past_cache))
     print(evaluate.format_bench(res))
     if args.profile:
         n = sum(len(v) for v in (res.get("profile_traces") or {}).values())

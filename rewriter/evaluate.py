@@ -14,6 +14,7 @@ from models.cache import cache_root
 
 from .errors import OrtleanError
 from .kit import modelfile
+from .kit import stamps
 
 
 def _session(path: str, threads: int):
@@ -253,7 +254,7 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
           nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
           huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,
           trace_dir: str | None = None, tokenizer: str | None = None, rows: str = "all",
-          quality_cache: str | None = None) -> dict:
+          quality_cache: str | None = None, genai: bool = True, past_cache: str | None = None) -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
@@ -269,7 +270,9 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     generator, llama.cpp in llama-bench — and leaves out the rows that only explain (the dense model
     is the quality reference, not timed; genai's fp32 model; other drivers). ``quality_cache``: a
     directory where each row's quality scores are kept and reused under the same stamp
-    (:func:`table_quality`)."""
+    (:func:`table_quality`). ``genai``: False leaves the onnxruntime-genai rows out. ``past_cache``: a
+    directory where the caches of pasts above 512 tokens are kept and reused
+    (:class:`runtime.bench.PastStore`; None: built in memory for this run)."""
     if rows not in ("all", "best"):
         raise OrtleanError(f"rows={rows!r}: 'all' or 'best'")
     also = dict(also or {})
@@ -283,7 +286,8 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
         return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                              huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
-                             tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache)
+                             tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache, genai=genai,
+                             past_cache=past_cache)
     if quality_text:
         raise OrtleanError("--quality-text: Δppl is measured for causal LMs; an encoder's quality is "
                            "`ortlean eval`'s embedding cosine")
@@ -348,7 +352,7 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                   huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
-                  best=False, quality_cache=None) -> dict:
+                  best=False, quality_cache=None, genai=True, past_cache=None) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -370,7 +374,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
     # rows=best: the peer users ship is genai's int4 model; its fp32 one only shows the builder's graph
     # (not even built: for a 1.5B model that is a 7 GB export)
-    genai = peer_models(ref, peers, notes, precisions=("int4",) if best else None)
+    genai = peer_models(ref, peers, notes, precisions=("int4",) if best else None) if genai else {}
     variants.update(genai)
     pasts, note = fit_pasts(pasts, steps, variants.values())
     if note:
@@ -380,7 +384,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     # float cache when there is one — ours, then a GQA peer (values do not change the cost); the unfused
     # dense export's prefill at 8k is several times slower
     src = next((k for k in ("lean", *also, *shared) if k in shared and _float_cache(variants[k])), "dense")
-    built: dict = {}
+    built = rb.PastStore(past_cache, {"model": stamps.file_stamp(variants[src]), "format": 1})
     og_ok = bool(genai) and __import__("importlib").util.find_spec("onnxruntime_genai") is not None
     loop = None
     if best:  # each model under its fastest driver only; the dense model is the quality reference
@@ -409,6 +413,10 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
             long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built)
         del models
+    if built.root is not None and any(p > 512 for p in pasts):
+        notes.append(f"long pasts' caches kept in / loaded from {built.root} (by the building model's file stamp "
+                     "and the token ids; --past-cache off: built in memory for this run only)")
+    notes.extend(built.skipped)
     del built
     if llama:
         name = peer_name(ref, peers)
@@ -434,7 +442,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             if dense_cache and runtime.ModelIO.from_model(ref).state_types.get("past_key_values.0.key") == np.float32:
                 # llama-bench's default cache type is f16 (-ctk / -ctv): half of the fp32 export's K/V
                 res["llama_cpp"]["cache_bytes_per_token"] = dense_cache // 2
-            if not rows:
+            if not rows or " stopped: " in note:
                 notes.append(note)
     # the process's peak RSS after the timed rows (every ONNX row's weights and caches in this one
     # process; the quality rows after it load their models again)

@@ -131,6 +131,27 @@ def test_override_script_runs_instead(tmp_path, monkeypatch):
     assert rows == [] and "nope.sh: no such file" in note
 
 
+def test_each_depth_runs_alone_and_a_failed_depth_keeps_the_rows_before_it(tmp_path, monkeypatch):
+    """One llama-bench run per depth: a depth that fails (or times out) is named in the note, the rows
+    of the runs before it are kept and later depths are not started."""
+    script, log = tmp_path / "llama.sh", tmp_path / "calls"
+    script.write_text(f"""#!/bin/bash
+echo "$*" >> {log}
+case "$*" in *"-d 128"*) echo 'out of memory' >&2; exit 3;; esac
+d=0; n=0; p=8
+case "$*" in *"-d 64"*) d=64; n=2; p=0;; esac
+echo '[{{"n_prompt": '$p', "n_gen": '$n', "n_depth": '$d', "n_threads": 1, "avg_ts": 9.0}}]'
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64, 128, 256), repetitions=1)
+    assert [r["test"] for r in rows] == ["pp8", "tg2@d64"]
+    assert "-d 128 stopped: exited 3: out of memory (later runs not started)" in note
+    assert len(log.read_text().splitlines()) == 3   # prompt, depth 64, depth 128; 256 never started
+    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(128,), repetitions=1)
+    assert [r["test"] for r in rows] == ["pp8"] and "stopped: exited 3" in note
+
+
 @pytest.mark.slow
 def test_fetch_and_run_llama_bench_on_the_packaged_gguf(monkeypatch):
     """The real thing: Debian's llama.cpp-tools fetched (or found in the cache) and llama-bench run on

@@ -513,6 +513,35 @@ def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
                           long_past_from="gqa", own_past=64)
     assert {"gqa", "pa", "gqa | shared KV", "pa | shared KV"} <= set(tab)
     assert all(tab[r]["decode200"] > 0 for r in tab)
+    # a PastStore with a directory: the first table builds the long past and keeps it on disk, a later
+    # run (a new store on the same directory) loads it; another building model's stamp misses
+    said = []
+    store = rb.PastStore(tmp_path / "pasts", {"model": "gqa"})
+    rb.decode_table(models, [200], prefill_len=8, steps=1, repeats=1, shared=("pa",), long_past_from="gqa",
+                    own_past=64, built=store, say=said.append)
+    assert any("past 200: cache built by gqa" in m for m in said)
+    said.clear()
+    again = rb.PastStore(tmp_path / "pasts", {"model": "gqa"})
+    rb.decode_table(models, [200], prefill_len=8, steps=1, repeats=1, shared=("pa",), long_past_from="gqa",
+                    own_past=64, built=again, say=said.append)
+    assert any("past 200: cache loaded from" in m for m in said) and not any("built by" in m for m in said)
+    (key, kv), = store.mem.items()
+    assert all(np.array_equal(kv[n], again.mem[key][n]) for n in kv)
+    ids = np.random.default_rng(0).integers(3, 256, (1, 200))
+    rb.PastStore(tmp_path / "direct", {"model": "a"}).put(ids, kv)
+    got = rb.PastStore(tmp_path / "direct", {"model": "a"}).get(ids)
+    assert got is not None and all(np.array_equal(got[n], kv[n]) for n in kv)
+    assert rb.PastStore(tmp_path / "direct", {"model": "b"}).get(ids) is None      # another model's
+    assert rb.PastStore(tmp_path / "direct", {"model": "a"}).get(ids[:, ::-1]) is None   # other ids
+    full = rb.PastStore(tmp_path / "full", {"model": "gqa"}, keep_free=1 << 62)
+    full.put(ids, kv)
+    assert "not kept" in full.skipped[0] and not any((tmp_path / "full").iterdir())
+    entry, = (tmp_path / "pasts").iterdir()   # an unreadable entry is a miss: built (and written) again
+    (entry / "0.npy").write_bytes(b"junk")
+    said.clear()
+    rb.decode_table(models, [200], prefill_len=8, steps=1, repeats=1, shared=("pa",), long_past_from="gqa",
+                    own_past=64, built=rb.PastStore(tmp_path / "pasts", {"model": "gqa"}), say=said.append)
+    assert any("past 200: cache built by gqa" in m for m in said)
     ids = np.random.default_rng(5).integers(3, 256, (1, 200))
     s, io = models["gqa"]
     built = rb.chunked_state(s, io, ids, chunk=64)

@@ -292,3 +292,22 @@ def test_plot_script_draws_a_committed_results_file(tmp_path):
     doc = tmp_path / "none.json"
     doc.write_text(json.dumps({"schema": "ortlean-results/1", "contexts": [], "threads": [1], "rows": []}))
     assert mod.main([str(doc), str(tmp_path / "q.png")]) == 1 and not (tmp_path / "q.png").exists()
+
+
+def test_llama_cpp_delta_ppl_is_kept_when_llama_bench_gave_no_speed():
+    """A llama.cpp row whose llama-bench run failed still carries the Δppl llama.cpp measured, with the
+    reason for the missing speed; a bench without llama.cpp at all has no such row."""
+    from rewriter import results
+
+    res = {"prefill": 128, "pasts": [128], "threads": [2], "model": "m.onnx", "ref": "d.onnx",
+           "variants": {"dense": "d.onnx", "lean": "m.onnx"}, "table": {"t2": {"lean | shared KV": {
+               "prefill": 100.0, "decode128": 50.0}}},
+           "quality": {"text": "p.txt", "rows": {"lean": {"delta_ppl": 0.01}, "llama.cpp": {
+               "delta_ppl": 0.002, "note": "llama.cpp's own Δppl"}}},
+           "llama_cpp": {"rows": [], "command": "llama.cpp rows skipped: llama-bench did not finish in 9 s"}}
+    rows = {r["model"]: r for r in results.from_bench(res)["rows"]}
+    lc = rows["llama.cpp"]
+    assert lc["delta_ppl"] == 0.002 and lc["tok_s"] == {} and "did not finish" in lc["speed_note"]
+    assert "llama.cpp" in results.render(results.from_bench(res) | {"schema": results.SCHEMA})
+    del res["quality"]["rows"]["llama.cpp"]
+    assert "llama.cpp" not in {r["model"] for r in results.from_bench(res)["rows"]}
