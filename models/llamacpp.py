@@ -301,9 +301,49 @@ def run_tool(tool: str, args=(), timeout: float | None = None) -> tuple[subproce
                            timeout=timeout)
         return r, f"{script.name}"
     t = tools()
-    r = t.run(tool, args, capture_output=True, text=True, timeout=timeout)
+    r = run_with_peak(t.command(tool, args), env=t.env(), timeout=timeout)
     be = t.backend.name[len("lib"):-len(".so")] if t.backend else "ggml's default CPU backend"
     return r, f"Debian llama.cpp-tools {t.version}, {be}"
+
+
+def run_with_peak(cmd, env=None, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that also keeps the process's own peak
+    RSS as ``.peak_rss_kb`` (its VmHWM in /proc, sampled every 0.2 s until it exits; None where /proc
+    has none). Not getrusage's ru_maxrss of the child: a child forked from a large process reports
+    the parent's RSS at its exec (Linux keeps the larger high-water mark), so a 14 GB bench process
+    made a 3 GB llama-bench look like 14 GB."""
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [None]
+    done = threading.Event()
+
+    def sample():
+        status = Path(f"/proc/{proc.pid}/status")
+        while not done.is_set():
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        kb = int(line.split()[1])
+                        peak[0] = max(peak[0] or 0, kb)
+            except (OSError, ValueError, IndexError):
+                pass
+            done.wait(0.2)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        done.set()
+        th.join()
+    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    r.peak_rss_kb = peak[0]
+    return r
 
 
 # --------------------------------------------------------------------------- quality: llama.cpp's own NLLs

@@ -179,6 +179,8 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
             rows.append({"test": test, "threads": int(r["n_threads"]), "tok_s": float(r["avg_ts"]),
                          "tok_s_std": float(r.get("stddev_ts", 0.0)), "depth": int(r.get("n_depth", 0)),
                          "model_type": r.get("model_type"),
-                         "build": f"{r.get('build_commit')} {r.get('build_number')}"})
+                         "build": f"{r.get('build_commit')} {r.get('build_number')}",
+                         "peak_rss_mb": (round(res.peak_rss_kb / 1024)
+                                         if getattr(res, "peak_rss_kb", None) else None)})
         notes.append(cmd)
     return rows, "; ".join(notes) + f" ({how})"

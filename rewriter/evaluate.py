@@ -431,13 +431,11 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             reps = max(1, min(3 if max(pasts) <= 8192 else 1, int(repeats)))
             say(f"llama.cpp: llama-bench, {reps} repetitions")
             t0 = time.perf_counter()
-            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
             rows, note = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,
                                         depths=tuple(pasts), repetitions=reps)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss   # the largest child's peak, KiB
             say(f"llama.cpp: llama-bench took {time.perf_counter() - t0:.0f} s")
-            res["llama_cpp"] = {"rows": rows, "command": note,
-                                "peak_rss_mb": round(after / 1024) if after > before else None}
+            peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb")]   # llama-bench's own VmHWM
+            res["llama_cpp"] = {"rows": rows, "command": note, "peak_rss_mb": max(peaks) if peaks else None}
             dense_cache = res["cache_bytes_per_token"].get("dense")
             if dense_cache and runtime.ModelIO.from_model(ref).state_types.get("past_key_values.0.key") == np.float32:
                 # llama-bench's default cache type is f16 (-ctk / -ctv): half of the fp32 export's K/V

@@ -196,3 +196,21 @@ def test_llama_cpp_delta_ppl_on_the_packaged_gguf(monkeypatch):
     assert r["tokens"] == 254 and abs(r["delta_ppl"]) < 0.05 and r["delta_ppl_upper"] >= r["delta_ppl"]
     with pytest.raises(llamacpp.LlamaCppError, match="outside the model's vocabulary"):
         llamacpp.token_nll(g, np.array([1, 10 ** 7]), window=128, threads=1)
+
+
+def test_run_with_peak_reports_the_tools_own_peak_rss():
+    """llama-bench's peak RSS is its own VmHWM: a child that touches 200 MiB reports about that, even
+    from a parent holding more (getrusage's ru_maxrss of a child would report the parent's size);
+    a timeout kills the child and raises."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(400 << 20)   # the parent holds 400 MiB while the child runs
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    code = "import time; b = bytearray(200 << 20); b[::4096] = b'y' * len(b[::4096]); time.sleep(0.6); print('ok')"
+    r = llamacpp.run_with_peak([sys.executable, "-c", code], timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok"
+    assert 200 << 10 <= r.peak_rss_kb < 380 << 10, r.peak_rss_kb
+    del ballast
+    with pytest.raises(subprocess.TimeoutExpired):
+        llamacpp.run_with_peak([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
