@@ -4,6 +4,7 @@ and the committed README matches the committed result files (`--check`)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,3 +312,37 @@ def test_llama_cpp_delta_ppl_is_kept_when_llama_bench_gave_no_speed():
     assert "llama.cpp" in results.render(results.from_bench(res) | {"schema": results.SCHEMA})
     del res["quality"]["rows"]["llama.cpp"]
     assert "llama.cpp" not in {r["model"] for r in results.from_bench(res)["rows"]}
+
+
+def test_long_prompt_script_times_each_row_and_writes_results(tmp_path, capsys):
+    """tests/bench/bench_long_prompt.py on a tiny GroupQueryAttention model (genai's builder form): the
+    prompt prefilled in chunks through shared K/V buffers, each row timed after an untimed run, the JSON
+    with provenance; without llama.cpp there is no ratio column."""
+    import importlib.util
+
+    import tiny_hf
+
+    forms = tiny_hf.forms()
+    if "genai-fp32" not in forms:
+        pytest.skip("onnxruntime-genai is not installed")
+    d = forms["genai-fp32"]
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{i % 50}" for i in range(400)))
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_long_prompt", root / "tests/bench/bench_long_prompt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    args = ["tiny", "--model", f"a={d / 'model.onnx'}", "--model", f"b={d / 'model.onnx'}", "--tokens", "40",
+            "--chunk", "16", "--threads", "1", "--repeats", "2", "--tokenizer", str(d / "tokenizer.json"),
+            "--text", str(text), "--no-genai", "--no-llama", "--json", str(out)]
+    assert mod.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tokens"] == 40 and doc["chunk"] == 16 and doc["machine"]["isa"] and doc["prompt"].endswith("t.txt")
+    assert [r["name"] for r in doc["rows"]] == ["a", "b"]
+    assert all(len(r["seconds_all"]) == 2 and r["tok_s"] > 0 and "vs_llama_cpp" not in r for r in doc["rows"])
+    assert "40-token prompt" in capsys.readouterr().out
+    capsys.readouterr()
+    with pytest.raises(SystemExit):   # fewer tokens in the text than asked for
+        mod.main(args[:5] + ["--tokens", "100000"] + args[7:])
+    assert re.search(r"t\.txt has only \d+ tokens", capsys.readouterr().err)

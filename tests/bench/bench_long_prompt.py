@@ -4,7 +4,8 @@ chunks), onnxruntime-genai's int4 model in its own generator (``append_tokens`` 
 llama.cpp on the same GGUF (``llama-bench -p N -n 0``), one run, interleaved.
 
     python tests/bench/bench_long_prompt.py MODEL_NAME --model LABEL=PATH [--model ...] \\
-        [--tokens 4096] [--threads 2] [--repeats 2] [--chunk 1024] [--no-genai] [--no-llama] [--json OUT]
+        [--tokens 4096] [--threads 2] [--repeats 2] [--chunk 1024] [--tokenizer FILE] [--text FILE] \\
+        [--no-genai] [--no-llama] [--json OUT]
     python tests/bench/bench_long_prompt.py qwen2.5-coder-1.5b --model long-context=qwen-long/model.onnx \\
         --model lossless=qwen-lossless/model.onnx --tokens 4096 --threads 2 \\
         --json tests/bench/results/qwen2.5-coder-1.5b-long-prompt.json
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=runtime.PREFILL_CHUNK)
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: the packaged model's)")
+    ap.add_argument("--text", help="the prompt's text file (default: the held-out novel)")
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--json")
@@ -104,10 +107,12 @@ def main(argv=None) -> int:
     def say(msg):
         print(f"[long-prompt] {msg}", file=sys.stderr, flush=True)
 
-    tok = runtime.load_tokenizer(str(prepare.model_dir(a.name)))
-    ids = runtime.tokenize(tok, corpus.text(corpus.EVAL_NOVEL))[: a.tokens]
+    tok = runtime.load_tokenizer(a.tokenizer or str(prepare.model_dir(a.name)))
+    source = Path(a.text).name if a.text else corpus.EVAL_NOVEL
+    text = Path(a.text).read_text() if a.text else corpus.text(corpus.EVAL_NOVEL)
+    ids = runtime.tokenize(tok, text)[: a.tokens]
     if ids.size < a.tokens:
-        ap.error(f"the held-out text has only {ids.size} tokens")
+        ap.error(f"{source} has only {ids.size} tokens")
     ids = ids[None, :]
     rows, notes = {}, []
     for label, path in a.model:
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
         doc.update({"what": "prefill of a long prompt (time to the first generated token's logits)",
                     "command": "python tests/bench/bench_long_prompt.py " + " ".join(argv or sys.argv[1:]),
                     "model_name": a.name, "tokens": a.tokens, "threads": a.threads, "repeats": a.repeats,
-                    "chunk": a.chunk, "prompt": f"the first {a.tokens} tokens of {corpus.EVAL_NOVEL}",
+                    "chunk": a.chunk, "prompt": f"the first {a.tokens} tokens of {source}",
                     "rows": out_rows, "notes": notes})
         results.write_json(a.json, doc)
     return 0
