@@ -403,16 +403,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _past_cache(arg: str | None) -> str | None:
-    if arg == "off":
-        return None
-    if arg is None:
-        from models.cache import cache_root
-
-        return str(cache_root() / "pasts")
-    return arg
-
-
 def cmd_bench(args) -> int:
     from . import evaluate
 
@@ -433,7 +423,7 @@ def cmd_bench(args) -> int:
                          llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on", also=also,
                          quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer,
                          rows=args.rows, quality_cache=args.quality_cache, genai=not args.no_genai,
-                         past_cache=_past_cache(args.past_cache))
+                         past_cache=evaluate.past_cache_dir(args.past_cache))
     print(evaluate.format_bench(res))
     if args.profile:
         n = sum(len(v) for v in (res.get("profile_traces") or {}).values())

@@ -202,7 +202,7 @@ def run(args, config, custom=None) -> int:
     res = evaluate.bench(models[main], str(dense), threads=args.threads, decode_past=pasts, nbits=(), profile=False,
                          repeats=args.repeats, steps=args.steps, also={k: models[k] for k in rest},
                          quality_text=held, rows=args.rows, quality_cache=str(qcache),
-                         past_cache=str(cache_root() / "pasts"))
+                         past_cache=evaluate.past_cache_dir())
     print(evaluate.format_bench(res))
     _say(5, total, f"results: {work / 'results.json'}, {work / 'results.md'}, {work / 'speed-vs-context.png'}")
     doc = results.from_bench(res, "ortlean " + " ".join(args.argv), labels={"lean": main})

@@ -250,6 +250,14 @@ def _float_cache(path: str) -> bool:
     return all(a.get("kv_quant") == b"fp32" and a.get("mode", b"sign") in (b"sign", b"ternary") for a in attrs)
 
 
+def past_cache_dir(arg: str | None = None) -> str | None:
+    """Where bench keeps its long pasts' caches: ``arg`` (a directory), None for "off" (in memory for
+    the run only), or by default ``<ortlean cache>/pasts``."""
+    if arg == "off":
+        return None
+    return str(cache_root() / "pasts") if arg is None else arg
+
+
 def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=128, repeats: int = 15,
           nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
           huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,

@@ -230,18 +230,19 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
                     row["prefill_tok_s"][tn] = round(prefill * 1e3 / cells["prefill"], 1)
         rows += by_key.values()
         lc = res.get("llama_cpp") or {}
-        if lc.get("rows") or (qrows.get("llama.cpp") or {}).get("delta_ppl") is not None:  # Δppl without speed kept
+        lrows = lc.get("rows") or []
+        if lrows or (qrows.get("llama.cpp") or {}).get("delta_ppl") is not None:  # Δppl without speed kept
             row = base_row("llama.cpp", "llama-bench")
-            build = next((x.get("build") for x in lc.get("rows") or () if x.get("build")), "")
-            mtype = next((x.get("model_type") for x in lc.get("rows") or () if x.get("model_type")), "")
+            build = next((x.get("build") for x in lrows if x.get("build")), "")
+            mtype = next((x.get("model_type") for x in lrows if x.get("model_type")), "")
             row.update(side="peer", path=None, weight_bytes=None, cache_bytes_per_token=lc.get("cache_bytes_per_token"),
                        peak_rss_mb=lc.get("peak_rss_mb"),
                        what=f"llama.cpp ({build.strip()}) on the package's GGUF ({mtype})".replace(" ()", ""),
                        quality_note=(qrows.get("llama.cpp") or {}).get("note") or lc.get("quality_note")
                        or "not measured here (llama.cpp's own runtime)")
-            if not lc.get("rows"):
+            if not lrows:
                 row["speed_note"] = lc.get("command") or "llama.cpp rows skipped"
-            for x in lc.get("rows") or ():
+            for x in lrows:
                 tn = str(x["threads"])
                 if x["test"].startswith("tg"):
                     row["tok_s"].setdefault(tn, {})[str(x.get("depth", 0))] = round(x["tok_s"], 2)

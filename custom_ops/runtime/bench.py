@@ -283,6 +283,14 @@ class OgRow:
         p.set_search_options(max_length=max_length, do_sample=False)
         return self.og.Generator(self.model, p)
 
+    @staticmethod
+    def append(g, ids, chunk: int = PREFILL_CHUNK) -> None:
+        """``ids`` appended to generator ``g`` ``chunk`` tokens at a time (og's logits of a whole 32k
+        past: 20 GB at Qwen's vocabulary)."""
+        ids = np.asarray(ids).reshape(-1).astype(np.int32)
+        for c0 in range(0, ids.size, int(chunk)):
+            g.append_tokens(ids[c0:c0 + int(chunk)])
+
     def prefill(self, ids) -> float:
         ids = np.asarray(ids).reshape(-1).astype(np.int32)
         self._gen(ids.size + 4).append_tokens(ids)
@@ -307,8 +315,7 @@ class OgRow:
         if p not in self.gens or self.used[p] + n > cap:
             # new, or no room left and no rewind: built again (a prefill of the whole past), untimed
             g = self._gen(cap)
-            for c0 in range(0, past.size, PREFILL_CHUNK):  # og's logits of a whole 32k past: 20 GB at Qwen's vocab
-                g.append_tokens(past[c0:c0 + PREFILL_CHUNK])
+            self.append(g, past)
             self.gens[p], self.used[p] = g, past.size
         self.used[p] += n
         g, out = self.gens[p], []
@@ -334,8 +341,15 @@ class PastStore:
         self.parts = dict(parts or {})
         self.keep_free = keep_free
         self.mem: dict = {}
-        self.hits: list[int] = []
         self.skipped: list[str] = []
+
+    @staticmethod
+    def _key(ids) -> tuple:
+        ids = np.asarray(ids)
+        return ids.shape, hash(ids.tobytes())
+
+    def in_memory(self, ids) -> bool:
+        return self._key(ids) in self.mem
 
     def _dir(self, ids) -> Path:
         import hashlib
@@ -346,7 +360,7 @@ class PastStore:
         return self.root / h.hexdigest()[:24]
 
     def get(self, ids) -> dict | None:
-        key = (np.asarray(ids).shape, hash(np.asarray(ids).tobytes()))
+        key = self._key(ids)
         if key in self.mem:
             return self.mem[key]
         if self.root is None:
@@ -358,14 +372,13 @@ class PastStore:
         except (OSError, ValueError, KeyError):
             return None
         self.mem[key] = kv
-        self.hits.append(int(np.asarray(ids).shape[-1]))
         return kv
 
     def put(self, ids, kv: Mapping[str, np.ndarray]) -> None:
         import shutil
         import tempfile
 
-        self.mem[(np.asarray(ids).shape, hash(np.asarray(ids).tobytes()))] = kv
+        self.mem[self._key(ids)] = kv
         if self.root is None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
@@ -512,6 +525,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                     states[n][p] = io.next_state(run(s, io, feeds(io, past_ids[p])))
         else:
             t0 = time.perf_counter()
+            from_disk = built is not None and built.root is not None and not built.in_memory(past_ids[p])
             kv = None if built is None else built.get(past_ids[p])
             if kv is None:
                 s, io = models[src]
@@ -520,8 +534,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                     built.put(past_ids[p], kv)
                 if say:
                     say(f"past {p}: cache built by {src} in {time.perf_counter() - t0:.1f} s")
-            elif say and getattr(built, "root", None) is not None and p in built.hits:
-                built.hits.remove(p)
+            elif say and from_disk:
                 say(f"past {p}: cache loaded from {built.root} in {time.perf_counter() - t0:.1f} s")
             for n, (_, io_n) in models.items():
                 if n in need:

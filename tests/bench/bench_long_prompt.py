@@ -21,7 +21,6 @@ time against llama.cpp's. Run it on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,13 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-
-def _labelled(s: str) -> tuple[str, str]:
-    label, sep, path = s.partition("=")
-    if not sep or not label or not path:
-        raise argparse.ArgumentTypeError(f"{s!r}: LABEL=PATH")
-    return label, path
 
 
 class OursRow:
@@ -55,26 +47,18 @@ class OursRow:
 
 
 class GenaiRow:
-    def __init__(self, model_dir: str, threads: int, chunk: int):
-        import onnxruntime_genai as og
+    """genai's generator, as the bench's og rows run it (custom_ops.runtime.bench.OgRow)."""
 
-        self.og = og
-        cfg = og.Config(str(model_dir))
-        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-        self.model = og.Model(cfg)
+    def __init__(self, model_dir: str, threads: int, chunk: int):
+        from custom_ops.runtime.bench import OgRow
+
+        self.og = OgRow(model_dir, threads, {}, 0, 0)
         self.chunk = chunk
 
     def prefill(self, ids) -> float:
-        import numpy as np
-
-        ids = np.asarray(ids).reshape(-1).astype(np.int32)
-        p = self.og.GeneratorParams(self.model)
-        p.set_search_options(max_length=ids.size + 8, do_sample=False)
-        g = self.og.Generator(self.model, p)
+        g = self.og._gen(ids.size + 8)
         t0 = time.perf_counter()
-        for c0 in range(0, ids.size, self.chunk):
-            g.append_tokens(ids[c0:c0 + self.chunk])
+        self.og.append(g, ids, self.chunk)
         dt = time.perf_counter() - t0
         del g
         return dt
@@ -87,10 +71,11 @@ def main(argv=None) -> int:
     from custom_ops.runtime.bench import settle
     from models import corpus, peers, prepare
     from rewriter import results
+    from rewriter.cli import _labelled
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name", help="packaged model: its genai int4 peer, GGUF and tokenizer")
-    ap.add_argument("--model", action="append", type=_labelled, default=[], metavar="LABEL=PATH")
+    ap.add_argument("--model", action="append", type=_labelled, default=[], metavar="LABEL=MODEL")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
