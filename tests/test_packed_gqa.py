@@ -749,6 +749,40 @@ def test_shared_kv_chunked_prefill(tmp_path, which):
         np.testing.assert_allclose(chunked.step(t[:, None]), one.step(t[:, None]), atol=1e-5)
 
 
+@requires_native
+def test_shared_kv_adopts_given_buffers(tmp_path):
+    """SharedKV(arrays=, length=): a cache prefilled into batch-row slices of SharedKV.alloc's buffers
+    decodes in a batch SharedKV over the same buffers (no copy) as each row's own SharedKV does;
+    buffers of the wrong shape, dtype or layout are refused naming the state."""
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV, SharedKVError
+
+    m, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=0.5, min_context=8, window=4, sinks=2,
+                        min_candidates=4)
+    sess = custom_ops.session(_save(m, tmp_path / "packed.onnx"), threads=1)
+    io = runtime.ModelIO.from_session(sess)
+    r = np.random.default_rng(5)
+    prompts, steps = r.integers(0, 256, (2, 30)), r.integers(0, 256, (2, 3))
+    bufs = SharedKV.alloc(io, 40, batch=2)
+    want = []
+    for i in range(2):
+        SharedKV(sess, io, max_len=40, arrays={k: v[i:i + 1] for k, v in bufs.items()}).prefill(prompts[i:i + 1])
+        own = SharedKV(sess, io, max_len=40)
+        own.prefill(prompts[i:i + 1])
+        want.append(np.concatenate([own.step(t[None, None]) for t in steps[i]], axis=1))
+    kv = SharedKV(sess, io, max_len=40, batch=2, arrays=bufs, length=30)
+    assert all(kv.arrays[k] is bufs[k] for k in bufs)
+    got = np.concatenate([kv.step(steps[:, j:j + 1]) for j in range(3)], axis=1)
+    np.testing.assert_allclose(got, np.concatenate(want), atol=1e-5)
+    name = next(iter(bufs))
+    with pytest.raises(SharedKVError, match=f"buffer for {name}"):
+        SharedKV(sess, io, max_len=41, batch=2, arrays=bufs)
+    with pytest.raises(SharedKVError, match="strided"):
+        SharedKV(sess, io, max_len=40, batch=2, arrays={k: np.asfortranarray(v) for k, v in bufs.items()})
+    with pytest.raises(SharedKVError, match="length 41"):
+        SharedKV(sess, io, max_len=40, batch=2, arrays=bufs, length=41)
+
+
 def _gqa_layer_model(Hq, Hkv, D, *, window=-1, softcap=0.0, packed=True, rotary=True, max_pos=256):
     """One GroupQueryAttention node as the genai builder writes it (packed QKV, rotary inside),
     with its own seqlens_k / total_sequence_length inputs."""

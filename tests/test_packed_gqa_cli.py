@@ -310,6 +310,11 @@ def test_tuner_decode_of_spans_in_one_batch_equals_span_by_span(forms, tmp_path,
                                  for x in spans])
         np.testing.assert_allclose(cut, want40, rtol=1e-4, atol=1e-4)
         assert not np.allclose(short, cut)
+        # the shorter decode ran in place over rows 40..59 of the cache and put them back
+        after, _ = _decode_nll_spans(sess, spans, C, score, state, io_hint=io)
+        np.testing.assert_allclose(after, nll, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="do not fit"):
+            _decode_nll_spans(sess, [np.concatenate([x, x]) for x in spans], C + 1, score, state, io_hint=io)
 
 
 @pytest.mark.parametrize("speeds,want", [({0.5: 1.5, 0.25: 1.4}, 0.5),     # fastest, not the smallest budget
@@ -346,9 +351,29 @@ def test_tune_weighs_measured_speed(forms, tmp_path, monkeypatch, speeds, want):
     else:
         # the chosen budget checked again at 1/4, 1/2 and 3/4 of the context; within the wide budget
         # the quality floor is the shortest check, below the crossover: min_context = the crossover
-        assert [c["context"] for c in t["quality"]["shorter"]] == [75, 150, 225]
+        assert [c["context"] for c in t["quality"]["shorter"]] == [225, 150, 75]
         assert t["quality_floor"] == 75 and t["min_context"] == 128
         assert "quality from context 75" in t["summary"]
+
+
+def test_shorter_checks_stop_at_the_first_failure():
+    """The checks at shorter contexts run longest first and stop at the first over the budget (a
+    shorter one cannot lower the floor); the floor is then the last passing one."""
+    from rewriter.backends.packed_attention import quality_floor, shorter_checks
+
+    seen = []
+
+    def measure(c):
+        seen.append(c)
+        return (0.001, 0.004) if c > 1500 else (0.02, 0.03)
+
+    checks = shorter_checks(4096, 0.02, measure)
+    assert seen == [3072, 2048, 1024] and quality_floor(4096, checks, 0.02) == 2048
+    seen.clear()
+    checks = shorter_checks(4096, 0.005, lambda c: measure(c) if c != 2048 else (0.01, 0.02))
+    assert [c["context"] for c in checks] == [3072, 2048] and quality_floor(4096, checks, 0.005) == 3072
+    assert seen == [3072]
+    assert [c["context"] for c in shorter_checks(40, 1.0, lambda c: (0.0, 0.0))] == [30, 20]   # none under 16
 
 
 def test_tune_quality_floor_raises_min_context(forms, tmp_path, monkeypatch):

@@ -49,8 +49,33 @@ class SharedKVError(RuntimeError):
     """The graph cannot run with one shared K/V buffer per layer (the message says why)."""
 
 
+def _specs(io, max_len: int, batch: int) -> list:
+    """(shape, dtype) of each state's buffer: the state's shape with ``batch`` rows and ``max_len``
+    positions on its sequence axis."""
+    specs = []
+    for past in io.past_to_present:
+        shape = list(io.state_shapes[past])
+        ax = io.state_seq_axis[past]
+        dims = []
+        for i, d in enumerate(shape):
+            if i == ax:
+                dims.append(int(max_len))
+            elif i == 0:
+                dims.append(int(batch))
+            elif isinstance(d, int) and d > 0:
+                dims.append(d)
+            else:
+                raise SharedKVError(f"shared KV: state input {past} dimension {i} is symbolic ({d!r})")
+        specs.append((tuple(dims), np.dtype(io.state_types[past])))
+    return specs
+
+
 class SharedKV:
-    def __init__(self, sess, io, max_len: int, batch: int = 1):
+    """``arrays``: buffers to use instead of new ones (``SharedKV.alloc``'s, or batch-row slices of
+    them), already holding ``length`` tokens: a cache computed by one SharedKV is decoded by another
+    without a copy (runs write only the rows from ``length`` on)."""
+
+    def __init__(self, sess, io, max_len: int, batch: int = 1, *, arrays: dict | None = None, length: int = 0):
         import onnxruntime as ort
 
         if not io.past_to_present:
@@ -59,24 +84,20 @@ class SharedKV:
         self.binding = sess.io_binding()
         self.buffers: dict[str, ort.OrtValue] = {}
         self.arrays: dict[str, np.ndarray] = {}  # the buffers' memory (an OrtValue from numpy does not own it)
-        specs = []
-        for past in io.past_to_present:
-            shape = list(io.state_shapes[past])
-            ax = io.state_seq_axis[past]
-            dims = []
-            for i, d in enumerate(shape):
-                if i == ax:
-                    dims.append(self.max_len)
-                elif i == 0:
-                    dims.append(self.batch)
-                elif isinstance(d, int) and d > 0:
-                    dims.append(d)
-                else:
-                    raise SharedKVError(f"shared KV: state input {past} dimension {i} is symbolic ({d!r})")
-            specs.append((dims, io.state_types[past]))
-        # every layer's buffers from one mapping on 2 MiB pages (each is often under 2 MiB)
-        arrays = huge_zeros_many(specs)
-        for (past, present), arr in zip(io.past_to_present.items(), arrays):
+        specs = _specs(io, self.max_len, self.batch)
+        if arrays is None:
+            # every layer's buffers from one mapping on 2 MiB pages (each is often under 2 MiB)
+            arrays = dict(zip(io.past_to_present, huge_zeros_many(specs)))
+        else:
+            for past, (shape, dt) in zip(io.past_to_present, specs):
+                a = arrays.get(past)
+                if a is None or a.shape != shape or a.dtype != dt or not a.flags.c_contiguous:
+                    got = "missing" if a is None else f"{a.shape} {a.dtype}{'' if a.flags.c_contiguous else ' strided'}"
+                    raise SharedKVError(f"shared KV: buffer for {past} is {got}, {shape} {dt} C-contiguous needed")
+        if not 0 <= int(length) <= self.max_len:
+            raise SharedKVError(f"shared KV: length {length} outside 0..{self.max_len}")
+        for past, present in io.past_to_present.items():
+            arr = arrays[past]
             buf = ort.OrtValue.ortvalue_from_numpy(arr)
             self.arrays[past], self.buffers[past] = arr, buf
             self.binding.bind_ortvalue_input(past, buf)
@@ -85,7 +106,13 @@ class SharedKV:
         # get_outputs() lists outputs in binding order: the presents first, then these
         n_present = len(io.past_to_present)
         self._out_index = {o: n_present + i for i, o in enumerate(others)}
-        self.length = 0
+        self.length = int(length)
+        self._ran = False      # the first run is the probe
+
+    @staticmethod
+    def alloc(io, max_len: int, batch: int = 1) -> dict[str, np.ndarray]:
+        """Zeroed buffers (one mapping on 2 MiB pages) for ``SharedKV(..., arrays=)``."""
+        return dict(zip(io.past_to_present, huge_zeros_many(_specs(io, max_len, batch))))
 
     def _run(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         ids = np.asarray(ids)
@@ -114,13 +141,13 @@ class SharedKV:
         try:
             # the first run probes whether the graph can write its present K/V in place; a graph that
             # cannot (a Concat cache) fails it as expected, so ORT must not print that failure
-            self.sess.run_with_iobinding(self.binding, _quiet_run_options() if self.length == 0 else None)
+            self.sess.run_with_iobinding(self.binding, None if self._ran else _quiet_run_options())
         except Exception as e:
-            if self.length == 0:
+            if not self._ran:
                 raise SharedKVError("shared KV: the graph cannot write its present K/V into the past buffer "
                                     f"(not a GroupQueryAttention graph?): {e}") from None
             raise
-        self.length = total
+        self.length, self._ran = total, True
         outs = self.binding.get_outputs()
         return {o: outs[i].numpy() for o, i in self._out_index.items()}
 

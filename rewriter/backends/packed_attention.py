@@ -538,9 +538,12 @@ def _decode_nll_spans(sess, spans: list, context: int, score: int, state: dict |
     span's first `context` tokens (a prefill, or `state` from an earlier call on the same spans —
     causal: the same cache), then `score` single-token steps, each scoring the next token. One batch
     row per span: every decode step reads the weights once for all spans (the tuner's trials are this
-    loop). Each span's prefill runs alone (batch 1: its attention scratch stays one span's) and the
-    caches are stacked. Returns (the NLL of every scored token [len(spans) * score], span by span;
-    the stacked prefill cache)."""
+    loop). Each span's prefill runs alone (batch 1: its attention scratch stays one span's), written
+    into its batch row of the state arrays, which the decode then runs in place (no copy of the
+    cache: the steps write rows ``context`` … ``context + score - 1``, which are saved before and put
+    back after, so a later call at any context up to the prefill's reads the prefill's cache).
+    Returns (the NLL of every scored token [len(spans) * score], span by span; the state: the
+    stacked prefill cache, ``context + score`` positions long where it was made here)."""
     n = len(spans)
     ids = np.stack([np.asarray(x)[: context + score + 1] for x in spans])
     if ids.shape[1] < context + score + 1:
@@ -549,31 +552,33 @@ def _decode_nll_spans(sess, spans: list, context: int, score: int, state: dict |
     if io_hint is not None:
         io.fill_from(io_hint)
 
-    def first_rows(arrays: dict, rows: int) -> dict:
-        out = {}
-        for name, arr in arrays.items():
-            ix = [slice(None)] * arr.ndim
-            ix[io.state_seq_axis[name]] = slice(0, rows)
-            out[name] = arr[tuple(ix)]
-        return out
+    def rows(arr: np.ndarray, name: str, lo: int, hi: int):
+        ix = [slice(None)] * arr.ndim
+        ix[io.state_seq_axis[name]] = slice(lo, hi)
+        return tuple(ix)
 
     if state is None:
-        one = runtime.SharedKV(sess, io, max_len=context)
-        parts = []
-        for x in ids:
+        state = runtime.SharedKV.alloc(io, context + score, batch=n)
+        for i, x in enumerate(ids):
+            one = runtime.SharedKV(sess, io, max_len=context + score, arrays={k: v[i:i + 1] for k, v in state.items()})
             one.prefill(x[None, :context], chunk=runtime.PREFILL_CHUNK)
-            parts.append({k: v.copy() for k, v in first_rows(one.arrays, context).items()})
-        del one
-        state = {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
-        del parts
-    kv = runtime.SharedKV(sess, io, max_len=context + score, batch=n)
-    kv.fill(context, first_rows(state, context))
+            del one
+    length = next(a.shape[io.state_seq_axis[k]] for k, a in state.items())
+    if context + score > length:
+        raise ValueError(f"state of {length} positions: context {context} + {score} scored do not fit")
+    kept = {k: a[rows(a, k, context, context + score)].copy() for k, a in state.items()}
+    kv = runtime.SharedKV(sess, io, max_len=length, batch=n, arrays=state, length=context)
     nll = np.zeros((n, score))
-    rows = np.arange(n)
-    for i in range(score):
-        lg = kv.step(ids[:, context + i: context + i + 1])[:, -1].astype(np.float64)   # [n, V]
-        m = lg.max(axis=1)
-        nll[:, i] = m + np.log(np.exp(lg - m[:, None]).sum(axis=1)) - lg[rows, ids[:, context + i + 1]]
+    at = np.arange(n)
+    try:
+        for i in range(score):
+            lg = kv.step(ids[:, context + i: context + i + 1])[:, -1].astype(np.float64)   # [n, V]
+            m = lg.max(axis=1)
+            nll[:, i] = m + np.log(np.exp(lg - m[:, None]).sum(axis=1)) - lg[at, ids[:, context + i + 1]]
+    finally:
+        del kv
+        for k, a in state.items():
+            a[rows(a, k, context, context + score)] = kept[k]
     return nll.reshape(-1), state
 
 
@@ -591,6 +596,22 @@ def quality_floor(context: int, checks: list[dict], budget: float) -> int:
             break
         floor = int(ch["context"])
     return floor
+
+
+def shorter_checks(context: int, budget: float, measure) -> list[dict]:
+    """The chosen setting's checks at 3/4, 1/2 and 1/4 of ``context`` (none under 16 tokens), longest
+    first, by ``measure(c) -> (Δppl, its one-sided 95 % bound)``; they stop at the first whose bound is
+    over ``budget``: a shorter one cannot lower the quality floor any more (:func:`quality_floor`), so
+    it is not measured (each check is two decode loops: 100 s at Qwen2.5-1.5B's 4k context)."""
+    checks = []
+    for c in (3 * context // 4, context // 2, context // 4):
+        if c < 16:
+            continue
+        d, up = measure(c)
+        checks.append({"context": int(c), "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
+        if not up <= budget:
+            break
+    return checks
 
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1875, 0.125, 0.0625)  # 0.1875: pq codes pass there on SmolLM2 where sign bits did not
@@ -713,14 +734,9 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
             # shortest context from which on every check passes
             _set_attrs(model, {"budget": float(best[0]), "window": int(best[1]), "min_context": 0})
             sess = stream.session(model, threads, stream=False, last_logits=True)
-            checks = []
-            for c in (C // 4, C // 2, 3 * C // 4):
-                if c < 16:
-                    continue
-                nr = _decode_nll_spans(s_ref, spans, c, score, ref_state, io_hint=ctx.io)[0]
-                na = _decode_nll_spans(sess, spans, c, score, state)[0]
-                d, up = runtime.paired_delta(na, nr)
-                checks.append({"context": int(c), "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
+            checks = shorter_checks(C, qb, lambda c: runtime.paired_delta(
+                _decode_nll_spans(sess, spans, c, score, state)[0],
+                _decode_nll_spans(s_ref, spans, c, score, ref_state, io_hint=ctx.io)[0]))
             del sess
             out["quality"]["shorter"] = checks
             out["quality_floor"] = quality_floor(C, checks, qb)
