@@ -8,7 +8,7 @@
     from models import peers
     d = peers.genai_model("smollm2", "int4")     # dir: model.onnx(.data), genai_config.json, tokenizer
     io = peers.genai_io(sess, d)                  # runtime.ModelIO for a plain InferenceSession loop
-    rows, note = peers.llama_bench("smollm2", threads=(1, 2), prompt=128, gen=64, depths=(128,))
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1, 2), prompt=128, gen=64, depths=(128,))
 
 Cache layout (``models.cache.cache_root()``): ``hf/<name>-<key>`` (the fp32 checkpoint, rebuilt
 exactly as ``models/_build.py`` does before its export), ``peers/genai-<name>-<precision>-<key>``.
@@ -17,6 +17,8 @@ onnxruntime / onnx (builder) versions plus :data:`RECIPE`. Heavy work runs in ch
 (torch is never imported here).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import json
 import os
@@ -30,7 +32,7 @@ from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
 from .prepare import PrepareError, _hf_key, _spec, gguf_path, hf_checkpoint
 
 __all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "genai_available",
-           "llama_bench", "GENAI_PRECISIONS"]
+           "llama_bench", "LlamaBench", "GENAI_PRECISIONS"]
 
 RECIPE = 1
 GENAI_PRECISIONS = ("fp32", "int4")   # the peer rows of `ortlean eval` / `bench`
@@ -121,15 +123,22 @@ def genai_io(sess, model_dir):
 
 # ---------------------------------------------------------------------------------------------
 # llama.cpp
+class LlamaBench(NamedTuple):
+    rows: list            # one dict per test and thread count (llama_bench's docstring)
+    note: str             # the commands and what ran them, or why the rows were skipped
+    stopped: str | None   # the run that stopped and why, when some rows were kept before it
+
+
 def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: int = 64,
-                depths=(), repetitions: int = 5, timeout: float = 1800) -> tuple[list[dict], str]:
+                depths=(), repetitions: int = 5, timeout: float = 1800) -> LlamaBench:
     """Run ``llama-bench -m GGUF -t T.. -p P -n N -r R -o json`` on the package's GGUF (with depths:
     ``-p P -n 0``, then ``-p 0 -n N -d D`` once per depth, so that no depth is prefilled for a prompt
     test and a depth that fails or runs out of time keeps the rows before it) with llama.cpp's tools
     from :mod:`models.llamacpp` (Debian's build, fetched on first use; or ``$ORTLEAN_ANCHORS_SCRIPT``).
-    Returns (rows, note): rows are dicts with ``test`` ("pp128", "tg64", "tg64@d4096"), ``threads``,
+    Returns (rows, note, stopped): rows are dicts with ``test`` ("pp128", "tg64", "tg64@d4096"), ``threads``,
     ``tok_s`` (mean), ``tok_s_std``, ``depth``; note is the commands and what ran them (and which run
-    stopped, and why), or — rows == [] — one line saying why the rows were skipped."""
+    stopped, and why), or — rows == [] — one line saying why the rows were skipped; stopped: that
+    run and why (None when every run finished, or none gave rows)."""
     from . import llamacpp
 
     spec = _spec(name)
@@ -146,7 +155,7 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
         runs += [(base + ["-p", "0", "-n", str(gen)] + tail + ["-d", str(d)], int(d)) for d in depths]
     else:
         runs = [(base + ["-p", str(prompt), "-n", str(gen)] + tail, 0)]
-    rows, notes, how = [], [], "llama.cpp"
+    rows, notes, how, stopped = [], [], "llama.cpp", None
     for args, depth in runs:
         # the timeout grows with the depth's prefills (about 0.1 s a token on one core, with room)
         limit = timeout + 0.1 * depth * int(repetitions) * len(tuple(threads))
@@ -155,7 +164,7 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
         try:
             res, how = llamacpp.run_tool("llama-bench", args, timeout=limit)
         except llamacpp.LlamaCppError as e:
-            return [], f"llama.cpp rows skipped: {e}"
+            return LlamaBench([], f"llama.cpp rows skipped: {e}", None)
         except subprocess.TimeoutExpired:
             why = f"did not finish in {limit:.0f} s"
         else:
@@ -169,8 +178,9 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
                     why = "printed no JSON"
         if why is not None:
             if not rows:
-                return [], f"llama.cpp rows skipped: llama-bench ({how}) {why}"
-            notes.append(f"{cmd} stopped: {why} (later runs not started)")
+                return LlamaBench([], f"llama.cpp rows skipped: llama-bench ({how}) {why}", None)
+            stopped = f"{cmd} stopped: {why} (later runs not started)"
+            notes.append(stopped)
             break
         for r in data:
             test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
@@ -183,4 +193,4 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
                          "peak_rss_mb": (round(res.peak_rss_kb / 1024)
                                          if getattr(res, "peak_rss_kb", None) else None)})
         notes.append(cmd)
-    return rows, "; ".join(notes) + f" ({how})"
+    return LlamaBench(rows, "; ".join(notes) + f" ({how})", stopped)

@@ -439,8 +439,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             reps = max(1, min(3 if max(pasts) <= 8192 else 1, int(repeats)))
             say(f"llama.cpp: llama-bench, {reps} repetitions")
             t0 = time.perf_counter()
-            rows, note = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,
-                                        depths=tuple(pasts), repetitions=reps)
+            rows, note, stopped = pm.llama_bench(name, threads=tuple(threads), prompt=prefill, gen=32,
+                                                 depths=tuple(pasts), repetitions=reps)
             say(f"llama.cpp: llama-bench took {time.perf_counter() - t0:.0f} s")
             peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb")]   # llama-bench's own VmHWM
             res["llama_cpp"] = {"rows": rows, "command": note, "peak_rss_mb": max(peaks) if peaks else None}
@@ -448,7 +448,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             if dense_cache and runtime.ModelIO.from_model(ref).state_types.get("past_key_values.0.key") == np.float32:
                 # llama-bench's default cache type is f16 (-ctk / -ctv): half of the fp32 export's K/V
                 res["llama_cpp"]["cache_bytes_per_token"] = dense_cache // 2
-            if not rows or " stopped: " in note:
+            if not rows or stopped:
                 notes.append(note)
     # the process's peak RSS after the timed rows (every ONNX row's weights and caches in this one
     # process; the quality rows after it load their models again)

@@ -96,7 +96,7 @@ def test_no_mirror_skips_the_rows_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp, "debian_mirror", lambda files=None: None)
     with pytest.raises(llamacpp.LlamaCppError, match="no Debian mirror in this machine's apt sources"):
         llamacpp.tools()
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, repetitions=1)
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, repetitions=1)
     assert rows == [] and "\n" not in note
     assert note.startswith("llama.cpp rows skipped: no Debian mirror in this machine's apt sources")
     assert "ORTLEAN_ANCHORS_SCRIPT" in note
@@ -120,14 +120,15 @@ def test_override_script_runs_instead(tmp_path, monkeypatch):
     script.write_text(f"#!/bin/bash\n[ \"$1\" = llama-bench ] || exit 9\necho '{json.dumps(out)}'\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, repetitions=1)
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, repetitions=1)
     assert [r["test"] for r in rows] == ["pp8", "tg2@d64"] and rows[1]["tok_s"] == 50.0 and rows[1]["depth"] == 64
     assert note.startswith("llama-bench -m SmolLM2") and "(llama.sh)" in note
     # with depths: the prompt at depth 0 and the depths decoding only — two runs (the script answers both)
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64,), repetitions=1)
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64,), repetitions=1)
     assert len(rows) == 4 and "-p 8 -n 0 -r 1 -o json; llama-bench" in note and "-p 0 -n 2 -r 1 -o json -d 64" in note
+    assert stopped is None
     monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(tmp_path / "nope.sh"))
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2)
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2)
     assert rows == [] and "nope.sh: no such file" in note
 
 
@@ -144,12 +145,13 @@ echo '[{{"n_prompt": '$p', "n_gen": '$n', "n_depth": '$d', "n_threads": 1, "avg_
 """)
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64, 128, 256), repetitions=1)
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(64, 128, 256), repetitions=1)
     assert [r["test"] for r in rows] == ["pp8", "tg2@d64"]
     assert "-d 128 stopped: exited 3: out of memory (later runs not started)" in note
+    assert stopped is not None and stopped.startswith("llama-bench") and stopped in note
     assert len(log.read_text().splitlines()) == 3   # prompt, depth 64, depth 128; 256 never started
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(128,), repetitions=1)
-    assert [r["test"] for r in rows] == ["pp8"] and "stopped: exited 3" in note
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(128,), repetitions=1)
+    assert [r["test"] for r in rows] == ["pp8"] and "stopped: exited 3" in note and "exited 3" in stopped
 
 
 @pytest.mark.slow
@@ -161,7 +163,7 @@ def test_fetch_and_run_llama_bench_on_the_packaged_gguf(monkeypatch):
         pytest.skip("no Debian mirror in this machine's apt sources")
     t = llamacpp.tools()
     assert t.loader.exists() and (t.backend is None or t.backend.is_file())
-    rows, note = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(16,), repetitions=1)
+    rows, note, stopped = peers.llama_bench("smollm2", threads=(1,), prompt=8, gen=2, depths=(16,), repetitions=1)
     assert [r["test"] for r in rows] == ["pp8", "tg2@d16"], note
     assert all(r["tok_s"] > 0 and r["threads"] == 1 for r in rows) and "Q4_1" in rows[0]["model_type"]
     assert f"llama.cpp-tools {t.version}" in note

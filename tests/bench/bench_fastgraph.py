@@ -210,7 +210,7 @@ def main():
 
     # ---- llama.cpp ------------------------------------------------------------------------------
     if not a.no_llama:
-        lrows, note = peers.llama_bench("smollm2", threads=threads, prompt=a.prefill, gen=64,
+        lrows, note, _ = peers.llama_bench("smollm2", threads=threads, prompt=a.prefill, gen=64,
                                         depths=tuple(pasts), repetitions=a.llama_reps)
         res["llama_cpp"] = {"rows": lrows, "command": note}
         if not lrows:

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     del rows
     llama = None
     if not a.no_llama:
-        lrows, note = peers.llama_bench(a.name, threads=(a.threads,), prompt=a.tokens, gen=0,
+        lrows, note, _ = peers.llama_bench(a.name, threads=(a.threads,), prompt=a.tokens, gen=0,
                                         repetitions=a.repeats)
         pp = [x for x in lrows if x["test"] == f"pp{a.tokens}"]
         if pp:
