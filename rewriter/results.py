@@ -324,7 +324,8 @@ def render(doc: dict, src: str = "") -> str:
     if ctxs:
         head += [f"decode tok/s, {t} thread{'s' if t != '1' else ''}: after {' / '.join(f'{c:,}' for c in ctxs)}"
                  for t in threads]
-    head += [f"prefill tok/s ({doc.get('prefill_tokens')} tokens), {' / '.join(threads)} threads"]
+    head += [f"prefill tok/s ({doc.get('prefill_tokens')} tokens), {' / '.join(threads)} "
+             f"thread{'s' if threads != ['1'] else ''}"]
     picked = pick_rows(doc)
     # the cache a token costs, against the reference's (fp32 K/V): in files that have it
     fp32 = next((r.get("cache_bytes_per_token") for r in picked if r["side"] == "reference"), None)
