@@ -18,8 +18,6 @@ onnxruntime / onnx (builder) versions plus :data:`RECIPE`. Heavy work runs in ch
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import json
 import os
 import shutil
@@ -27,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
 from .prepare import PrepareError, _hf_key, _spec, gguf_path, hf_checkpoint

@@ -241,22 +241,36 @@ class ModelIO:
         return self
 
     # -- states ----------------------------------------------------------------------------
+    def state_dims(self, name: str, batch: int, length: int) -> list[int]:
+        """The shape of state input ``name`` with ``batch`` rows and ``length`` positions on its
+        sequence axis; ValueError naming a symbolic dimension that is neither."""
+        dims = []
+        for i, d in enumerate(self.state_shapes[name]):
+            if i == self.state_seq_axis[name]:
+                dims.append(int(length))
+            elif i == 0:
+                dims.append(int(batch))
+            elif isinstance(d, int) and d > 0:
+                dims.append(d)
+            else:
+                raise ValueError(f"state input {name}: dimension {i} is symbolic ({d!r})")
+        return dims
+
+    def seq_index(self, name: str, ndim: int, lo: int, hi: int) -> tuple:
+        """The index of positions ``lo`` … ``hi - 1`` of an ``ndim``-dimensional state ``name``."""
+        ix = [slice(None)] * ndim
+        ix[self.state_seq_axis[name]] = slice(lo, hi)
+        return tuple(ix)
+
     def empty_state(self, batch: int = 1) -> dict[str, np.ndarray]:
         """Zero-length past for every state input: [B, kv_heads, 0, head_dim] for KV caches."""
         out = {}
-        for n, shape in self.state_shapes.items():
-            dims = []
-            for i, d in enumerate(shape):
-                if i == self.state_seq_axis[n]:
-                    dims.append(0)
-                elif i == 0:
-                    dims.append(batch)
-                elif isinstance(d, int) and d > 0:
-                    dims.append(d)
-                else:
-                    raise ValueError(f"state input {n}: dimension {i} is symbolic ({d!r}); "
-                                     "cannot build an empty initial state (a genai builder model needs its "
-                                     "genai_config.json beside it)")
+        for n in self.state_shapes:
+            try:
+                dims = self.state_dims(n, batch, 0)
+            except ValueError as e:
+                raise ValueError(f"{e}; cannot build an empty initial state (a genai builder model needs its "
+                                 "genai_config.json beside it)") from None
             out[n] = np.zeros(dims, dtype=self.state_types[n])
         return out
 

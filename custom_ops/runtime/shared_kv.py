@@ -52,22 +52,11 @@ class SharedKVError(RuntimeError):
 def _specs(io, max_len: int, batch: int) -> list:
     """(shape, dtype) of each state's buffer: the state's shape with ``batch`` rows and ``max_len``
     positions on its sequence axis."""
-    specs = []
-    for past in io.past_to_present:
-        shape = list(io.state_shapes[past])
-        ax = io.state_seq_axis[past]
-        dims = []
-        for i, d in enumerate(shape):
-            if i == ax:
-                dims.append(int(max_len))
-            elif i == 0:
-                dims.append(int(batch))
-            elif isinstance(d, int) and d > 0:
-                dims.append(d)
-            else:
-                raise SharedKVError(f"shared KV: state input {past} dimension {i} is symbolic ({d!r})")
-        specs.append((tuple(dims), np.dtype(io.state_types[past])))
-    return specs
+    try:
+        return [(tuple(io.state_dims(past, batch, max_len)), np.dtype(io.state_types[past]))
+                for past in io.past_to_present]
+    except ValueError as e:
+        raise SharedKVError(f"shared KV: {e}") from None
 
 
 class SharedKV:
@@ -173,8 +162,5 @@ class SharedKV:
     def fill(self, length: int, past: dict[str, np.ndarray]) -> None:
         """Load a cache computed elsewhere (``past_key_values.*`` arrays of ``length`` tokens)."""
         for name, arr in self.arrays.items():
-            ax = self.io.state_seq_axis[name]
-            idx = [slice(None)] * arr.ndim
-            idx[ax] = slice(0, length)
-            arr[tuple(idx)] = past[name]
+            arr[self.io.seq_index(name, arr.ndim, 0, length)] = past[name]
         self.length = int(length)

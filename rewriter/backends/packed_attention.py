@@ -552,21 +552,17 @@ def _decode_nll_spans(sess, spans: list, context: int, score: int, state: dict |
     if io_hint is not None:
         io.fill_from(io_hint)
 
-    def rows(arr: np.ndarray, name: str, lo: int, hi: int):
-        ix = [slice(None)] * arr.ndim
-        ix[io.state_seq_axis[name]] = slice(lo, hi)
-        return tuple(ix)
-
     if state is None:
         state = runtime.SharedKV.alloc(io, context + score, batch=n)
         for i, x in enumerate(ids):
             one = runtime.SharedKV(sess, io, max_len=context + score, arrays={k: v[i:i + 1] for k, v in state.items()})
             one.prefill(x[None, :context], chunk=runtime.PREFILL_CHUNK)
             del one
-    length = next(a.shape[io.state_seq_axis[k]] for k, a in state.items())
+    length = io.state_len(state)
     if context + score > length:
         raise ValueError(f"state of {length} positions: context {context} + {score} scored do not fit")
-    kept = {k: a[rows(a, k, context, context + score)].copy() for k, a in state.items()}
+    written = {k: io.seq_index(k, a.ndim, context, context + score) for k, a in state.items()}
+    kept = {k: a[written[k]].copy() for k, a in state.items()}
     kv = runtime.SharedKV(sess, io, max_len=length, batch=n, arrays=state, length=context)
     nll = np.zeros((n, score))
     at = np.arange(n)
@@ -578,7 +574,7 @@ def _decode_nll_spans(sess, spans: list, context: int, score: int, state: dict |
     finally:
         del kv
         for k, a in state.items():
-            a[rows(a, k, context, context + score)] = kept[k]
+            a[written[k]] = kept[k]
     return nll.reshape(-1), state
 
 
