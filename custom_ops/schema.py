@@ -345,10 +345,15 @@ _BQ_RULES = (Rule("block_size is for q4_f; another format takes only its own blo
                   lambda a: a["format"] == "q4_f" or a.get("block_size") in (None, BQ_BLOCK.get(a["format"]))),)
 _BQ_ACT = Attr("act_bits", "int", default=8, valid=Valid(choices=(8, 16)),
                doc="activation integers per block of 32: 8 (int8, ggml's q8_0) or 16 (int16: the rounding ~256x finer)")
+_BQ_GLU = Attr("glu", "string", default="none", valid=Valid(choices=("none", "silu")),
+               doc="none, or silu: W holds a SwiGLU gate's N/2 rows then the up projection's N/2, and Y "
+                   "[..., N/2] = silu(gate) * up of the product (one op for an MLP's gate, up and activation)")
 SCHEMAS += (
     OpSchema("BlockQuantMatMul", inputs=(Port("X"), Port("W", "uint8"), Port("bias", optional=True)),
-             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:4], _BQ_ACT, *_BQ_ATTRS[4:]),
-             reference="custom_ops.reference.blockquant:op", rules=_BQ_RULES),
+             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:4], _BQ_ACT, _BQ_GLU, *_BQ_ATTRS[4:]),
+             reference="custom_ops.reference.blockquant:op",
+             rules=(*_BQ_RULES, Rule("glu silu needs an even N (the gate's rows, then as many of the up projection's)",
+                                     lambda a: a.get("glu", "none") != "silu" or int(a["N"]) % 2 == 0))),
     OpSchema("BlockQuantGather", inputs=(Port("W", "uint8"), Port("indices", "int64")),
              outputs=(Port("Y"),), attrs=_BQ_ATTRS, reference="custom_ops.reference.blockquant:gather",
              rules=_BQ_RULES),

@@ -330,12 +330,85 @@ def test_kernel_vs_reference(fmt, bs):
     assert not _check_all([(fmt, bs)], SHAPES, MS)
 
 
+GLU_CASES = [("q4_1", None), ("q8_0", None), ("q4_K", None), ("q6_K", None), ("q4_f", 64)]
+GLU_SHAPES = [(40, 2), (576, 34), (1000, 382), (300, 3072)]  # N = 2 x the gated unit's width
+
+
+def glu_tolerance(X, W, fmt, K, bs, ab, P):
+    """|Δ| allowed in silu(g) · u given the product's own: |silu'| <= 1.1, so 1.1 |u| tol_g + |silu(g)| tol_u,
+    plus float32 rounding of the unit (exp to ~1e-7: 1e-5 of |y|)."""
+    H = P.shape[-1] // 2
+    tol = tolerance(X, W, fmt, K, bs, ab) + 1e-6
+    g, u = P[..., :H].astype(np.float64), P[..., H:].astype(np.float64)
+    with np.errstate(over="ignore"):
+        sg = np.abs(g / (1.0 + np.exp(-g)))
+    return 1.1 * np.abs(u) * tol[..., :H] + sg * tol[..., H:] + 1e-5 * sg * np.abs(u) + 1e-30
+
+
+def _check_glu(cases, shapes, ms, seed=0) -> list:
+    """glu = silu against the reference: every case x shape x M x act_bits, with and without bias."""
+    bad = []
+    for ci, (fmt, bs) in enumerate(cases):
+        for K, N in shapes:
+            rng = np.random.default_rng([seed, ci, K, N, 1])
+            W = bq.random_blocks(fmt, N, K, rng, bs)
+            b = rng.standard_normal(N).astype(np.float32)
+            for ab in (8, 16):
+                for bias in (None, b):
+                    s = custom_ops.session(bq_model(W, fmt, K, N, bs, bias, name=f"glu_{fmt}", act_bits=ab,
+                                                    attrs={"glu": "silu"}), threads=2)
+                    for M in ms:
+                        X = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
+                        y = s.run(None, {"X": X})[0]
+                        kw = dict(format=fmt, K=K, N=N, block_size=bs, act_bits=ab)
+                        ref = bq.op(X, W, bias, glu="silu", **kw)
+                        tol = glu_tolerance(X, W, fmt, K, bs, ab, bq.op(X, W, bias, **kw))
+                        r = within(y, ref, tol) if y.shape == ref.shape else float("inf")
+                        if not r <= 1.0:
+                            bad.append((fmt, bs, K, N, M, ab, bias is not None, r))
+    return bad
+
+
+@requires_native
+def test_glu_silu_vs_reference():
+    """glu = "silu": one op for a SwiGLU MLP's gate, up and activation — every ISA path in test_isa_paths."""
+    assert not _check_glu(GLU_CASES, GLU_SHAPES, MS)
+
+
+@requires_native
+def test_glu_edges_and_errors():
+    """Output [..., N/2], a NaN row stays NaN, a zero row is 0, odd N refused naming the node; the
+    reference backend agrees with the numpy reference."""
+    rng = np.random.default_rng(15)
+    K, N = 96, 10
+    W = bq.random_blocks("q4_1", N, K, rng)
+    s = custom_ops.session(bq_model(W, "q4_1", K, N, name="bq_glu", attrs={"glu": "silu"}), threads=2)
+    X = rng.standard_normal((2, 3, K)).astype(np.float32)
+    X[0, 1, 5] = np.nan
+    X[1, 2] = 0.0
+    y = s.run(None, {"X": X})[0]
+    assert y.shape == (2, 3, N // 2)
+    assert np.isnan(y[0, 1]).all() and np.all(y[1, 2] == 0) and np.isfinite(y[0, 0]).all()
+    assert custom_ops.metrics()["bq_glu"]["bq.glu"] == 1
+    with pytest.raises(Exception, match=r"node 'bq_odd'.*glu 'silu' needs an even N.*N = 9"):
+        custom_ops.session(bq_model(W[:9], "q4_1", K, 9, name="bq_odd", attrs={"glu": "silu"}))
+    with pytest.raises(Exception, match=r"node 'bq_gelu'.*glu"):
+        custom_ops.session(bq_model(W, "q4_1", K, N, name="bq_gelu", attrs={"glu": "gelu"}))
+    with pytest.raises(ValueError, match="even N"):
+        bq.op(X, W[:9], format="q4_1", K=K, N=9, glu="silu")
+    pytest.importorskip("onnxruntime_extensions")
+    r = custom_ops.session(bq_model(W, "q4_1", K, N, attrs={"glu": "silu"}), backend="reference")
+    Xf = np.nan_to_num(X)
+    assert np.array_equal(r.run(None, {"X": Xf})[0], bq.op(Xf, W, format="q4_1", K=K, N=N, glu="silu"))
+
+
 _ISA_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import custom_ops
-from test_block_quant import CASES, _check_all
+from test_block_quant import CASES, GLU_CASES, _check_all, _check_glu
 bad = _check_all(CASES, [(40, 17), (576, 3), (1000, 191)], (1, 3, 128), seed=7)
+bad += _check_glu(GLU_CASES, [(40, 2), (1000, 382)], (1, 3, 128), seed=7)
 print(json.dumps({"isa": custom_ops.op_isas()["BlockQuantMatMul"], "bad": bad}))
 """
 

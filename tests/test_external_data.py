@@ -343,7 +343,8 @@ def test_rewrite_prints_its_peak_memory_and_time(tmp_path, capsys):
     import json
     res = json.loads(rep.read_text())["resources"]
     import resource
-    assert 0 < res["peak_rss_mb"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 1
+    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    assert 0 < res["peak_rss_mb"] <= peak / 1024 + 1    # the rewrite's figure counts children (earlier tests' too)
     stages = [s["stage"] for s in res["stages"]]
     assert stages[0] == "load" and "plan" in stages and stages[-1] == "save"
     assert all(s["seconds"] >= 0 and s["rss_mb"] > 0 for s in res["stages"])

@@ -325,6 +325,95 @@ def test_rewritten_model_runs_on_the_reference(tiny, tmp_path):
             np.testing.assert_allclose(nat[o], g[o], rtol=1e-4, atol=1e-5 * np.abs(g[o]).max())
 
 
+# --------------------------------------------------------------------------- the gated unit (--weights-glu)
+F = 64   # the MLPs' intermediate width (down: K = F, whole blocks of 32)
+
+
+def _mlp_model(d: Path) -> dict:
+    """Three SwiGLU MLPs on one input: Sigmoid + Mul (fused), com.microsoft QuickGelu (fused), and one
+    whose gate output is also a graph output (left as it is); their GGUF in Q4_1 (gate, up) and Q8_0 (down)."""
+    rng = np.random.default_rng(3)
+    t = {f"{m}{k}": _quant(rng, *shape, qt) for m in "abc"
+         for k, shape, qt in (("gate", (F, D), T.Q4_1), ("up", (F, D), T.Q4_1), ("down", (D, F), T.Q8_0))}
+    path = d / "mlp.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, (q, _) in t.items():
+        w.add_tensor(f"{k}.weight", q, raw_dtype=T.Q4_1 if "down" not in k else T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    inits, nodes = [], []
+    for m in "abc":
+        for k in ("gate", "up", "down"):
+            inits.append(numpy_helper.from_array(np.ascontiguousarray(t[f"{m}{k}"][1].T), f"{m}.{k}"))
+        p = f"/{m}/mlp"
+        nodes += [helper.make_node("MatMul", ["x", f"{m}.gate"], [f"{m}_g"], name=f"{p}/gate_proj/MatMul"),
+                  helper.make_node("MatMul", ["x", f"{m}.up"], [f"{m}_u"], name=f"{p}/up_proj/MatMul")]
+        if m == "b":
+            nodes.append(helper.make_node("QuickGelu", [f"{m}_g"], [f"{m}_act"], name=f"{p}/act", alpha=1.0,
+                                          domain="com.microsoft"))
+        else:
+            nodes += [helper.make_node("Sigmoid", [f"{m}_g"], [f"{m}_sig"], name=f"{p}/act_fn/Sigmoid"),
+                      helper.make_node("Mul", [f"{m}_sig", f"{m}_g"], [f"{m}_act"], name=f"{p}/act_fn/Mul")]
+        nodes += [helper.make_node("Mul", [f"{m}_u", f"{m}_act"], [f"{m}_h"], name=f"{p}/Mul"),
+                  helper.make_node("MatMul", [f"{m}_h", f"{m}.down"], [f"y_{m}"], name=f"{p}/down_proj/MatMul")]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "mlps", [helper.make_tensor_value_info("x", f, [1, S, D])],
+                              [helper.make_tensor_value_info(f"y_{m}", f, [1, S, D]) for m in "abc"]
+                              + [helper.make_tensor_value_info("c_g", f, [1, S, F])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    mp = d / "mlp.onnx"
+    onnx.save(model, str(mp))
+    return {"gguf": path, "model": mp, "deq": {k: v[1] for k, v in t.items()}}
+
+
+@pytest.mark.parametrize("glu", ["on", "off"])
+def test_glu_fuses_the_mlps_gate_and_up(tmp_path, glu):
+    import custom_ops
+
+    mlp = _mlp_model(tmp_path)
+    out, rep = tmp_path / "out.onnx", tmp_path / "r.json"
+    assert cli.main(["rewrite", str(mlp["model"]), "-o", str(out), "--gguf", str(mlp["gguf"]), "-q",
+                     "--weights", "gguf", "--weights-glu", glu, "--report", str(rep)]) == 0
+    m, inits = _nodes(out)
+    ops = [n.op_type for n in m.graph.node]
+    bq = [n for n in m.graph.node if n.op_type == "BlockQuantMatMul"]
+    glus = [n for n in bq if _s(_attrs(n).get("glu", b"none")) == "silu"]
+    if glu == "off":
+        assert not glus and len(bq) == 9
+        return
+    assert len(glus) == 2 and len(bq) == 7                      # a, b fused; c's gate is a graph output
+    assert "QuickGelu" not in ops and ops.count("Sigmoid") == 1 and ops.count("Mul") == 2
+    for n in glus:
+        a, W = _attrs(n), inits[n.input[1]]
+        mname = n.name.split("/")[1]
+        assert a["N"] == 2 * F and W.shape[0] == 2 * F and a["act_bits"] == 16
+        assert _s(a["source"]) == f"gguf:{mname}gate.weight,{mname}up.weight"
+        deq = blockquant.dequantize(W, "q4_1", D)                 # the GGUF's blocks, gate rows then up rows
+        want = np.concatenate([mlp["deq"][f"{mname}gate"], mlp["deq"][f"{mname}up"]])
+        assert np.array_equal(deq.view(np.uint32), want.view(np.uint32))
+    summary = json.loads(rep.read_text())
+    assert any(r.get("backend") == "weights_glu" and "2 MLPs" in r["decision"] for r in summary["graph_passes"])
+    x = np.random.default_rng(4).standard_normal((1, S, D)).astype(np.float32)
+    names = ["y_a", "y_b", "y_c", "c_g"]
+    got = dict(zip(names, custom_ops.session(str(out), backend="reference").run(names, {"x": x})))
+    for mname in "ab":     # the reference, layer by layer: the gated unit, then the down projection
+        Wg, Wu = mlp["deq"][f"{mname}gate"], mlp["deq"][f"{mname}up"]
+        q, d, _ = blockquant.quantize_activations(x, 16)
+        P = (blockquant.dequantize_activations(q, d, D) @ np.concatenate([Wg, Wu]).astype(np.float64).T).astype(np.float32)
+        h = blockquant.silu_mul(P)
+        q, d, _ = blockquant.quantize_activations(h, 16)
+        y = (blockquant.dequantize_activations(q, d, F) @ mlp["deq"][f"{mname}down"].astype(np.float64).T).astype(np.float32)
+        np.testing.assert_allclose(got[f"y_{mname}"], y, rtol=1e-5, atol=1e-6)
+    from conftest import native_available
+
+    if native_available():
+        nat = dict(zip(names, custom_ops.session(str(out), threads=2).run(names, {"x": x})))
+        for k in names:
+            np.testing.assert_allclose(nat[k], got[k], rtol=1e-4, atol=1e-5 * np.abs(got[k]).max())
+
+
 def test_unmatched_weight_is_refused_by_name(tiny, tmp_path):
     out = tmp_path / "out.onnx"
     p = subprocess.run([sys.executable, "-m", "rewriter.cli", "rewrite", str(tiny["model"]), "-o", str(out),
@@ -529,8 +618,9 @@ def test_smollm2_every_layer_bit_exact(tmp_path, fuse):
     m = ir.load(str(out))
     ops = [n.op_type for n in m.graph]
     layers = 30
-    per = 5 if fuse == "on" else 7          # qkv packed, o, gate, up, down (fused) | q, k, v, o, gate, up, down
+    per = 4 if fuse == "on" else 6          # qkv packed, o, gate+up (glu), down (fused) | q, k, v, o, gate+up, down
     assert ops.count("BlockQuantMatMul") == layers * per + 1 and ops.count("BlockQuantGather") == 1
+    assert "Sigmoid" not in ops and "QuickGelu" not in ops
     assert not candidates.find_candidates(m)                                # no weight MatMul left
     src = gg.GGUFSource(g)
     orig = ir.load(str(model)) if fuse == "off" else None
@@ -546,14 +636,15 @@ def test_smollm2_every_layer_bit_exact(tmp_path, fuse):
         assert W.shape == (a["N"], rows.shape[1])
         assert sorted(map(bytes, W)) == sorted(map(bytes, rows))
         if orig is not None:       # unfused: the dequantized bytes are the source initializer, bit for bit
-            name = n.name.removesuffix("_BQ")
-            mm = next(x for x in orig.graph if x.name == name)
-            ref = mm.inputs[1].const_value.numpy().T
+            name = n.name.removesuffix("_BQ")     # glu: the gate's rows, then the up projection's
+            parts = [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")] if a.get("glu") == "silu" else [name]
+            ref = np.concatenate([next(x for x in orig.graph if x.name == p).inputs[1].const_value.numpy().T
+                                  for p in parts])
             assert np.array_equal(blockquant.dequantize(W, a["format"], a["K"]).view(np.uint32),
                                   np.ascontiguousarray(ref).view(np.uint32)), name
     assert fmt == {"q4_1": layers * per, "q8_0": 1}
     rows = summary["layers"]
-    assert len(rows) == layers * per + 1 and all("bit-exact" in r["decision"] for r in rows)
+    assert len(rows) == layers * (per + 1) + 1 and all("bit-exact" in r["decision"] for r in rows)
     size = sum(p.stat().st_size for p in out.parent.iterdir() if p.name.startswith("out.onnx"))
     assert size <= 1.15 * g.stat().st_size
 

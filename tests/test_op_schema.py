@@ -84,7 +84,7 @@ def test_schema_lists_every_op_with_typed_defaults():
     assert schema["PackedAttention"]["eps_heads"] == [] and schema["TTMatMul"]["gap"] is None
     # required attributes have no default
     assert "modes_k" not in schema["TTMatMul"] and "block" not in schema["ProcSparseMatMul"]
-    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8} and schema["BlockQuantGather"] == {"gap": None}
+    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8, "glu": "none"} and schema["BlockQuantGather"] == {"gap": None}
 
 
 @pytest.mark.parametrize("op,variant", [(op, "") for op in OPS_WITH_DEFAULTS] + [("PackedAttention", "approx")])

@@ -42,6 +42,12 @@ Y = x̂ · Ŵᵀ + bias: the exact product of the quantized activations with the
 float64, rounded to float32 once); the kernels sum in float32 in any order. A row of X holding a NaN or
 an infinity gives a row of NaN. Rows never interact, so Y does not depend on M.
 
+glu = "silu" (BlockQuantMatMul; N even): the gated unit of a SwiGLU MLP in the op. W's rows are a gate
+projection's N/2 rows followed by an up projection's N/2; P = x̂ · Ŵᵀ + bias as above (float32, bias of
+length N), and Y[..., j] = silu(P[..., j]) · P[..., N/2 + j] with silu(g) = g / (1 + exp(−g)) (here in
+float64 from P's float32 values, rounded once; the kernels in float32 with an exp of ~1e-7 relative
+error), shape [..., N/2]. A NaN row of P stays NaN.
+
 BlockQuantGather(W, indices) = Ŵ[indices] (float32, bit for bit), indices int64 or int32 of any
 shape, negative indices count from the end (−N..N−1), shape [*indices.shape, K].
 """
@@ -69,6 +75,7 @@ SCALE_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_
                 "q5_K": (0, 2), "q6_K": (208,), "q4_f": (0, 2)}
 ACT_BLOCK = 32  # activation quantization block
 ACT_BITS = (8, 16)  # activation integers: int8 (default) or int16 per block of 32
+GLU = ("none", "silu")  # BlockQuantMatMul's gated unit
 
 
 def block_of(fmt: str, block_size: int | None = None) -> int:
@@ -286,11 +293,31 @@ def _act_bits(attrs: dict) -> int:
     return a
 
 
+def _glu(attrs: dict, N: int) -> bool:
+    g = attrs.get("glu")
+    g = "none" if g in (None, "", b"") else (g.decode() if isinstance(g, bytes) else g)
+    if g not in GLU:
+        raise ValueError(f"attribute glu must be one of {', '.join(GLU)}, got {g!r}")
+    if g == "silu" and N % 2:
+        raise ValueError(f"attribute glu 'silu' needs an even N (the gate's rows, then as many of the up "
+                         f"projection's), got N = {N}")
+    return g == "silu"
+
+
+def silu_mul(P: np.ndarray) -> np.ndarray:
+    """The gated unit: silu(P[..., :H]) · P[..., H:] for P [..., 2H] (float64, rounded to float32 once)."""
+    H = P.shape[-1] // 2
+    g, u = P[..., :H].astype(np.float64), P[..., H:].astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+
+
 def op(X, W, bias=None, **attrs) -> np.ndarray:
     """BlockQuantMatMul: Y = x̂ · Ŵᵀ + bias (module docstring); attrs: format, K, N, [block_size],
-    [act_bits] (8 | 16, absent: 8)."""
+    [act_bits] (8 | 16, absent: 8), [glu] (none | silu: Y = silu_mul of that product)."""
     fmt, K, N, bs = _attrs(attrs)
     act_bits = _act_bits(attrs)
+    glu = _glu(attrs, N)
     _layer(W, fmt, K, N, bs)
     check_scales(W, fmt, K, bs)
     X = np.asarray(X, np.float32)
@@ -308,7 +335,7 @@ def op(X, W, bias=None, **attrs) -> np.ndarray:
     with np.errstate(over="ignore"):  # a product beyond float32 is +-inf, as the kernels give it
         Y = Y.astype(np.float32)
     Y[~finite] = np.nan
-    return Y
+    return silu_mul(Y) if glu else Y
 
 
 def gather(W, indices, **attrs) -> np.ndarray:

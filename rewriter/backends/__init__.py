@@ -29,13 +29,13 @@ from .head import CheapHeadPass
 from .packed_attention import ExactAttentionPass, PackedAttentionPass
 from .procsparse import ProcBackend
 from .tt import TTBackend
-from .weights import WeightsBackend, WeightsPackPass
+from .weights import WeightsBackend, WeightsGluPass, WeightsPackPass
 
 # WeightsBackend (--weights int8|int4) stays last: it takes exactly the layers the others left dense
 WEIGHT_BACKENDS: list = [TTBackend, ProcBackend, GatingBackend, WeightsBackend]
 # ExactAttentionPass last: it changes the KV-cache state (past_key_values.N.kv / .key_bits), and the passes
 # before it calibrate on the model's original cache I/O (CheapHeadPass)
-GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass, WeightsPackPass, ExactAttentionPass]
+GRAPH_PASSES: list = [FusePass, PackedAttentionPass, CheapHeadPass, WeightsPackPass, WeightsGluPass, ExactAttentionPass]
 
 
 def all_backends() -> list:

@@ -445,8 +445,45 @@ class WeightsPackPass(GraphPassBase):
 
     def run(self, model, ctx) -> list[dict]:
         packed = quantize.pack_shared_input(model.graph)
-        if not packed:
-            return []
-        return [{"layer": packed[0] if len(packed) == 1 else f"{packed[0]} … ({len(packed)})", "backend": "weights_pack",
-                 "decision": f"{len(packed)} groups of MatMulNBits reading one input packed into one MatMulNBits + Split "
-                             "each (the same numbers)"}]
+        return _record(packed, self.name, f"{len(packed)} groups of MatMulNBits reading one input packed into one "
+                                          "MatMulNBits + Split each (the same numbers)")
+
+
+def _record(nodes: list[str], backend: str, decision: str) -> list[dict]:
+    """A post pass's one report row for the nodes it changed (none: no row)."""
+    if not nodes:
+        return []
+    return [{"layer": nodes[0] if len(nodes) == 1 else f"{nodes[0]} … ({len(nodes)})", "backend": backend,
+             "decision": decision}]
+
+
+# --------------------------------------------------------------------------- --weights-glu (a "post" graph pass)
+@dataclass
+class GluConfig(Options):
+    glu: bool = flag("--weights-glu", True, "BlockQuantMatMul: an MLP's gate and up projections of one format "
+                     "(SwiGLU: gate, SiLU, up, Mul) become one BlockQuantMatMul with glu=silu over both blocks — "
+                     "one weight stream, one activation quantization, no separate SiLU and Mul nodes (default on; "
+                     "docs/block-quant.md)", type=onoff, metavar="on|off")
+    enabled: bool = False
+    targets: tuple = ()
+    explicit: bool = False     # never a request by itself: --weights is
+
+
+class WeightsGluPass(GraphPassBase):
+    """After every weight backend emitted: ``rewriter.builders.blockgraph.fuse_glu`` (BlockQuantMatMul
+    gate + SiLU + up + Mul → one BlockQuantMatMul glu=silu; layers in other ops stay as they are)."""
+    name = "weights_glu"
+    stage = "post"
+    Config = GluConfig
+    title = "the MLPs' gate, up and SiLU in one BlockQuantMatMul"
+
+    @classmethod
+    def config(cls, args, state_pack) -> GluConfig:
+        cfg = from_args(GluConfig, args)
+        cfg.enabled = cfg.glu and getattr(args, "weights", "fp32") != "fp32"
+        return cfg
+
+    def run(self, model, ctx) -> list[dict]:
+        fused = BG.fuse_glu(model.graph)
+        return _record(fused, self.name, f"{len(fused)} MLPs' gate and up BlockQuantMatMul (with their SiLU and Mul) "
+                                         "in one BlockQuantMatMul glu=silu each (the same blocks)")

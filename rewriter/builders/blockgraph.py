@@ -75,3 +75,109 @@ def gather_blocks(graph: ir.Graph, gather: ir.Node, w: ir.Value, fmt: str, K: in
     graph.remove(gather, safe=True)
     node.outputs[0].name = name
     surgery.drop_if_unused(graph, table)
+
+
+# --------------------------------------------------------------------------- the gated unit (glu = "silu")
+def _only_use(v: ir.Value) -> ir.Node | None:
+    """The single consumer of ``v`` (None when it has several or is a graph output)."""
+    uses = list(v.uses())
+    return uses[0].node if len(uses) == 1 and not v.is_graph_output() else None
+
+
+def _std(node: ir.Node, op: str) -> bool:
+    return node.op_type == op and node.domain in ("", "ai.onnx")
+
+
+def _silu_of(gate: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
+    """The SiLU applied to ``gate`` and nothing else reading it: Sigmoid(g) and Mul(g, sigmoid) (either
+    order), or com.microsoft QuickGelu(g) with alpha 1 → (its nodes, its output)."""
+    uses = list(gate.uses())
+    if gate.is_graph_output():
+        return None
+    if len(uses) == 1:
+        q = uses[0].node
+        alpha = q.attributes.get("alpha")
+        if q.op_type == "QuickGelu" and q.domain == "com.microsoft" and (alpha is None or alpha.as_float() == 1.0):
+            return [q], q.outputs[0]
+        return None
+    if len(uses) != 2:
+        return None
+    sig = next((u.node for u in uses if _std(u.node, "Sigmoid")), None)
+    mul = next((u.node for u in uses if _std(u.node, "Mul")), None)
+    if sig is None or mul is None or _only_use(sig.outputs[0]) is not mul:
+        return None
+    if {id(v) for v in mul.inputs} != {id(gate), id(sig.outputs[0])}:
+        return None
+    return [sig, mul], mul.outputs[0]
+
+
+_SAME = ("format", "K", "N", "act_bits", "block_size")
+
+
+def _bq_key(node: ir.Node) -> tuple | None:
+    """What two BlockQuantMatMul must share to be one gated unit (None: not a plain one)."""
+    if node.op_type != "BlockQuantMatMul" or node.domain != "ai.ortlean" or len(node.inputs) > 2:
+        return None
+    a = node.attributes
+    if "glu" in a and a["glu"].as_string() != "none":
+        return None
+    if node.inputs[1] is None or node.inputs[1].const_value is None:
+        return None
+    return tuple(None if k not in a else a[k].value for k in _SAME)
+
+
+def fuse_glu(graph: ir.Graph) -> list[str]:
+    """Each SwiGLU MLP whose gate and up projections are BlockQuantMatMul of one input and one setting
+    (format, K, N, act_bits, block size; no bias) → one BlockQuantMatMul with glu = "silu" over the
+    gate's blocks then the up projection's (copied, never re-quantized): Y = silu(gate) * up in the op.
+    The product is the same numbers; the activation is the op's float32 SiLU instead of ONNX Runtime's
+    (the exp differs in the last bits). Returns the fused gates' names."""
+    import numpy as np
+
+    done = []
+    for gate in list(graph):
+        key = _bq_key(gate)
+        if key is None:
+            continue
+        silu = _silu_of(gate.outputs[0])
+        if silu is None:
+            continue
+        act_nodes, act = silu
+        mul = _only_use(act)
+        if mul is None or not _std(mul, "Mul"):
+            continue
+        up_val = mul.inputs[1] if mul.inputs[0] is act else mul.inputs[0]
+        up = up_val.producer() if up_val is not None else None
+        if up is None or up is gate or _bq_key(up) != key or up.inputs[0] is not gate.inputs[0] \
+                or _only_use(up.outputs[0]) is not mul:
+            continue
+        a = gate.attributes
+        N = int(a["N"].as_int())
+        Wg, Wu = gate.inputs[1], up.inputs[1]
+        name = gate.name.replace("gate_proj", "gate_up_proj") if "gate_proj" in gate.name else f"{gate.name}_glu"
+        w = surgery.initializer(graph, f"{surgery.safe_name(name)}.weight_blocks",
+                                np.concatenate([Wg.const_value.numpy(), Wu.const_value.numpy()], axis=0))
+        src = [n.attributes["source"].as_string() if "source" in n.attributes else "" for n in (gate, up)]
+        pre = src[0].split(":", 1)[0] + ":" if ":" in src[0] else None
+        if pre and src[1].startswith(pre):   # "gguf:a,gguf:b" → "gguf:a,b", as a concatenation's source reads
+            src[1] = src[1][len(pre):]
+        attrs = {k: v.value for k, v in a.items() if k not in ("N", "source", "params_dense", "params_stored")}
+        attrs.update(N=2 * N, glu="silu")
+        if any(src):
+            attrs["source"] = ",".join(s for s in src if s)
+        for k in ("params_dense", "params_stored"):
+            if k in a and k in up.attributes:
+                attrs[k] = int(a[k].as_int()) + int(up.attributes[k].as_int())
+        node = surgery.op_node("BlockQuantMatMul", [gate.inputs[0], w], attrs, name=name)
+        graph.insert_before(gate, node)
+        old = mul.outputs[0]
+        out_name = old.name
+        node.outputs[0].type, node.outputs[0].shape = old.type, old.shape
+        old.replace_all_uses_with(node.outputs[0], replace_graph_outputs=True)
+        for n in (mul, *reversed(act_nodes), up, gate):
+            graph.remove(n, safe=True)
+        node.outputs[0].name = out_name
+        surgery.drop_if_unused(graph, Wg)
+        surgery.drop_if_unused(graph, Wu)
+        done.append(gate.name)
+    return done

@@ -136,6 +136,9 @@ struct BlockQuantKernels {
                const float* bias, float* Y, int64_t ldy);
   // out[0:K] = Ŵ[n, 0:K], bit for bit the reference's float32 dequantization
   void (*dequant_row)(const BqLayer* w, int64_t n, float* out);
+  // the gated unit (BlockQuantMatMul glu = "silu"): y[i] = silu(g[i]) * u[i], float32 with an exp of
+  // ~1e-7 relative error (y may alias g)
+  void (*silu_mul)(const float* g, const float* u, float* y, int64_t n);
 };
 
 // kernels/blockquant_impl.inc per ISA (picked once at construction by isa.h pick(); the AVX-512 copy

@@ -130,6 +130,12 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
   at.read({{"act_bits", &act_bits}});
   if (act_bits != 8 && act_bits != 16) fail("attribute act_bits must be 8 or 16, got " + std::to_string(act_bits));
   read_bq_node(info, at, 1, static_cast<int>(act_bits), node_);
+  std::string glu;
+  at.read({{"glu", &glu}});
+  glu_ = glu == "silu";
+  if (glu_ && node_.w.N % 2 != 0)
+    fail("attribute glu 'silu' needs an even N (the gate's rows, then as many of the up projection's), got N = " +
+         std::to_string(node_.w.N));
   has_bias_ = input_present(info, 2);
   if (has_bias_) {
     int is_const = 0;
@@ -147,6 +153,7 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
           {"bq.block", static_cast<double>(node_.w.block)},
           {"bq.bits_per_weight", 8.0 * node_.w.type_size / node_.w.block},
           {"bq.act_bits", static_cast<double>(node_.w.act_bits)},
+          {"bq.glu", glu_ ? 1.0 : 0.0},
           {"bq.isa", static_cast<double>(node_.level)}});
   m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}, {&m_nonfinite_, "bq.nonfinite_recomputes"}});
 }
@@ -160,10 +167,14 @@ class BqCall {
   void quantize_rows() {
     ab_ = kr_.act_bytes(&w_, io_.M);
     const size_t M = static_cast<size_t>(io_.M);
-    const size_t floats = (M * ab_ + M + 64) / sizeof(float) + 16;
+    // with glu the product P [M, N] goes to scratch (64-byte aligned, after the activations) and the
+    // gated unit writes Y [M, N/2]; without, P is Y
+    const size_t head = (M * ab_ + M + 63) / 64 * 64;
+    const size_t floats = head / sizeof(float) + (k_.glu_ ? M * static_cast<size_t>(w_.N) : 0) + 16;
     uint8_t* base = reinterpret_cast<uint8_t*>(outer_scratch().get(floats));
     xq_ = base;
     finite_ = base + M * ab_;
+    P_ = k_.glu_ ? reinterpret_cast<float*>(base + head) : io_.Y;
     const int64_t K = w_.K;
     auto one = [&](size_t m) noexcept {
       finite_[m] = static_cast<uint8_t>(kr_.quantize(&w_, io_.X + m * K, xq_ + m * ab_, io_.M));
@@ -192,7 +203,7 @@ class BqCall {
       nt = (N + rows - 1) / rows;
       auto task = [&](size_t t) noexcept {
         const int64_t n0 = static_cast<int64_t>(t) * rows, n1 = std::min(N, n0 + rows);
-        kr_.gemv(&w_, xq_, n0, n1, bias_, io_.Y + n0);
+        kr_.gemv(&w_, xq_, n0, n1, bias_, P_ + n0);
       };
       k_.pool_.run(ctx_, static_cast<size_t>(nt), task);
       return;
@@ -202,9 +213,25 @@ class BqCall {
       const int64_t i = static_cast<int64_t>(t) / tn, j = static_cast<int64_t>(t) % tn;
       const int64_t m0 = i * kTileM, m1 = std::min(io_.M, m0 + kTileM);
       const int64_t n0 = j * kTileN, n1 = std::min(N, n0 + kTileN);
-      kr_.gemm(&w_, xq_ + m0 * ab_, ab_, m1 - m0, n0, n1, bias_, io_.Y + m0 * N + n0, N);
+      kr_.gemm(&w_, xq_ + m0 * ab_, ab_, m1 - m0, n0, n1, bias_, P_ + m0 * N + n0, N);
     };
     parallel_for(ctx_, static_cast<size_t>(tm * tn), task);
+  }
+
+  // glu: Y[m, j] = silu(P[m, j]) * P[m, N/2 + j], in tasks of whole rows (M > 1) or one row's chunks
+  void gated_unit() {
+    if (!k_.glu_) return;
+    const int64_t H = w_.N / 2;
+    if (io_.M == 1) {
+      kr_.silu_mul(P_, P_ + H, io_.Y, H);
+      return;
+    }
+    const size_t M = static_cast<size_t>(io_.M), nt = std::min<size_t>(M, 8);
+    auto task = [&](size_t t) noexcept {
+      for (size_t m = t * M / nt; m < (t + 1) * M / nt; ++m)
+        kr_.silu_mul(P_ + m * w_.N, P_ + m * w_.N + H, io_.Y + m * H, H);
+    };
+    parallel_for(ctx_, nt, task);
   }
 
   // rows with a non-finite input are NaN; a non-finite output of a finite row is recomputed in double
@@ -213,7 +240,7 @@ class BqCall {
     std::vector<float> wrow;
     std::vector<double> xh;
     for (int64_t m = 0; m < io_.M; ++m) {
-      float* y = io_.Y + m * N;
+      float* y = P_ + m * N;
       if (!finite_[m]) {
         std::fill(y, y + N, NAN);
         continue;
@@ -242,11 +269,12 @@ class BqCall {
   const float* bias_;
   size_t ab_ = 0;
   uint8_t* xq_ = nullptr;
+  float* P_ = nullptr;  // the product [M, N]: Y, or scratch with glu
   uint8_t* finite_ = nullptr;
 };
 
 void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
-  const RowsIO io = rows_io(ctx, node_.w.K, node_.w.N);
+  const RowsIO io = rows_io(ctx, node_.w.K, glu_ ? node_.w.N / 2 : node_.w.N);
   const float* bias = bias_;
   if (has_bias_ && !bias) {  // a bias computed in the graph: checked per call
     Ort::ConstValue bv = ctx.GetInput(2);
@@ -262,6 +290,7 @@ void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
   c.quantize_rows();
   c.multiply();
   c.finish();
+  c.gated_unit();
 }
 
 // ------------------------------------------------------------------ BlockQuantGather

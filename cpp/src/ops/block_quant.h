@@ -29,8 +29,11 @@ constexpr AttrSpec kBqOwnAttrs[] = {
     attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
 };
 constexpr auto kBqAttrs = join(kBqOwnAttrs, kLayerMetadata);
-// BlockQuantMatMul's own: the activation integers, 8 (int8, default) | 16 (int16) bits per block of 32
-constexpr AttrSpec kBqActAttrs[] = {attr_int("act_bits", 8).range(8, 16)};
+// BlockQuantMatMul's own: the activation integers, 8 (int8, default) | 16 (int16) bits per block of 32;
+// glu: none (default) | silu — the gated unit of a SwiGLU MLP in the op: W's rows are the gate's N/2
+// rows then the up projection's N/2, and Y[:, j] = silu(P[:, j]) * P[:, N/2 + j] of the product P
+// (N/2 outputs; bias, when given, has the product's N)
+constexpr AttrSpec kBqActAttrs[] = {attr_int("act_bits", 8).range(8, 16), attr_string("glu", "none").one_of("none|silu")};
 template <size_t A, size_t B>
 constexpr std::array<AttrSpec, A + B> join_bq(const std::array<AttrSpec, A>& a, const AttrSpec (&b)[B]) {
   std::array<AttrSpec, A + B> r{};
@@ -71,6 +74,7 @@ class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
   BqNode node_;
   const float* bias_ = nullptr;  // constant bias (else read per call)
   bool has_bias_ = false;
+  bool glu_ = false;  // glu = "silu": N/2 outputs, silu(gate) * up
   mutable PoolProbe pool_;  // one-thread sessions keep the matvec in one task
   metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr, *m_nonfinite_ = nullptr;
 };
