@@ -21,17 +21,24 @@ def embedding_table(node: ir.Node) -> ir.Value | None:
     return t
 
 
+def _only_use(v: ir.Value) -> ir.Node | None:
+    """The single consumer of ``v`` (None when it has several or is a graph output)."""
+    uses = list(v.uses())
+    return uses[0].node if len(uses) == 1 and not v.is_graph_output() else None
+
+
+def _std(node: ir.Node, op: str) -> bool:
+    return node.op_type == op and node.domain in ("", "ai.onnx")
+
+
 def bias_add(node: ir.Node, N: int):
     """(Add node, bias value) when the MatMul's only consumer is an Add of a constant float32 [N]
     (either operand order) and the MatMul output is no graph output; else None."""
     out = node.outputs[0]
-    uses = list(out.uses())
-    if out.is_graph_output() or len(uses) != 1:
+    add = _only_use(out)
+    if add is None or not _std(add, "Add") or len(add.inputs) != 2:
         return None
-    add = uses[0].node
-    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
-        return None
-    other = add.inputs[1 - uses[0].idx]
+    other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
     if other is None or other.const_value is None or not other.is_initializer():
         return None
     c = other.const_value
@@ -78,16 +85,6 @@ def gather_blocks(graph: ir.Graph, gather: ir.Node, w: ir.Value, fmt: str, K: in
 
 
 # --------------------------------------------------------------------------- the gated unit (glu = "silu")
-def _only_use(v: ir.Value) -> ir.Node | None:
-    """The single consumer of ``v`` (None when it has several or is a graph output)."""
-    uses = list(v.uses())
-    return uses[0].node if len(uses) == 1 and not v.is_graph_output() else None
-
-
-def _std(node: ir.Node, op: str) -> bool:
-    return node.op_type == op and node.domain in ("", "ai.onnx")
-
-
 def _silu_of(gate: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
     """The SiLU applied to ``gate`` and nothing else reading it: Sigmoid(g) and Mul(g, sigmoid) (either
     order), or com.microsoft QuickGelu(g) with alpha 1 → (its nodes, its output)."""

@@ -127,11 +127,10 @@ void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_in
 BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
   int64_t act_bits = 8;
-  at.read({{"act_bits", &act_bits}});
+  std::string glu;
+  at.read({{"act_bits", &act_bits}, {"glu", &glu}});
   if (act_bits != 8 && act_bits != 16) fail("attribute act_bits must be 8 or 16, got " + std::to_string(act_bits));
   read_bq_node(info, at, 1, static_cast<int>(act_bits), node_);
-  std::string glu;
-  at.read({{"glu", &glu}});
   glu_ = glu == "silu";
   if (glu_ && node_.w.N % 2 != 0)
     fail("attribute glu 'silu' needs an even N (the gate's rows, then as many of the up projection's), got N = " +
