@@ -295,6 +295,38 @@ def test_plot_script_draws_a_committed_results_file(tmp_path):
     assert mod.main([str(doc), str(tmp_path / "q.png")]) == 1 and not (tmp_path / "q.png").exists()
 
 
+def test_plot_script_merges_runs_by_thread_count(tmp_path):
+    """Several results files of one model: one panel per thread count, a later file's cell replacing an
+    earlier one's, a model's Δppl from whichever file measured it; a file of another schema is refused."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plot_results", root / "tests/bench/plot_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a = _doc()
+    b = _doc(contexts=[4096, 16384], threads=[1], rows=[
+        {"name": "lean (shared KV)", "model": "lean", "driver": "shared KV", "side": "ours", "what": "x",
+         "delta_ppl": None, "tok_s": {"1": {"4096": 141.0, "16384": 99.0}}},
+        {"name": "llama.cpp", "model": "llama.cpp", "driver": "llama-bench", "side": "peer", "what": "y",
+         "delta_ppl": 0.004, "tok_s": {"1": {"4096": 31.0, "16384": 9.0}}}])
+    threads, by_t = mod.merge([a, b])
+    assert threads == [1, 2]
+    assert by_t[1]["lean"]["pts"] == {128: 125.0, 4096: 141.0, 16384: 99.0}   # b's 4096 replaces a's
+    assert by_t[2]["lean"]["pts"] == {128: 175.0, 4096: 210.5}
+    assert by_t[1]["lean"]["dppl"] == by_t[2]["lean"]["dppl"] == 0.0123
+    assert by_t[1]["llama.cpp"]["dppl"] == 0.004 and 2 not in {t for t in threads if "llama.cpp" in by_t[t]}
+    assert mod.merge([_doc(contexts=[])]) == ([], {})
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    fa.write_text(json.dumps(a))
+    fb.write_text(json.dumps(b))
+    if importlib.util.find_spec("matplotlib"):
+        png = tmp_path / "p.png"
+        assert mod.main([str(fa), str(fb), str(png)]) == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fb.write_text(json.dumps(b | {"schema": "something/2"}))
+    assert mod.main([str(fa), str(fb), str(tmp_path / "q.png")]) == 2 and not (tmp_path / "q.png").exists()
+
+
 def test_llama_cpp_delta_ppl_is_kept_when_llama_bench_gave_no_speed():
     """A llama.cpp row whose llama-bench run failed still carries the Δppl llama.cpp measured, with the
     reason for the missing speed; a bench without llama.cpp at all has no such row."""

@@ -1,8 +1,15 @@
-"""Decode tokens/s against the context, one line per row, from a committed results file (what
-``ortlean bench --json`` or ``ortlean demo`` wrote): the same plot the demo draws.
+"""Decode tokens/s against the context, one line per row, from committed results files (what
+``ortlean bench --json`` or ``ortlean demo`` wrote).
 
-    python tests/bench/plot_results.py tests/bench/results/qwen2.5-coder-1.5b.json \
-        tests/bench/results/qwen2.5-coder-1.5b-speed-vs-context.png
+    python tests/bench/plot_results.py tests/bench/results/smollm2.json \
+        tests/bench/results/smollm2-speed-vs-context.png
+    python tests/bench/plot_results.py RUN1.json RUN2.json ... PNG
+
+One file: the demo's own plot (the largest thread count). Several files of one model (runs that cover
+different contexts or thread counts, each with the peers in the same run): one panel per thread count,
+one line per model (its fastest driver in each file), a context measured by several files taken from the
+last file given, and every file's commit and date in the caption. Each point is a median of its own run;
+ratios between rows are only meaningful within a run, which the files themselves give.
 """
 from __future__ import annotations
 
@@ -14,18 +21,99 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rewriter import demo  # noqa: E402
+from rewriter import demo, results  # noqa: E402
+
+
+def merge(docs: list[dict]) -> tuple[list[int], dict[int, dict[str, dict]]]:
+    """{threads: {model: {"row": a row (its name and side), "dppl": the first Δppl a file gives for the
+    model, "pts": {context: tok/s}}}} over the files, a later
+    file's cell replacing an earlier one's; and the thread counts."""
+    out: dict[int, dict[str, dict]] = {}
+    dppl: dict[str, float] = {}
+    for d in docs:
+        if not d.get("contexts"):
+            continue
+        for r in results.pick_rows(d):
+            for t, per in (r.get("tok_s") or {}).items():
+                e = out.setdefault(int(t), {}).setdefault(r["model"], {"row": r, "pts": {}})
+                e["pts"].update({int(c): v for c, v in per.items() if v})
+            if r.get("delta_ppl") is not None:
+                dppl.setdefault(r["model"], r["delta_ppl"])
+    for per_t in out.values():   # a model's Δppl is the model's, whichever file measured it
+        for name, e in per_t.items():
+            e["dppl"] = dppl.get(name)
+    return sorted(out), out
+
+
+def plot_runs(docs: list[dict], path: Path) -> Path | None:
+    """One panel per thread count over several results files of one model. None without matplotlib or
+    without a decode context in any file."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return None
+    threads, by_t = merge(docs)
+    if not threads:
+        return None
+    fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 5.2), squeeze=False)
+    order = {"reference": 0, "peer": 1, "ours": 2}
+    rows = {n: e["row"] for per_t in by_t.values() for n, e in per_t.items()}
+    names = sorted(rows, key=lambda n: (order.get(rows[n]["side"], 1), n))
+    color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # a model keeps its colour in every panel
+    for ax, t in zip(axes[0], threads):
+        ctxs: set[int] = set()
+        for name in (n for n in names if n in by_t[t]):
+            e = by_t[t][name]
+            xs = sorted(c for c in e["pts"])
+            if not xs:
+                continue
+            ctxs.update(xs)
+            r, dq = e["row"], e["dppl"]
+            q = "Δppl —" if dq is None else f"Δppl {100 * dq:+.2f} %"
+            style = "-o" if r["side"] == "ours" else "--s" if r["side"] == "peer" else ":^"
+            ax.plot(xs, [e["pts"][c] for c in xs], style, color=color[name], label=f"{r['name']} ({q})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(ctxs))
+        ax.set_xticklabels([f"{c:,}" for c in sorted(ctxs)], fontsize=8)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.tick_params(axis="y", which="both", labelsize=7)
+        ax.set_xlabel("tokens in the cache before the decode step")
+        ax.set_ylabel(f"decode tokens/s, {t} thread{'s' if t != 1 else ''}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    m = (docs[-1].get("machine") or {})
+    runs = "; ".join(f"{(d.get('commit') or '?')[:7]} {d.get('date', '')[:16]}" for d in docs)
+    fig.suptitle(f"{docs[-1].get('model_name')}: {m.get('cpu', '?')}, {m.get('isa', '?')}\n"
+                 f"{len(docs)} run{'s' if len(docs) > 1 else ''} (commit, date): {runs}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="a results file (schema ortlean-results/1)")
-    ap.add_argument("png", help="where the plot goes")
+    ap.add_argument("results", nargs="+", help="results files (schema ortlean-results/1), then the PNG")
     a = ap.parse_args(argv)
-    doc = json.loads(Path(a.results).read_text())
-    out = demo.plot(doc, Path(a.png))
+    if len(a.results) < 2:
+        ap.error("give one or more results files and then the PNG")
+    *files, png = a.results
+    docs = []
+    for f in files:
+        doc = json.loads(Path(f).read_text())
+        if doc.get("schema") != results.SCHEMA:
+            print(f"{f}: schema {doc.get('schema')!r}, expected {results.SCHEMA!r}", file=sys.stderr)
+            return 2
+        docs.append(doc)
+    out = demo.plot(docs[0], Path(png)) if len(docs) == 1 else plot_runs(docs, Path(png))
     if out is None:
-        print("no plot: matplotlib is not installed, or the file has no decode contexts", file=sys.stderr)
+        print("no plot: matplotlib is not installed, or no file has decode contexts", file=sys.stderr)
         return 1
     print(out)
     return 0
