@@ -575,6 +575,32 @@ def test_eval_decode_mode_and_bench_long_past_rows(forms, tmp_path, capsys):
     s2, io2 = models["exact"]
     p = runtime.run(s2, io2, runtime.feeds(io2, nxt, rb.state_from_kv(io2, built), 200))[io2.logits_name]
     np.testing.assert_allclose(p, g, atol=1e-5, rtol=1e-5)
+    # tests/bench/bench_decode_rss.py: a row's decode memory in a process of its own, its long past loaded
+    # from bench's past cache (the ids a decode_table run with the same arguments draws: bench_ids) when
+    # the building model's entry is there, else prefilled in the child
+    import importlib.util
+
+    from rewriter.kit import stamps
+
+    spec = importlib.util.spec_from_file_location("bench_decode_rss", ROOT / "tests/bench/bench_decode_rss.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, past_ids, _ = rb.bench_ids(models["pa"][1].vocab_size, [100, 200], 8, 2)
+    s, io = models["gqa"]
+    rb.PastStore(tmp_path / "rss", {"model": stamps.file_stamp(str(src)), "format": 1}).put(
+        past_ids[200], rb.chunked_state(s, io, past_ids[200], chunk=64))
+    args = ["--model", f"pa={tmp_path / 'a.onnx'}", "--decode-past", "100,200", "--threads", "1", "--steps", "2",
+            "--prefill", "8", "--past-cache", str(tmp_path / "rss")]
+    for frm, how in ((src, "loaded from"), (tmp_path / "x.onnx", "prefilled here")):
+        js = tmp_path / "rss.json"
+        assert mod.main(args + ["--cache-from", str(frm), "--json", str(js)]) == 0
+        doc = json.loads(js.read_text())
+        r = doc["rows"]["pa"]
+        assert r["past"] == 200 and r["past_how"].startswith(how), r["past_how"]
+        assert 0 < r["baseline"] <= r["rss_decode"] <= r["peak"] and r["tok_s"] > 0
+        assert r["cache_bytes"] == runtime.cache_bytes_per_token(str(tmp_path / "a.onnx")) * 200
+        assert doc["commit"] and doc["machine"]["cpu"] and "bench_decode_rss.py" in doc["command"]
+    assert "decode memory after 200 tokens" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- another family: sliding window

@@ -485,6 +485,18 @@ def state_from_kv(io: ModelIO, built: Mapping[str, np.ndarray]) -> dict[str, np.
     return out
 
 
+def bench_ids(vocab: int, pasts, prefill_len: int, steps: int, seed: int = 0):
+    """The token ids of a :func:`decode_table` run: (prefill [1, prefill_len], {past: [1, past]},
+    steps [1, steps]), random in [100, vocab) for big vocabularies (past the special tokens). The
+    same arguments give the same ids — and so the same long pasts' caches in a :class:`PastStore`."""
+    rng = np.random.default_rng(seed)
+    hi = int(vocab)
+    lo = 100 if hi > 1000 else 0
+    prefill_ids = rng.integers(lo, hi, (1, prefill_len))
+    past_ids = {p: rng.integers(lo, hi, (1, p)) for p in pasts}
+    return prefill_ids, past_ids, rng.integers(lo, hi, (1, steps))
+
+
 def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, steps: int = 16, repeats: int = 5,
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
@@ -507,12 +519,8 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
     row's buffers allocated), the process's resident memory, every row's weights alike, on 2 MiB pages
     (:func:`memory.huge_pages_for_process`). Returns
     {row: {"prefill": ms, "decode<P>": ms}} (medians over rounds / over all steps)."""
-    rng = np.random.default_rng(seed)
     hi = int(vocab or min((io.vocab_size or 100) for _, io in models.values()))
-    lo = 100 if hi > 1000 else 0  # skip the special tokens at the start of big vocabularies
-    prefill_ids = rng.integers(lo, hi, (1, prefill_len))
-    past_ids = {p: rng.integers(lo, hi, (1, p)) for p in pasts}
-    step_ids = rng.integers(lo, hi, (1, steps))
+    prefill_ids, past_ids, step_ids = bench_ids(hi, pasts, prefill_len, steps, seed)
     names = list(models)
     src = long_past_from or names[0]
     timed = set(models if loop is None else loop)
