@@ -68,6 +68,14 @@ def _rewrite(source: Path, out: Path, flags: list[str], fresh: bool, config) -> 
     return summary
 
 
+def plot_line(ax, xs, ys, row: dict, dppl: float | None, **kw) -> None:
+    """One row's line: solid for ours, dashed for peers, dotted for the reference; its Δppl against
+    the source weights in the legend."""
+    q = "Δppl —" if dppl is None else f"Δppl {100 * dppl:+.2f} %"
+    style = "-o" if row["side"] == "ours" else "--s" if row["side"] == "peer" else ":^"
+    ax.plot(xs, ys, style, label=f"{row['name']} ({q})", **kw)
+
+
 def plot(doc: dict, path: Path) -> Path | None:
     """Decode tokens/s against the context for every row at the largest thread count (one line per
     model, its fastest driver), Δppl against the source weights in the legend. None without matplotlib."""
@@ -90,10 +98,7 @@ def plot(doc: dict, path: Path) -> Path | None:
         xs = [c for c in ctxs if per.get(str(c))]
         if not xs:
             continue
-        dq = r.get("delta_ppl")
-        q = "Δppl —" if dq is None else f"Δppl {100 * dq:+.2f} %"
-        style = "-o" if r["side"] == "ours" else "--s" if r["side"] == "peer" else ":^"
-        ax.plot(xs, [per[str(c)] for c in xs], style, label=f"{r['name']} ({q})")
+        plot_line(ax, xs, [per[str(c)] for c in xs], r, r.get("delta_ppl"))
     ax.set_xscale("log", base=2)
     ax.set_xticks(ctxs)
     ax.set_xticklabels([f"{c:,}" for c in ctxs])

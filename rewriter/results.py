@@ -265,8 +265,7 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
                     row["prefill_tok_s"][str(run["threads"])] = round(res["prefill"] * 1e3 / ms, 1)
         rows += by_model.values()
         contexts, threads = [], [run["threads"] for run in res.get("runs", [])]
-    order = {"reference": 0, "peer": 1, "ours": 2}
-    rows.sort(key=lambda r: order[r["side"]])
+    rows.sort(key=lambda r: SIDE_ORDER[r["side"]])
     out = provenance()
     out.update({"command": command, "model_name": res.get("model_name") or Path(str(res.get("ref", "model"))).stem,
                 "contexts": contexts, "threads": threads, "prefill_tokens": res.get("prefill"),
@@ -295,6 +294,10 @@ def _fmt_delta(row) -> str:
     return s
 
 
+# the order of a table's rows by side: the reference, the peers, then ours
+SIDE_ORDER = {"reference": 0, "peer": 1, "ours": 2}
+
+
 def pick_rows(doc: dict) -> list[dict]:
     """One row per model for the table: the driver with the most tokens/s at the longest context and
     the most threads (every model gets its own best driver: plain loop, shared KV or genai's generator)."""
@@ -310,8 +313,7 @@ def pick_rows(doc: dict) -> list[dict]:
     for r in doc["rows"]:
         if r["model"] not in best or score(r) > score(best[r["model"]]):
             best[r["model"]] = r
-    order = {"reference": 0, "peer": 1, "ours": 2}
-    return sorted((r for r in doc["rows"] if best.get(r["model"]) is r), key=lambda r: order.get(r["side"], 1))
+    return sorted((r for r in doc["rows"] if best.get(r["model"]) is r), key=lambda r: SIDE_ORDER.get(r["side"], 1))
 
 
 def render(doc: dict, src: str = "") -> str:

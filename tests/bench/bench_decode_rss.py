@@ -33,16 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
-
-def status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("VmRSS", "VmHWM"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
+from bench_rewrite_memory import proc_status  # noqa: E402
 
 
 def _ids(a, vocab: int, past: int):
@@ -52,6 +45,17 @@ def _ids(a, vocab: int, past: int):
     return past_ids[past], step_ids
 
 
+def _row(base: int, loaded: int, past: int, how: str, t_past: float, ts, model: str) -> dict:
+    """A child's result after its second decode pass ``ts`` (seconds per step) on ``model``."""
+    from custom_ops import runtime
+
+    st = proc_status("self")
+    return {"baseline": base, "after_load": loaded, "rss_decode": st["VmRSS"], "peak": st["VmHWM"], "past": past,
+            "past_how": how, "past_s": round(t_past, 1), "tok_s": 1.0 / statistics.median(ts),
+            "weight_bytes": runtime.weight_bytes(model),
+            "cache_bytes": (runtime.cache_bytes_per_token(model) or 0) * past}
+
+
 def child_onnx(a) -> dict:
     import custom_ops
     from custom_ops import runtime
@@ -59,10 +63,10 @@ def child_onnx(a) -> dict:
     from rewriter.kit import stamps
 
     rb.fix_malloc_threshold()
-    base = status()["VmRSS"]
+    base = proc_status("self")["VmRSS"]
     s = custom_ops.session(a.path, threads=a.threads)
     io = runtime.ModelIO.from_session(s, a.path)
-    loaded = status()["VmRSS"]
+    loaded = proc_status("self")["VmRSS"]
     past = max(a.pasts)
     past_ids, step_ids = _ids(a, a.vocab, past)
     store = rb.PastStore(None if a.past_cache == "off" else a.past_cache, {"model": stamps.file_stamp(a.cache_from), "format": 1})
@@ -78,36 +82,24 @@ def child_onnx(a) -> dict:
     gc.collect()
     t_past = time.perf_counter() - t0
     row.decode(past, step_ids)   # first pass: warm-up
-    ts = row.decode(past, step_ids)
-    st = status()
-    return {"baseline": base, "after_load": loaded, "rss_decode": st["VmRSS"], "peak": st["VmHWM"],
-            "past": past, "past_how": how, "past_s": round(t_past, 1), "tok_s": 1.0 / statistics.median(ts),
-            "weight_bytes": runtime.weight_bytes(a.path),
-            "cache_bytes": (runtime.cache_bytes_per_token(a.path) or 0) * past}
+    return _row(base, loaded, past, how, t_past, row.decode(past, step_ids), a.path)
 
 
 def child_genai(a) -> dict:
     from custom_ops.runtime import bench as rb
     from models import peers as pm
 
-    base = status()["VmRSS"]
+    base = proc_status("self")["VmRSS"]
     d = pm.genai_model(a.path, "int4", progress=False)
     past = max(a.pasts)
     past_ids, step_ids = _ids(a, a.vocab, past)
     t0 = time.perf_counter()
     row = rb.OgRow(d, a.threads, {past: past_ids}, a.steps, 2)
-    loaded = status()["VmRSS"]
+    loaded = proc_status("self")["VmRSS"]
     row.decode(past, step_ids)   # builds the generator: its own prefill of the past, then the steps
     t_past = time.perf_counter() - t0
-    ts = row.decode(past, step_ids)
-    st = status()
-    from custom_ops import runtime
-
-    model = str(Path(d) / "model.onnx")
-    return {"baseline": base, "after_load": loaded, "rss_decode": st["VmRSS"], "peak": st["VmHWM"], "past": past,
-            "past_how": "prefilled by its generator (append_tokens)", "past_s": round(t_past, 1),
-            "tok_s": 1.0 / statistics.median(ts), "weight_bytes": runtime.weight_bytes(model),
-            "cache_bytes": (runtime.cache_bytes_per_token(model) or 0) * past}
+    return _row(base, loaded, past, "prefilled by its generator (append_tokens)", t_past,
+                row.decode(past, step_ids), str(Path(d) / "model.onnx"))
 
 
 def _child(a) -> int:

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 
-def _status(pid: int) -> dict[str, int]:
+def proc_status(pid) -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile and VmHWM of process ``pid`` (or "self"), bytes; {} when /proc cannot say."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as fh:
@@ -57,7 +58,7 @@ def run(model: str, flags: list[str], out_dir: Path, interval: float = 0.2) -> d
 
     def sample():
         while not done.wait(interval):
-            s = _status(proc.pid)
+            s = proc_status(proc.pid)
             if s:
                 samples.append((round(time.monotonic() - t0, 2), s.get("RssAnon", 0), s.get("RssFile", 0)))
 

@@ -60,22 +60,18 @@ def plot_runs(docs: list[dict], path: Path) -> Path | None:
     if not threads:
         return None
     fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 5.2), squeeze=False)
-    order = {"reference": 0, "peer": 1, "ours": 2}
     rows = {n: e["row"] for per_t in by_t.values() for n, e in per_t.items()}
-    names = sorted(rows, key=lambda n: (order.get(rows[n]["side"], 1), n))
+    names = sorted(rows, key=lambda n: (results.SIDE_ORDER.get(rows[n]["side"], 1), n))
     color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # a model keeps its colour in every panel
     for ax, t in zip(axes[0], threads):
         ctxs: set[int] = set()
         for name in (n for n in names if n in by_t[t]):
             e = by_t[t][name]
-            xs = sorted(c for c in e["pts"])
+            xs = sorted(e["pts"])
             if not xs:
                 continue
             ctxs.update(xs)
-            r, dq = e["row"], e["dppl"]
-            q = "Δppl —" if dq is None else f"Δppl {100 * dq:+.2f} %"
-            style = "-o" if r["side"] == "ours" else "--s" if r["side"] == "peer" else ":^"
-            ax.plot(xs, [e["pts"][c] for c in xs], style, color=color[name], label=f"{r['name']} ({q})")
+            demo.plot_line(ax, xs, [e["pts"][c] for c in xs], e["row"], e["dppl"], color=color[name])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(sorted(ctxs))
