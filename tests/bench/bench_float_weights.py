@@ -27,8 +27,9 @@ decode table, medians) with its ratio to the RTN row. The JSON carries commit, m
 (rewriter.results.provenance); it is written where --json says (nothing is written otherwise).
 Run it alone on the machine: the timings are only as quiet as the machine is.
 
-A rewritten model is reused from ``--work`` only when its flags and the commit (a clean tree) are the
-ones it was written with. ``--quick`` (rows nbits, rtn and the mix at 0.1; 1,024 calibration tokens;
+A rewritten model is reused from ``--work`` only when its flags and the code that writes a model (the last
+commit that changed rewriter/, custom_ops/, models/ or cpp/, none of them modified) are the ones it was
+written with. ``--quick`` (rows nbits, rtn and the mix at 0.1; 1,024 calibration tokens;
 1 thread, 3 repeats; its own work directory) checks the script, its JSON says ``"quick": true``.
 """
 from __future__ import annotations
@@ -83,15 +84,38 @@ def weight_bits(path: Path) -> dict:
     return {"bits_per_weight": bits / max(params, 1), "params": params, "formats": formats}
 
 
+# what a rewritten model depends on besides its flags (the benchmark scripts and docs do not count)
+WRITER_PATHS = ("rewriter", "custom_ops", "models", "cpp", "CMakeLists.txt", "pyproject.toml")
+
+
+def writer_commit() -> tuple[str | None, bool]:
+    """(the last commit that changed WRITER_PATHS, whether any of them differs from it); (None, False)
+    outside a git checkout."""
+    import subprocess
+
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run([*git, "log", "-1", "--format=%H", "--", *WRITER_PATHS], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", *WRITER_PATHS],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    if head.returncode != 0 or not head.stdout.strip():
+        return None, False
+    return head.stdout.strip(), bool(dirty.stdout.strip())
+
+
 def rewrite(dense: Path, out: Path, flags: list[str]) -> dict:
     """``ortlean rewrite dense -o out FLAGS`` in this process. An existing output is reused (with its
-    report) only when it was written with the same flags at the same commit from a clean tree (its
-    ``.bench.json``). Returns the report."""
+    report) only when it was written with the same flags by the same code: the last commit that changed
+    the code that writes a model (WRITER_PATHS), none of it modified (its ``.bench.json``). Returns the
+    report."""
     from rewriter import cli, results
 
     rep = out.with_suffix(".report.json")
     stamp = out.with_suffix(".bench.json")
-    commit, dirty = results.git_commit()
+    commit, dirty = writer_commit()
     key = {"flags": flags, "commit": commit}
     if commit and not dirty and out.is_file() and rep.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
         print(f"[bench] reusing {out.name} (same flags, commit {commit[:12]})", file=sys.stderr, flush=True)
@@ -165,8 +189,8 @@ def main() -> int:
     # the k_quant_mixed model runs as a peer row: our plain loop and genai's own generator
     peer_models = evaluate.peer_models
 
-    def with_kqm(ref, which, notes):
-        out = peer_models(ref, which, notes)
+    def with_kqm(ref, which, notes, **kw):
+        out = peer_models(ref, which, notes, **kw)
         if kqm_path is not None:
             out[kqm] = str(kqm_path)
         return out
