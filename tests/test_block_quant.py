@@ -601,3 +601,36 @@ def test_nonfinite_guard_recomputes_in_double(act_bits):
         assert within(y[:1], ref[:1], tolerance(X[:1], W, "q8_0", K, None, 16)) <= 1
     assert np.all(np.isposinf(y[1])) and np.all(np.isposinf(ref[1]))
     assert custom_ops.metrics()["bq_guard"]["bq.nonfinite_recomputes"] == 2
+
+
+@requires_native
+def test_op_bench_script_runs_and_reports_every_column(tmp_path):
+    """tests/bench/bench_blockquant_op.py end to end on a tiny shape (K not a multiple of 32's 256, N odd):
+    every M = 1 row has the streaming bound, the MatMulNBits ratio and the in-cache rate, the M > 1 row
+    its ratio, and the Runs' bound outputs hold the op's result (a runner that ran nothing would not)."""
+    out = tmp_path / "op.json"
+    cmd = [sys.executable, str(ROOT / "tests" / "bench" / "bench_blockquant_op.py"), "--formats", "q4_1,q4_K",
+           "--shapes", "288x33", "--mib", "1", "--min-time", "0.001", "--threads", "1", "--prefill-m", "3",
+           "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    dec = [x for x in rows if x["M"] == 1]
+    assert {x["format"] for x in dec} == {"q4_1", "q4_K"} and {x["M"] for x in rows} == {1, 3}
+    for x in dec:
+        assert x["layers"] * x["layer_bytes"] >= 1 << 20
+        for k in ("op_us", "stream_us", "bound_x", "mnb_us", "vs_mnb", "cache_us"):
+            assert np.isfinite(x[k]) and x[k] > 0, (k, x)
+
+    sys.path.insert(0, str(ROOT / "tests" / "bench"))
+    import bench_blockquant_op as b
+
+    model, _ = b._bq_model(288, 33, "q4_1", None, 3, np.random.default_rng(1))
+    s = custom_ops.session(model, threads=1)
+    x = {"X": np.random.default_rng(2).standard_normal((1, 288)).astype(np.float32)}
+    run = b._runner(s, x)
+    for o in run.outputs:
+        o[:] = np.nan
+    assert run() > 0
+    for o, want in zip(run.outputs, s.run(None, x)):
+        assert np.array_equal(o, want)
