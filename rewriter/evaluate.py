@@ -283,6 +283,9 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     (:class:`runtime.bench.PastStore`; None: built in memory for this run)."""
     if rows not in ("all", "best"):
         raise OrtleanError(f"rows={rows!r}: 'all' or 'best'")
+    from .results import git_commit
+
+    start = git_commit()  # the code that runs: a results file names it, not where the checkout ends up
     also = dict(also or {})
     modelfile.load_model(model)  # both models named before any work
     modelfile.load_model(ref)
@@ -292,10 +295,12 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
         modelfile.load_model(path)
     pasts = [int(decode_past)] if isinstance(decode_past, int) else [int(p) for p in decode_past]
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
-        return _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
-                             huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
-                             tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache, genai=genai,
-                             past_cache=past_cache)
+        res = _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
+                            huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
+                            tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache, genai=genai,
+                            past_cache=past_cache)
+        res["git_start"] = list(start)
+        return res
     if quality_text:
         raise OrtleanError("--quality-text: Δppl is measured for causal LMs; an encoder's quality is "
                            "`ortlean eval`'s embedding cosine")
@@ -308,7 +313,7 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
             variants[f"MatMulNBits int{b}"] = None
             print(f"note: MatMulNBits int{b} row skipped: {e}")
     res = {"model": model, "ref": ref, "prefill": prefill, "decode_past": decode_past, "runs": [],
-           "variants": {k: v for k, v in variants.items() if v}, "ours": ["lean", *also]}
+           "variants": {k: v for k, v in variants.items() if v}, "ours": ["lean", *also], "git_start": list(start)}
     res["weight_bytes"] = {k: (runtime.weight_bytes(v) if v else None) for k, v in variants.items()}
     for t in threads:
         sessions = {k: _session(v, t) for k, v in variants.items() if v}

@@ -108,16 +108,22 @@ def machine() -> dict:
             "load_average": load}
 
 
-def provenance() -> dict:
-    """The keys every results file carries: commit, date, machine, onnxruntime and ortlean versions."""
+def provenance(start: tuple | list | None = None) -> dict:
+    """The keys every results file carries: commit, date, machine, onnxruntime and ortlean versions.
+    ``start``: git_commit() as it was when the run began. The code that ran is the start's, so commit
+    and commit_dirty say the start; when the checkout moved during the run, commit_at_end and
+    commit_at_end_dirty say where it ended (a long bench outlives the edits made beside it)."""
     import onnxruntime as ort
 
     from . import __version__
 
     commit, dirty = git_commit()
-    return {"schema": SCHEMA, "commit": commit, "commit_dirty": dirty,
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "machine": machine(), "onnxruntime": ort.__version__, "ortlean": __version__}
+    out = {"schema": SCHEMA, "commit": commit, "commit_dirty": dirty,
+           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "machine": machine(), "onnxruntime": ort.__version__, "ortlean": __version__}
+    if start is not None and (start[0], bool(start[1])) != (commit, dirty):
+        out.update(commit=start[0], commit_dirty=bool(start[1]), commit_at_end=commit, commit_at_end_dirty=dirty)
+    return out
 
 
 def write_json(path, obj) -> None:
@@ -266,7 +272,7 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
         rows += by_model.values()
         contexts, threads = [], [run["threads"] for run in res.get("runs", [])]
     rows.sort(key=lambda r: SIDE_ORDER[r["side"]])
-    out = provenance()
+    out = provenance(res.get("git_start"))
     out.update({"command": command, "model_name": res.get("model_name") or Path(str(res.get("ref", "model"))).stem,
                 "contexts": contexts, "threads": threads, "prefill_tokens": res.get("prefill"),
                 "quality": ({k: v for k, v in quality.items() if k != "rows"} if quality else None),

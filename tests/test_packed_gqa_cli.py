@@ -660,6 +660,9 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["pasts"] == [64, 510] and any("512 positions" in n for n in r["notes"])
+    from rewriter import results
+
+    assert r["git_start"] == list(results.git_commit()) and r["commit"] == r["git_start"][0]  # the code that ran
     dp = r["decode_profile"]
     assert dp["past"] == 512 - 20 and set(dp) == {"past", "t1"}  # 4 warm-up + 16 profiled steps fit
     short = dp["t1"]["short_step"]  # every row after 1 token

@@ -378,3 +378,22 @@ def test_long_prompt_script_times_each_row_and_writes_results(tmp_path, capsys):
     with pytest.raises(SystemExit):   # fewer tokens in the text than asked for
         mod.main(args[:5] + ["--tokens", "100000"] + args[7:])
     assert re.search(r"t\.txt has only \d+ tokens", capsys.readouterr().err)
+
+
+def test_provenance_names_the_code_that_ran_when_the_checkout_moved(monkeypatch):
+    """A results file names the commit a run started at; when the checkout moved during the run (a
+    commit landed, or tracked files changed), it also says where it ended; when nothing moved, only
+    the one commit."""
+    from rewriter import results
+
+    now = ("b" * 40, False)
+    monkeypatch.setattr(results, "git_commit", lambda *a, **k: now)
+    same = results.provenance(["b" * 40, False])
+    assert same["commit"] == "b" * 40 and not same["commit_dirty"] and "commit_at_end" not in same
+    moved = results.provenance(["a" * 40, False])
+    assert (moved["commit"], moved["commit_dirty"]) == ("a" * 40, False)
+    assert (moved["commit_at_end"], moved["commit_at_end_dirty"]) == ("b" * 40, False)
+    now = ("a" * 40, True)  # edited during the run, not committed
+    edited = results.provenance(("a" * 40, False))
+    assert not edited["commit_dirty"] and edited["commit_at_end_dirty"] and edited["commit_at_end"] == "a" * 40
+    assert "commit_at_end" not in results.provenance()  # no start given: the state now, as before

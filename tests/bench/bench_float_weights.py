@@ -223,7 +223,7 @@ def main() -> int:
                     r.setdefault("decode", {})[f"t{t}{suffix}"] = {"ms": ms, "tok_s": 1000.0 / ms,
                                                                    "vs_rtn": ref_ms / ms}
         table[label] = r
-    out = {**results.provenance(), "bench": "bench_float_weights", "model": "smollm2 (optimum export, float)",
+    out = {**results.provenance(res.get("git_start")), "bench": "bench_float_weights", "model": "smollm2 (optimum export, float)",
            "quick": a.quick, "calib_tokens": a.calib_tokens or 4096,
            "past": a.past, "threads": threads, "repeats": a.repeats, "quality": {k: v for k, v in (res.get("quality") or {}).items()
                                                                                   if k != "rows"},
