@@ -262,7 +262,8 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
           nbits=(8, 4), profile: bool = True, peers: str = "auto", llama: bool = True, steps: int = 16,
           huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,
           trace_dir: str | None = None, tokenizer: str | None = None, rows: str = "all",
-          quality_cache: str | None = None, genai: bool = True, past_cache: str | None = None) -> dict:
+          quality_cache: str | None = None, genai: bool = True, past_cache: str | None = None,
+          genai_extra: dict[str, str] | None = None) -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
@@ -278,7 +279,8 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     generator, llama.cpp in llama-bench — and leaves out the rows that only explain (the dense model
     is the quality reference, not timed; genai's fp32 model; other drivers). ``quality_cache``: a
     directory where each row's quality scores are kept and reused under the same stamp
-    (:func:`table_quality`). ``genai``: False leaves the onnxruntime-genai rows out. ``past_cache``: a
+    (:func:`table_quality`). ``genai``: False leaves the onnxruntime-genai rows out; ``genai_extra``:
+    more genai-built models ({"genai <label>": model.onnx}) timed and scored as those rows are. ``past_cache``: a
     directory where the caches of pasts above 512 tokens are kept and reused
     (:class:`runtime.bench.PastStore`; None: built in memory for this run)."""
     if rows not in ("all", "best"):
@@ -298,7 +300,7 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
         res = _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                             huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
                             tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache, genai=genai,
-                            past_cache=past_cache)
+                            past_cache=past_cache, genai_extra=genai_extra)
         res["git_start"] = list(start)
         return res
     if quality_text:
@@ -365,7 +367,7 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                   huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
-                  best=False, quality_cache=None, genai=True, past_cache=None) -> dict:
+                  best=False, quality_cache=None, genai=True, past_cache=None, genai_extra=None) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -387,7 +389,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             notes.append(f"MatMulNBits int{b} row skipped: {e}")
     # rows=best: the peer users ship is genai's int4 model; its fp32 one only shows the builder's graph
     # (not even built: for a 1.5B model that is a 7 GB export)
-    genai = peer_models(ref, peers, notes, precisions=("int4",) if best else None) if genai else {}
+    genai = {**peer_models(ref, peers, notes, precisions=("int4",) if best else None), **(genai_extra or {})} if genai else {}
     variants.update(genai)
     pasts, note = fit_pasts(pasts, steps, variants.values())
     if note:

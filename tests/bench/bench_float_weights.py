@@ -186,23 +186,13 @@ def main() -> int:
         kqm_path = None
         print(f"note: {kqm} row skipped: {str(e).splitlines()[0]}", file=sys.stderr)
 
-    # the k_quant_mixed model runs as a peer row: our plain loop and genai's own generator
-    peer_models = evaluate.peer_models
-
-    def with_kqm(ref, which, notes, **kw):
-        out = peer_models(ref, which, notes, **kw)
-        if kqm_path is not None:
-            out[kqm] = str(kqm_path)
-        return out
-
-    evaluate.peer_models = with_kqm
+    # the k_quant_mixed model runs as a genai row: our plain loop and genai's own generator
     labels = list(rows)
     ref_label = "MatMulNBits RTN int4" if "MatMulNBits RTN int4" in rows else labels[0]
     also = {k: v["path"] for k, v in rows.items() if k != ref_label}
     res = evaluate.bench(rows[ref_label]["path"], str(dense), threads=threads, prefill=128, decode_past=[a.past],
                          repeats=a.repeats, nbits=(), profile=False, peers="auto", llama=False, also=also,
-                         quality_text=str(held))
-    evaluate.peer_models = peer_models
+                         quality_text=str(held), genai_extra={kqm: str(kqm_path)} if kqm_path else None)
     name_of = {"lean": ref_label, **{k: k for k in also}}
     for k, p in res["variants"].items():
         if k not in name_of.values() and k != "lean":
