@@ -52,15 +52,16 @@ __all__ = ["SCHEMA", "provenance", "machine", "git_commit", "from_bench", "descr
 
 
 # --------------------------------------------------------------------------------------------- provenance
-def git_commit(root: Path = ROOT) -> tuple[str | None, bool]:
+def git_commit(root: Path = ROOT, paths: tuple[str, ...] = ()) -> tuple[str | None, bool]:
     """(HEAD's full hash, whether tracked files differ from it) of the checkout holding this package;
-    (None, False) when it is not a git checkout (an installed wheel)."""
+    (None, False) when it is not a git checkout (an installed wheel). With ``paths`` (relative to the
+    checkout): the last commit that changed any of them, and whether any of them differs from it."""
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode != 0:
+        rev = ["log", "-1", "--format=%H", "--", *paths] if paths else ["rev-parse", "HEAD"]
+        head = subprocess.run(["git", "-C", str(root), *rev], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0 or not head.stdout.strip():
             return None, False
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", *paths],
                                capture_output=True, text=True, timeout=30)
         return head.stdout.strip(), bool(dirty.stdout.strip())
     except (OSError, subprocess.SubprocessError):

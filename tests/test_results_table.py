@@ -397,3 +397,33 @@ def test_provenance_names_the_code_that_ran_when_the_checkout_moved(monkeypatch)
     edited = results.provenance(("a" * 40, False))
     assert not edited["commit_dirty"] and edited["commit_at_end_dirty"] and edited["commit_at_end"] == "a" * 40
     assert "commit_at_end" not in results.provenance()  # no start given: the state now, as before
+
+
+def test_git_commit_of_paths_is_the_last_commit_that_changed_them(tmp_path):
+    """git_commit(paths=...) names the last commit that touched those paths (a benchmark reuses a model
+    written by unchanged code) and is dirty only when they are modified."""
+    from rewriter import results
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f").write_text("1")
+    (tmp_path / "b").write_text("1")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = git("rev-parse", "HEAD")
+    (tmp_path / "b").write_text("2")
+    git("commit", "-qam", "two")
+    head = git("rev-parse", "HEAD")
+    assert results.git_commit(tmp_path) == (head, False)
+    assert results.git_commit(tmp_path, paths=("a",)) == (first, False)
+    (tmp_path / "b").write_text("3")
+    assert results.git_commit(tmp_path, paths=("a",)) == (first, False)
+    assert results.git_commit(tmp_path) == (head, True)
+    (tmp_path / "a" / "f").write_text("2")
+    assert results.git_commit(tmp_path, paths=("a",)) == (first, True)
+    assert results.git_commit(tmp_path, paths=("nothing",)) == (None, False)

@@ -88,24 +88,6 @@ def weight_bits(path: Path) -> dict:
 WRITER_PATHS = ("rewriter", "custom_ops", "models", "cpp", "CMakeLists.txt", "pyproject.toml")
 
 
-def writer_commit() -> tuple[str | None, bool]:
-    """(the last commit that changed WRITER_PATHS, whether any of them differs from it); (None, False)
-    outside a git checkout."""
-    import subprocess
-
-    git = ["git", "-C", str(ROOT)]
-    try:
-        head = subprocess.run([*git, "log", "-1", "--format=%H", "--", *WRITER_PATHS], capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", *WRITER_PATHS],
-                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None, False
-    if head.returncode != 0 or not head.stdout.strip():
-        return None, False
-    return head.stdout.strip(), bool(dirty.stdout.strip())
-
-
 def rewrite(dense: Path, out: Path, flags: list[str]) -> dict:
     """``ortlean rewrite dense -o out FLAGS`` in this process. An existing output is reused (with its
     report) only when it was written with the same flags by the same code: the last commit that changed
@@ -115,7 +97,7 @@ def rewrite(dense: Path, out: Path, flags: list[str]) -> dict:
 
     rep = out.with_suffix(".report.json")
     stamp = out.with_suffix(".bench.json")
-    commit, dirty = writer_commit()
+    commit, dirty = results.git_commit(paths=WRITER_PATHS)
     key = {"flags": flags, "commit": commit}
     if commit and not dirty and out.is_file() and rep.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
         print(f"[bench] reusing {out.name} (same flags, commit {commit[:12]})", file=sys.stderr, flush=True)
