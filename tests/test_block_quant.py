@@ -605,7 +605,7 @@ def test_nonfinite_guard_recomputes_in_double(act_bits):
 
 @requires_native
 def test_op_bench_script_runs_and_reports_every_column(tmp_path):
-    """tests/bench/bench_blockquant_op.py end to end on a tiny shape (K not a multiple of 32's 256, N odd):
+    """tests/bench/bench_blockquant_op.py end to end on a tiny shape (K not a multiple of 256, N odd):
     every M = 1 row has the streaming bound, the MatMulNBits ratio and the in-cache rate, the M > 1 row
     its ratio, and the Runs' bound outputs hold the op's result (a runner that ran nothing would not)."""
     out = tmp_path / "op.json"
