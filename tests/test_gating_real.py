@@ -36,6 +36,7 @@ def _ppl(model, text, tokens=1024, threads=2):
     return runtime.perplexity(s, io, ids, window=256)["ppl"]
 
 
+@pytest.mark.heavy  # ~1 min on 2 cores: a calibrated KWTA rewrite, then two held-out perplexities
 def test_down_proj_half_kept_costs_little(smol, novels, tmp_path):
     """TEAL-style thresholds keeping 50 % of the down-projection inputs: Δppl on held-out text
     small (the issue measured +1.3 % for magnitude zeroing of 50 %)."""

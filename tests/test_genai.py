@@ -282,6 +282,7 @@ def test_tokenizer_fixed_for_genai(tiny, tmp_path):
 
 # --------------------------------------------------------------------------- SmolLM2 (slow)
 @pytest.mark.slow
+@pytest.mark.heavy  # ~3.5 min on 2 cores: 3 prompts x 96 tokens, ortlean's loop and og's generator
 def test_smollm2_int4_in_genai_matches_ortlean_generate(tmp_path):
     """SmolLM2 rewritten with the fused int4 recipe genai can drive (--weights int4 --attn-exact off:
     MatMulNBits + GroupQueryAttention): og's generator, greedy from the same prompt ids, gives the tokens

@@ -389,6 +389,7 @@ def test_cli_prompt_longer_than_the_context(forms, tmp_path):
 
 # --------------------------------------------------------------------------- a long prompt on a real model
 @pytest.mark.slow
+@pytest.mark.heavy  # ~3.3 min on 2 cores: a rewrite, then a 4k-token prompt prefilled and sampled
 @requires_native
 def test_smollm2_chat_sampling_4k_prompt_file(tmp_path):
     """SmolLM2 rewritten with the default recipe (fused graph, the GGUF's own blocks; GroupQueryAttention
