@@ -607,20 +607,28 @@ def test_nonfinite_guard_recomputes_in_double(act_bits):
 def test_op_bench_script_runs_and_reports_every_column(tmp_path):
     """tests/bench/bench_blockquant_op.py end to end on a tiny shape (K not a multiple of 256, N odd):
     every M = 1 row has the streaming bound, the MatMulNBits ratio and the in-cache rate, the M > 1 row
-    its ratio, and the Runs' bound outputs hold the op's result (a runner that ran nothing would not)."""
+    its ratio, the compute floor's rates where the CPU has AVX-512 VNNI, and the Runs' bound outputs hold the
+    op's result (a runner that ran nothing would not)."""
     out = tmp_path / "op.json"
     cmd = [sys.executable, str(ROOT / "tests" / "bench" / "bench_blockquant_op.py"), "--formats", "q4_1,q4_K",
            "--shapes", "288x33", "--mib", "1", "--min-time", "0.001", "--threads", "1", "--prefill-m", "3",
            "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
     dec = [x for x in rows if x["M"] == 1]
     assert {x["format"] for x in dec} == {"q4_1", "q4_K"} and {x["M"] for x in rows} == {1, 3}
+    # the compute floor's columns where the CPU has AVX-512 VNNI, else the header says why not
+    vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
+    assert res["machine"]["floor"].startswith("tests/bench/bq_floor.c") == vnni, res["machine"]["floor"]
     for x in dec:
         assert x["layers"] * x["layer_bytes"] >= 1 << 20
-        for k in ("op_us", "stream_us", "bound_x", "mnb_us", "vs_mnb", "cache_us"):
+        for k in ("op_us", "stream_us", "bound_x", "mnb_us", "vs_mnb", "cache_us") + (
+                ("floor_int_GBps", "floor_GBps") if vnni else ()):
             assert np.isfinite(x[k]) and x[k] > 0, (k, x)
+        assert vnni or "floor_GBps" not in x
+    assert "floor_int" in r.stdout if vnni else "floor_int" not in r.stdout
 
     sys.path.insert(0, str(ROOT / "tests" / "bench"))
     import bench_blockquant_op as b

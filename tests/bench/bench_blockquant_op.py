@@ -25,6 +25,12 @@ set-sized buffer. MatMulNBits runs on the same shape with its own L layers (4 bi
 
 M = 1, in cache (--no-in-cache skips it): L nodes share one W, so a Run reads the same bytes L times
 from the core's caches (the layer must fit its L2): the kernel's own rate, GB/s of weight bytes.
+The compute floor (1 thread, AVX-512 VNNI machines; the C loops of tests/bench/bq_floor.c, same rounds as
+the in-cache runs, the same number of bytes read as often from the caches): floor_int = only the integer
+dots of 4-bit weights (and, shift, and, two vpdpbusd per 64 bytes), floor = those plus the per-lane float
+scale (to float, vpermps, FMA). No kernel of the op's numerics does less per vector than floor; the op's
+in-cache rate over floor's says how much of its time goes to the rest (block headers, scales, layout).
+
 M = 128: one layer per model (compute-bound), op vs MatMulNBits (target >= 1). --act-bits 8,16 times
 both activation precisions (the act column). Sessions take turns in blocks of timed runs after an
 untimed one, with a pause between sessions at > 1 thread (custom_ops.runtime.bench.settle: a pool's
@@ -235,6 +241,49 @@ def _time_rounds(jobs: dict, min_time: float, threads: int, block: int = 3) -> d
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _floor_lib(tmp: Path):
+    """tests/bench/bq_floor.c built for AVX-512 VNNI with the system C compiler, or None (and why) when this
+    CPU lacks it or there is no compiler."""
+    import ctypes
+    import shutil
+
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags):
+        return None, "the CPU has no AVX-512 VNNI"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None, "no C compiler"
+    so = tmp / "bq_floor.so"
+    subprocess.run([cc, "-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-shared", "-fPIC",
+                    str(ROOT / "tests" / "bench" / "bq_floor.c"), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.bq_floor_ns.restype = ctypes.c_double
+    lib.bq_floor_ns.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    return lib, ""
+
+
+def _floor_jobs(lib, N: int, layer_bytes: int, reps: int, rng) -> tuple[dict, int]:
+    """The floor loops over a W of the layer's shape (rows of the layer's bytes rounded up to 64, N rounded
+    down to 4 rows), reps passes per call as the in-cache twin's nodes: jobs and the bytes one call reads."""
+    rb = -(-(layer_bytes // N) // 64) * 64
+    rows = max(4, N // 4 * 4)
+    W = rng.integers(0, 256, rows * rb, dtype=np.uint8)
+    xl, xh = (rng.integers(-128, 128, rb, dtype=np.int8) for _ in range(2))
+    lanes = (np.arange(16, dtype=np.int32) * 5) % 16
+
+    def job(mode):
+        def run():
+            return lib.bq_floor_ns(W.ctypes.data, rows, rb, xl.ctypes.data, xh.ctypes.data, lanes.ctypes.data,
+                                   mode, reps) * 1e-9
+        run.keep = (W, xl, xh, lanes)
+        return run
+    return {"floor_int": job(1), "floor": job(2)}, rows * rb * reps
+
+
 def _runner(sess, feeds):
     """A timed Run with the input and every output bound once (IOBinding): a model of L layers has L
     outputs, and sess.run would allocate and wrap L new arrays per Run, time the op does not spend in a
@@ -254,7 +303,8 @@ def _runner(sess, feeds):
     return run
 
 
-def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bits=(8,), in_cache=True) -> list[dict]:
+def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bits=(8,), in_cache=True,
+                 floor=None) -> list[dict]:
     from custom_ops.reference import blockquant as bq
 
     layer_bytes = bq.row_bytes(fmt, K, bs) * N
@@ -277,8 +327,10 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
                     s.run(None, x)
             jobs = {"op": _runner(s_op, x), "mnb": _runner(s_mnb, x),
                     "stream": lambda: _stream_best(libs, bufs, lb, th)}
+            fjobs, fbytes = _floor_jobs(floor, N, lb, cL, rng) if floor and in_cache and th == 1 else ({}, 0)
             if in_cache:
                 jobs["cache"] = _runner(s_c, x)
+            jobs.update(fjobs)
             med = _time_rounds(jobs, min_time, th)
             op, stream, mn = med["op"] / L, med["stream"] / L, med["mnb"] / mL
             r = {"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": 1, "act_bits": ab, "threads": th,
@@ -287,6 +339,8 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
                  "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op}
             if in_cache:
                 r.update(cache_layers=cL, cache_us=med["cache"] / cL * 1e6, cache_GBps=lb * cL / med["cache"] / 1e9)
+            if fjobs:
+                r.update(floor_int_GBps=fbytes / med["floor_int"] / 1e9, floor_GBps=fbytes / med["floor"] / 1e9)
             rows.append(r)
             del s_op, s_mnb, s_c
         del model, cache_model, bufs
@@ -334,16 +388,20 @@ def table(info: dict, rows: list[dict]) -> str:
     dec = [r for r in rows if r["M"] == 1]
     if dec:
         cache = any("cache_GBps" in r for r in dec)
+        fl = any("floor_GBps" in r for r in dec)
         out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the best C loop reading the same "
                 "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)"
-                + ("; cache = the same layer read from the caches (GB/s)" if cache else ""),
+                + ("; cache = the same layer read from the caches (GB/s)" if cache else "")
+                + ("; floor_int / floor = the compute floor's loops on those bytes (GB/s, 1 thread)" if fl else ""),
                 f"{'format':>8} {'K x N':>11} {'act':>3} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
-                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}" + (f" {'cache':>6}" if cache else "")]
+                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}" + (f" {'cache':>6}" if cache else "")
+                + (f" {'floor_int':>9} {'floor':>6}" if fl else "")]
         for r in dec:
             out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
                        f"{r['layers']:>6} {r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
                        f"{r['op_us']:>8.1f} {r['op_GBps']:>5.1f} {r['bound_x']:>7.2f} {r['mnb_us']:>8.1f} "
-                       f"{r['vs_mnb']:>6.2f}" + (f" {r['cache_GBps']:>6.1f}" if "cache_GBps" in r else ""))
+                       f"{r['vs_mnb']:>6.2f}" + (f" {r['cache_GBps']:>6.1f}" if "cache_GBps" in r else "")
+                       + (f" {r['floor_int_GBps']:>9.1f} {r['floor_GBps']:>6.1f}" if "floor_GBps" in r else ""))
     pre = [r for r in rows if r["M"] > 1]
     if pre:
         out += ["", "M = 128 (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)",
@@ -375,6 +433,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-bqbench-"))
     libs = _stream_lib(tmp)
+    floor, why = (None, "--no-in-cache") if a.no_in_cache else _floor_lib(tmp)
     threads = [int(t) for t in a.threads.split(",")]
     act_bits = tuple(int(b) for b in a.act_bits.split(","))
     if any(b not in (8, 16) for b in act_bits):
@@ -384,6 +443,7 @@ def main() -> None:
     if not a.no_decode:
         info["set_bytes"], info["set_why"] = set_size(a.mib, a.llc_x)
         info["stream_GBps"] = stream_rates(libs, info["set_bytes"], threads)
+        info["floor"] = "tests/bench/bq_floor.c, AVX-512 VNNI, 1 thread" if floor else f"not measured: {why}"
     print(table(info, []), flush=True)
     rows = []
     rng = np.random.default_rng(0)
@@ -392,7 +452,7 @@ def main() -> None:
             fmt, bs = _fmt(spec)
             if not a.no_decode:
                 new = bench_decode(K, N, fmt, bs, threads, info["set_bytes"], a.min_time, libs, rng, act_bits,
-                                   not a.no_in_cache)
+                                   not a.no_in_cache, floor)
                 rows += new
                 print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
             if not a.no_prefill:
