@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -462,7 +461,9 @@ def main() -> None:
     print()
     print(table(info, rows))
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        from rewriter import results
+
+        results.write_json(a.json, {"machine": info, "rows": rows})  # atomically
 
 
 if __name__ == "__main__":
