@@ -200,11 +200,14 @@ class BqCall {
       int64_t rows = (N + nt - 1) / nt;
       rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
       nt = (N + rows - 1) / rows;
+      // each task checks its outputs while they are in L1 (finish reads the flags, not the row)
       auto task = [&](size_t t) noexcept {
         const int64_t n0 = static_cast<int64_t>(t) * rows, n1 = std::min(N, n0 + rows);
         kr_.gemv(&w_, xq_, n0, n1, bias_, P_ + n0);
+        task_finite_[t] = gemm_kernels().all_finite(P_ + n0, n1 - n0) != 0;
       };
-      k_.pool_.run(ctx_, static_cast<size_t>(nt), task);
+      ntask_ = static_cast<size_t>(nt);
+      k_.pool_.run(ctx_, ntask_, task);
       return;
     }
     const int64_t tm = (io_.M + kTileM - 1) / kTileM, tn = (N + kTileN - 1) / kTileN;
@@ -245,7 +248,10 @@ class BqCall {
         continue;
       }
       bool ok = true;
-      for (int64_t n = 0; n < N; ++n) ok &= std::isfinite(y[n]);
+      if (io_.M == 1 && ntask_)
+        for (size_t t = 0; t < ntask_; ++t) ok &= task_finite_[t] != 0;
+      else
+        ok = gemm_kernels().all_finite(y, N) != 0;  // the process ISA's vector check
       if (ok) continue;
       metrics::add(k_.m_nonfinite_, 1.0);
       dequantized_activations(io_.X + m * K, K, w_.act_bits, xh);
@@ -270,6 +276,8 @@ class BqCall {
   uint8_t* xq_ = nullptr;
   float* P_ = nullptr;  // the product [M, N]: Y, or scratch with glu
   uint8_t* finite_ = nullptr;
+  size_t ntask_ = 0;                    // M = 1: the tasks of multiply(), each with its outputs' verdict
+  uint8_t task_finite_[kMaxTasks] = {};
 };
 
 void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
