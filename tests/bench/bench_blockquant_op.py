@@ -246,11 +246,9 @@ def _floor_lib(tmp: Path):
     import ctypes
     import shutil
 
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    except OSError:
-        flags = []
-    if not {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags):
+    from rewriter import results
+
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= set(results.machine()["flags"]):
         return None, "the CPU has no AVX-512 VNNI"
     cc = shutil.which("cc") or shutil.which("gcc")
     if not cc:

@@ -248,7 +248,7 @@ class BqCall {
         continue;
       }
       bool ok = true;
-      if (io_.M == 1 && ntask_)
+      if (ntask_)  // M = 1: the tasks' verdicts
         for (size_t t = 0; t < ntask_; ++t) ok &= task_finite_[t] != 0;
       else
         ok = gemm_kernels().all_finite(y, N) != 0;  // the process ISA's vector check
