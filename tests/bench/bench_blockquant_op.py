@@ -140,16 +140,13 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        commit += "+dirty" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "?"
     import custom_ops
     import onnxruntime as ort
+
+    from rewriter import results
+
+    head, dirty = results.git_commit()
+    commit = head[:7] + ("+dirty" if dirty else "") if head else "?"
 
     return {"cpu": model, "cores": os.cpu_count(), "isa": custom_ops.isa_label(), "onnxruntime": ort.__version__,
             "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds"),
