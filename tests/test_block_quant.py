@@ -602,6 +602,19 @@ def test_nonfinite_guard_recomputes_in_double(act_bits):
     assert np.all(np.isposinf(y[1])) and np.all(np.isposinf(ref[1]))
     assert custom_ops.metrics()["bq_guard"]["bq.nonfinite_recomputes"] == 2
 
+    # M = 1, where each task checks its own outputs: only the last task's rows overflow (the first half
+    # of W's rows hold zero weights), at 1 and 2 threads; the recompute still finds them
+    N1 = 64
+    small = np.concatenate([np.frombuffer(np.float16(0.5).tobytes(), np.uint8), np.zeros(32, np.uint8)])
+    W1 = np.concatenate([np.tile(small, (N1 // 2, 2)), np.tile(blk, (N1 // 2, 2))])
+    ref1 = bq.op(X[:1], W1, format="q8_0", K=K, N=N1, act_bits=act_bits)
+    assert np.isfinite(ref1).all()
+    for th in (1, 2):
+        s1 = custom_ops.session(bq_model(W1, "q8_0", K, N1, name=f"bq_guard1_{th}", act_bits=act_bits), threads=th)
+        y1 = s1.run(None, {"X": X[:1]})[0]
+        assert np.isfinite(y1).all() and within(y1, ref1, tolerance(X[:1], W1, "q8_0", K, None, act_bits)) <= 1
+        assert custom_ops.metrics()[f"bq_guard1_{th}"]["bq.nonfinite_recomputes"] == 1
+
 
 @requires_native
 def test_op_bench_script_runs_and_reports_every_column(tmp_path):
