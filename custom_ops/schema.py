@@ -335,6 +335,9 @@ _BQ_ATTRS = (
     Attr("N", "int", required=True, valid=Valid(lo=1, hi=2**31 - 1), doc="outputs (W's rows)"),
     Attr("block_size", "int", valid=Valid(choices=(16, 32, 64, 128, 256)),
          doc="q4_f: weights per block (absent: 32); other formats: absent or their own block (32; K formats 256)"),
+    Attr("layout", "string", default="blocks", valid=Valid(choices=("blocks", "split")),
+         doc="W's row layout: blocks (ggml's, byte for byte) or split (the same bytes per row: every block's "
+             "integers, then the fp16 scale array, then the min array; q4_0, q4_1, q8_0, q4_f/32)"),
     Attr("source", "string", meta=True, doc="where the blocks come from, e.g. gguf:blk.0.attn_q.weight or hqq"),
     Attr("bits_per_weight", "float", meta=True, valid=Valid(lo=0, lo_open=True, finite=True)),
     Attr("target", "string", valid=TARGET, meta=True),
@@ -342,7 +345,10 @@ _BQ_ATTRS = (
     *_meta(*_COMMON_META),
 )
 _BQ_RULES = (Rule("block_size is for q4_f; another format takes only its own block (q4_K, q5_K, q6_K: 256, the others: 32)",
-                  lambda a: a["format"] == "q4_f" or a.get("block_size") in (None, BQ_BLOCK.get(a["format"]))),)
+                  lambda a: a["format"] == "q4_f" or a.get("block_size") in (None, BQ_BLOCK.get(a["format"]))),
+             Rule("layout split takes formats q4_0, q4_1, q8_0 and q4_f with block 32",
+                  lambda a: a.get("layout", "blocks") != "split" or
+                  a["format"] in ("q4_0", "q4_1", "q8_0") or (a["format"] == "q4_f" and a.get("block_size") in (None, 32))))
 _BQ_ACT = Attr("act_bits", "int", default=8, valid=Valid(choices=(8, 16)),
                doc="activation integers per block of 32: 8 (int8, ggml's q8_0) or 16 (int16: the rounding ~256x finer)")
 _BQ_GLU = Attr("glu", "string", default="none", valid=Valid(choices=("none", "silu")),
@@ -350,7 +356,7 @@ _BQ_GLU = Attr("glu", "string", default="none", valid=Valid(choices=("none", "si
                    "[..., N/2] = silu(gate) * up of the product (one op for an MLP's gate, up and activation)")
 SCHEMAS += (
     OpSchema("BlockQuantMatMul", inputs=(Port("X"), Port("W", "uint8"), Port("bias", optional=True)),
-             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:4], _BQ_ACT, _BQ_GLU, *_BQ_ATTRS[4:]),
+             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:5], _BQ_ACT, _BQ_GLU, *_BQ_ATTRS[5:]),
              reference="custom_ops.reference.blockquant:op",
              rules=(*_BQ_RULES, Rule("glu silu needs an even N (the gate's rows, then as many of the up projection's)",
                                      lambda a: a.get("glu", "none") != "silu" or int(a["N"]) % 2 == 0))),

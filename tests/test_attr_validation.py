@@ -76,6 +76,15 @@ def _bq_bad_scale(row, block, off, bits, fmt="q4_K", K=300):
     return W
 
 
+def _split_bad_scale(row, block, field, bits, fmt, K):
+    """Layout split bytes with field `field` (0 d, 1 m) of (row, block) set to `bits`."""
+    W = bq.to_split(bq.random_blocks(fmt, 5, K, np.random.default_rng(0)), fmt, K)
+    nb, ts = bq.blocks_per_row(fmt, K), bq.type_size(fmt)
+    p = nb * (ts - bq.SPLIT_HEADER[fmt]) + 2 * (field * nb + block)
+    W[row, p:p + 2] = [bits & 255, bits >> 8]
+    return W
+
+
 BAD = [
     # EventGatedMatMul: the issue-13 probe's silently accepted values
     (_gate, dict(keep_ratio=0.0), "keep_ratio must be in (0, 1]"),
@@ -147,6 +156,15 @@ BAD = [
     (_bq, dict(target="embed"), "target must be one of mlp | attn | head"),
     (_bq, dict(gather=1, W=_bq_bad_scale(2, 0, 0, 0x7C00)), "row 2 block 0: non-finite fp16 d"),
     (_bq, dict(gather=1, format="q8_0"), "input W has shape [5, 288], expected [5, 340]"),
+    # layout split: only the one-stream formats, and a non-finite scale named by row and block in its own array
+    (_bq, dict(layout="rows"), "layout must be one of blocks | split"),
+    (_bq, dict(layout="split"), "layout 'split' takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not q4_K"),
+    (_bq, dict(layout="split", format="q4_f", block_size=64, W=np.zeros((5, 5 * 36), np.uint8)),
+     "not q4_f with block 64"),
+    (_bq, dict(layout="split", format="q4_1", K=96, W=_split_bad_scale(2, 1, 1, 0x7C00, "q4_1", 96)),
+     "row 2 block 1: non-finite fp16 min m (0x7c00 at byte 56 of the row, layout split)"),
+    (_bq, dict(gather=1, layout="split", format="q8_0", K=96, W=_split_bad_scale(4, 2, 0, 0xFE00, "q8_0", 96)),
+     "row 4 block 2: non-finite fp16 scale d (0xfe00 at byte 100 of the row, layout split)"),
 ]
 
 
@@ -169,6 +187,8 @@ GOOD = [
     (_bq, dict(format="q4_f", block_size=256, W=np.zeros((5, 2 * 132), np.uint8))),
     (_bq, dict(format="q4_f", block_size=16, W=np.zeros((5, 19 * 12), np.uint8))),
     (_bq, dict(gather=1, block_size=256, target="head")),
+    (_bq, dict(layout="blocks")), (_bq, dict(layout="split", format="q4_0", W=np.zeros((5, 10 * 18), np.uint8))),
+    (_bq, dict(layout="split", format="q4_f", W=np.zeros((5, 10 * 20), np.uint8), act_bits=16)),
 ]
 
 

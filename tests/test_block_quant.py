@@ -28,6 +28,8 @@ GGUF = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smoll
 # (format, block_size): every format, q4_f at every block size
 CASES = [(f, None) for f in bq.FORMATS if f != "q4_f"] + [("q4_f", b) for b in bq.Q4F_BLOCKS]
 IDS = [f if b is None else f"{f}_{b}" for f, b in CASES]
+# the formats that take layout "split" (a row's integers, then its scale arrays)
+SPLIT_CASES = [("q4_0", None), ("q4_1", None), ("q8_0", None), ("q4_f", 32)]
 
 
 def bq_model(W, fmt, K, N, block_size=None, bias=None, bias_input=False, name="bq", attrs=None, xshape=None,
@@ -297,19 +299,21 @@ SHAPES = [(40, 1), (40, 17), (576, 3), (576, 191), (1000, 17), (1000, 1), (2400,
 MS = (1, 3, 128)
 
 
-def _check_all(cases, shapes, ms, seed=0, act=(8, 16)) -> list:
-    """Kernel vs reference: every case x shape x M x act_bits, with and without bias; returns the failures.
-    The rows of X have very different magnitudes, and one row is int16's worst case: every block holds
-    +-amax (all x at the clamp) so that every int32 partial sum is as large as it gets."""
+def _check_all(cases, shapes, ms, seed=0, act=(8, 16), layout="blocks") -> list:
+    """Kernel vs reference: every case x shape x M x act_bits, with and without bias, W in `layout`;
+    returns the failures. The rows of X have very different magnitudes, and one row is int16's worst case:
+    every block holds +-amax (all x at the clamp) so that every int32 partial sum is as large as it gets."""
     bad = []
     for ci, (fmt, bs) in enumerate(cases):
         for K, N in shapes:
             rng = np.random.default_rng([seed, ci, K, N])
             W = bq.random_blocks(fmt, N, K, rng, bs)
+            Wl, la = (bq.to_split(W, fmt, K, bs), {"layout": "split"}) if layout == "split" else (W, None)
             b = rng.standard_normal(N).astype(np.float32)
             for ab in act:
-                plain = custom_ops.session(bq_model(W, fmt, K, N, bs, name=f"k_{fmt}", act_bits=ab), threads=2)
-                biased = custom_ops.session(bq_model(W, fmt, K, N, bs, b, name=f"kb_{fmt}", act_bits=ab), threads=2)
+                plain = custom_ops.session(bq_model(Wl, fmt, K, N, bs, name=f"k_{fmt}", act_bits=ab, attrs=la), threads=2)
+                biased = custom_ops.session(bq_model(Wl, fmt, K, N, bs, b, name=f"kb_{fmt}", act_bits=ab, attrs=la),
+                                            threads=2)
                 for M in (*ms, -1):  # -1: the worst row alone (M = 1)
                     X = (rng.standard_normal((abs(M), K)) * rng.uniform(0.1, 10, (abs(M), 1))).astype(np.float32)
                     if M != 1:
@@ -328,6 +332,38 @@ def _check_all(cases, shapes, ms, seed=0, act=(8, 16)) -> list:
 @pytest.mark.parametrize("fmt,bs", CASES, ids=IDS)
 def test_kernel_vs_reference(fmt, bs):
     assert not _check_all([(fmt, bs)], SHAPES, MS)
+
+
+# layout split reads rows in groups of 16 blocks: K = 520 and 4000 leave 1 and 13 blocks in the last,
+# partial group (q8_0: 1 and 7 vectors), 1000 none; N = 1..7 and 191 leave rows outside the 4-row passes
+SPLIT_SHAPES = [(40, 1), (520, 7), (576, 191), (1000, 17), (2400, 6), (4000, 3)]
+
+
+@requires_native
+@pytest.mark.parametrize("fmt,bs", SPLIT_CASES, ids=[f if b is None else f"{f}_{b}" for f, b in SPLIT_CASES])
+def test_kernel_vs_reference_layout_split(fmt, bs):
+    """The same bytes in layout split: every path (M = 1's split kernel, M > 1's panels, act_bits 8 and 16)."""
+    assert not _check_all([(fmt, bs)], SPLIT_SHAPES, MS, layout="split")
+
+
+@requires_native
+@pytest.mark.parametrize("fmt,bs", SPLIT_CASES, ids=[f if b is None else f"{f}_{b}" for f, b in SPLIT_CASES])
+def test_layout_split_equals_blocks_and_gathers_exactly(fmt, bs):
+    """A split W gives the blocks W's outputs (the same float32 sums up to order: within the tolerance) at 1
+    and 2 threads, and its gather is bit for bit the blocks' dequantization."""
+    rng = np.random.default_rng(21)
+    K, N = 1000, 203
+    W = bq.random_blocks(fmt, N, K, rng, bs)
+    S = bq.to_split(W, fmt, K, bs)
+    X = rng.standard_normal((1, K)).astype(np.float32)
+    tol = tolerance(X, W, fmt, K, bs)
+    for th in (1, 2):
+        yb = custom_ops.session(bq_model(W, fmt, K, N, bs), threads=th).run(None, {"X": X})[0]
+        ys = custom_ops.session(bq_model(S, fmt, K, N, bs, attrs={"layout": "split"}), threads=th).run(None, {"X": X})[0]
+        assert within(ys, yb, 2 * tol) <= 1.0
+    ids = rng.integers(-N, N, size=(4, 5)).astype(np.int64)
+    g = custom_ops.session(gather_model(S, fmt, K, N, bs, attrs={"layout": "split"})).run(None, {"ids": ids})[0]
+    assert np.array_equal(g.view(np.uint32), bq.gather(W, ids, format=fmt, K=K, N=N, block_size=bs).view(np.uint32))
 
 
 GLU_CASES = [("q4_1", None), ("q8_0", None), ("q4_K", None), ("q6_K", None), ("q4_f", 64)]
@@ -406,8 +442,9 @@ _ISA_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import custom_ops
-from test_block_quant import CASES, GLU_CASES, _check_all, _check_glu
+from test_block_quant import CASES, GLU_CASES, SPLIT_CASES, _check_all, _check_glu
 bad = _check_all(CASES, [(40, 17), (576, 3), (1000, 191)], (1, 3, 128), seed=7)
+bad += _check_all(SPLIT_CASES, [(520, 7), (576, 3), (4000, 5)], (1, 3, 128), seed=7, layout="split")
 bad += _check_glu(GLU_CASES, [(40, 2), (1000, 382)], (1, 3, 128), seed=7)
 print(json.dumps({"isa": custom_ops.op_isas()["BlockQuantMatMul"], "bad": bad}))
 """
@@ -631,7 +668,9 @@ def test_op_bench_script_runs_and_reports_every_column(tmp_path):
     res = json.loads(out.read_text())
     rows = res["rows"]
     dec = [x for x in rows if x["M"] == 1]
-    assert {x["format"] for x in dec} == {"q4_1", "q4_K"} and {x["M"] for x in rows} == {1, 3}
+    # both layouts where the format takes split (the default --layouts blocks,split), blocks elsewhere
+    assert {(x["format"], x["layout"]) for x in dec} == {("q4_1", "blocks"), ("q4_1", "split"), ("q4_K", "blocks")}
+    assert {x["M"] for x in rows} == {1, 3} and len(rows) == 2 * len(dec)
     # the compute floor's columns where the CPU has AVX-512 VNNI, else the header says why not
     vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
     assert res["machine"]["floor"].startswith("tests/bench/bq_floor.c") == vnni, res["machine"]["floor"]

@@ -29,6 +29,14 @@ Where the integers sit:
       are its bits 4, 5; sub-block e // 16.
   q4_f with B = 32 is byte for byte q4_1.
 
+Row layout (attribute ``layout``): "blocks" (default) is ggml's, above. "split" holds the same bytes
+reordered within each row: the integer bytes of every block (``qs``) one after the other, then each
+fp16 header field as its own array over the row's blocks — ``[qs_0 … qs_{nb−1} | d_0 … d_{nb−1}]``, and
+``| m_0 … m_{nb−1}`` for the formats with a min. Only q4_0, q4_1, q8_0 and q4_f with block 32 (whose
+blocks are one header and one byte stream) take it: the layout lets the
+AVX-512 M = 1 kernel read a row's integers as whole vectors (4 or 2 blocks per 64 bytes) and its scales
+16 at a time. ``to_split`` / ``from_split`` convert; a split W dequantizes exactly as its blocks.
+
 Ŵ = dequantize(W)[:, :K] is float32 computed with exactly the float32 operations of gguf-py's
 ``gguf.quants`` (one product, then one sum, in the order written above; ``d·sc_j`` and ``dmin·m_j``
 rounded to float32 first), so it equals ``gguf.quants.dequantize`` bit for bit (tests/test_block_quant.py).
@@ -73,6 +81,10 @@ FROM_GGML = {v: k for k, v in GGML_TYPE.items()}
 # byte offsets of the fp16 scale fields in a block (validated finite by the kernels)
 SCALE_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q4_K": (0, 2),
                 "q5_K": (0, 2), "q6_K": (208,), "q4_f": (0, 2)}
+# row layouts (module docstring): ggml's blocks, or a row's integers then its scale arrays
+LAYOUTS = ("blocks", "split")
+# formats that take layout "split" (q4_f: block 32 only) and their header bytes per block (fp16 fields)
+SPLIT_HEADER = {"q4_0": 2, "q4_1": 4, "q8_0": 2, "q4_f": 4}
 ACT_BLOCK = 32  # activation quantization block
 ACT_BITS = (8, 16)  # activation integers: int8 (default) or int16 per block of 32
 GLU = ("none", "silu")  # BlockQuantMatMul's gated unit
@@ -108,6 +120,48 @@ def row_bytes(fmt: str, K: int, block_size: int | None = None) -> int:
 def bits_per_weight(fmt: str, block_size: int | None = None) -> float:
     """Stored bits per weight of a full block (e.g. q4_0 4.5, q4_K 4.5, q6_K 6.5625)."""
     return 8.0 * type_size(fmt, block_size) / block_of(fmt, block_size)
+
+
+# ------------------------------------------------------------------ row layouts
+def split_refusal(fmt: str, block_size: int | None = None, act_bits: int = 8) -> str | None:
+    """Why layout "split" does not apply (None: it does): the format or its block size (every act_bits
+    takes it; the argument stays for callers that pass it)."""
+    if fmt not in SPLIT_HEADER:
+        return f"layout split takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not {fmt}"
+    if fmt == "q4_f" and block_of(fmt, block_size) != 32:
+        return f"layout split takes q4_f only with block 32, not {block_of(fmt, block_size)}"
+    return None
+
+
+def _split_geometry(W, fmt: str, K: int, block_size: int | None):
+    W = np.asarray(W)
+    nb, ts = blocks_per_row(fmt, K, block_size), type_size(fmt, block_size)
+    if fmt not in SPLIT_HEADER or (fmt == "q4_f" and block_of(fmt, block_size) != 32):
+        raise ValueError(split_refusal(fmt, block_size))
+    if W.dtype != np.uint8 or W.ndim != 2 or W.shape[1] != nb * ts:
+        raise ValueError(f"W has shape {list(W.shape)} ({W.dtype}), expected uint8 [N, {nb * ts}] "
+                         f"(format {fmt}, K = {K})")
+    return W, nb, ts, SPLIT_HEADER[fmt]
+
+
+def to_split(W, fmt: str, K: int, block_size: int | None = None) -> np.ndarray:
+    """ggml's blocks [N, row_bytes] -> layout "split" (the same bytes, reordered within each row)."""
+    W, nb, ts, h = _split_geometry(W, fmt, K, block_size)
+    blk = W.reshape(W.shape[0], nb, ts)
+    parts = [blk[:, :, h:].reshape(W.shape[0], -1)]
+    parts += [blk[:, :, 2 * f:2 * f + 2].reshape(W.shape[0], -1) for f in range(h // 2)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def from_split(W, fmt: str, K: int, block_size: int | None = None) -> np.ndarray:
+    """Layout "split" [N, row_bytes] -> ggml's blocks (to_split's inverse, byte for byte)."""
+    W, nb, ts, h = _split_geometry(W, fmt, K, block_size)
+    n, qb = W.shape[0], nb * (ts - h)
+    out = np.empty((n, nb, ts), np.uint8)
+    out[:, :, h:] = W[:, :qb].reshape(n, nb, ts - h)
+    for f in range(h // 2):
+        out[:, :, 2 * f:2 * f + 2] = W[:, qb + 2 * f * nb:qb + 2 * (f + 1) * nb].reshape(n, nb, 2)
+    return out.reshape(n, nb * ts)
 
 
 # ------------------------------------------------------------------ dequantization
@@ -286,6 +340,16 @@ def _attrs(attrs: dict) -> tuple[str, int, int, int | None]:
     return fmt, K, N, bs
 
 
+def _layout(attrs: dict, fmt: str, bs: int | None, act_bits: int = 8) -> str:
+    lay = attrs.get("layout")
+    lay = "blocks" if lay in (None, "", b"") else (lay.decode() if isinstance(lay, bytes) else lay)
+    if lay not in LAYOUTS:
+        raise ValueError(f"attribute layout must be one of {', '.join(LAYOUTS)}, got {lay!r}")
+    if lay == "split" and split_refusal(fmt, bs, act_bits):
+        raise ValueError("attribute " + split_refusal(fmt, bs, act_bits))
+    return lay
+
+
 def _act_bits(attrs: dict) -> int:
     a = attrs.get("act_bits")
     a = 8 if a is None else int(a)
@@ -314,11 +378,14 @@ def silu_mul(P: np.ndarray) -> np.ndarray:
 
 def op(X, W, bias=None, **attrs) -> np.ndarray:
     """BlockQuantMatMul: Y = x̂ · Ŵᵀ + bias (module docstring); attrs: format, K, N, [block_size],
-    [act_bits] (8 | 16, absent: 8), [glu] (none | silu: Y = silu_mul of that product)."""
+    [act_bits] (8 | 16, absent: 8), [glu] (none | silu: Y = silu_mul of that product), [layout]
+    (blocks | split: W's row layout)."""
     fmt, K, N, bs = _attrs(attrs)
     act_bits = _act_bits(attrs)
     glu = _glu(attrs, N)
     _layer(W, fmt, K, N, bs)
+    if _layout(attrs, fmt, bs, act_bits) == "split":
+        W = from_split(W, fmt, K, bs)
     check_scales(W, fmt, K, bs)
     X = np.asarray(X, np.float32)
     if X.ndim < 1 or X.shape[-1] != K:
@@ -342,6 +409,8 @@ def gather(W, indices, **attrs) -> np.ndarray:
     """BlockQuantGather: Ŵ[indices], float32 [*indices.shape, K] (module docstring)."""
     fmt, K, N, bs = _attrs(attrs)
     _layer(W, fmt, K, N, bs)
+    if _layout(attrs, fmt, bs) == "split":
+        W = from_split(W, fmt, K, bs)
     check_scales(W, fmt, K, bs)
     idx = np.asarray(indices)
     if idx.dtype not in (np.int64, np.int32):

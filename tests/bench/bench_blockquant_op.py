@@ -159,9 +159,9 @@ def _fmt(spec: str) -> tuple[str, int | None]:
     return f, (int(b) if b else None)
 
 
-def _bq_model(K, N, fmt, bs, L, rng, act_bits=8, shared=False) -> tuple[bytes, int]:
-    """L BlockQuantMatMul layers on one input (shared: all on one W, read L times from the caches);
-    (model, bytes of one layer's W)."""
+def _bq_model(K, N, fmt, bs, L, rng, act_bits=8, shared=False, layout="blocks") -> tuple[bytes, int]:
+    """L BlockQuantMatMul layers on one input (shared: all on one W, read L times from the caches) in
+    W's row layout `layout` (blocks | split); (model, bytes of one layer's W)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from custom_ops.reference import blockquant as bq
@@ -169,8 +169,11 @@ def _bq_model(K, N, fmt, bs, L, rng, act_bits=8, shared=False) -> tuple[bytes, i
     nodes, inits, outs = [], [], []
     for i in range(L):
         if not shared or i == 0:
-            inits.append(numpy_helper.from_array(bq.random_blocks(fmt, N, K, rng, bs), f"W{i}"))
+            W = bq.random_blocks(fmt, N, K, rng, bs)
+            inits.append(numpy_helper.from_array(bq.to_split(W, fmt, K, bs) if layout == "split" else W, f"W{i}"))
         a = dict(format=fmt, K=K, N=N)
+        if layout != "blocks":
+            a["layout"] = layout
         if bs:
             a["block_size"] = bs
         if act_bits != 8:
@@ -298,7 +301,7 @@ def _runner(sess, feeds):
 
 
 def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bits=(8,), in_cache=True,
-                 floor=None) -> list[dict]:
+                 floor=None, layout="blocks") -> list[dict]:
     from custom_ops.reference import blockquant as bq
 
     layer_bytes = bq.row_bytes(fmt, K, bs) * N
@@ -308,10 +311,10 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
     x = {"X": rng.standard_normal((1, K)).astype(np.float32)}
     rows = []
     for ab in act_bits:
-        model, lb = _bq_model(K, N, fmt, bs, L, rng, ab)
+        model, lb = _bq_model(K, N, fmt, bs, L, rng, ab, layout=layout)
         # the in-cache twin: enough nodes on one W for a Run of ~1 ms of weight bytes at 20 GB/s
         cL = max(4, min(256, (20 << 20) // max(lb, 1)))
-        cache_model = _bq_model(K, N, fmt, bs, cL, rng, ab, shared=True)[0] if in_cache else None
+        cache_model = _bq_model(K, N, fmt, bs, cL, rng, ab, shared=True, layout=layout)[0] if in_cache else None
         bufs = [np.ones(lb // 8 + 8, np.uint64) for _ in range(L)]
         for th in threads:
             s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
@@ -327,7 +330,7 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
             jobs.update(fjobs)
             med = _time_rounds(jobs, min_time, th)
             op, stream, mn = med["op"] / L, med["stream"] / L, med["mnb"] / mL
-            r = {"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": 1, "act_bits": ab, "threads": th,
+            r = {"format": fmt + (f"/{bs}" if bs else ""), "layout": layout, "K": K, "N": N, "M": 1, "act_bits": ab, "threads": th,
                  "layers": L, "layer_bytes": lb, "op_us": op * 1e6, "stream_us": stream * 1e6,
                  "stream_GBps": lb / stream / 1e9, "op_GBps": lb / op / 1e9, "bound_x": op / stream,
                  "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op}
@@ -341,19 +344,19 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
     return rows
 
 
-def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng, act_bits=(8,)) -> list[dict]:
+def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng, act_bits=(8,), layout="blocks") -> list[dict]:
     mnb, _ = _mnb_model(K, N, 1, rng)
     x = {"X": rng.standard_normal((M, K)).astype(np.float32)}
     rows = []
     for ab in act_bits:
-        model, lb = _bq_model(K, N, fmt, bs, 1, rng, ab)
+        model, lb = _bq_model(K, N, fmt, bs, 1, rng, ab, layout=layout)
         for th in threads:
             s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
             for s in (s_op, s_mnb):
                 for _ in range(3):
                     s.run(None, x)
             med = _time_rounds({"op": _runner(s_op, x), "mnb": _runner(s_mnb, x)}, min_time, th)
-            rows.append({"format": fmt + (f"/{bs}" if bs else ""), "K": K, "N": N, "M": M, "act_bits": ab,
+            rows.append({"format": fmt + (f"/{bs}" if bs else ""), "layout": layout, "K": K, "N": N, "M": M, "act_bits": ab,
                          "threads": th, "op_us": med["op"] * 1e6, "mnb_us": med["mnb"] * 1e6,
                          "vs_mnb": med["mnb"] / med["op"], "GMACps": M * K * N / med["op"] / 1e9})
     return rows
@@ -387,11 +390,11 @@ def table(info: dict, rows: list[dict]) -> str:
                 "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)"
                 + ("; cache = the same layer read from the caches (GB/s)" if cache else "")
                 + ("; floor_int / floor = the compute floor's loops on those bytes (GB/s, 1 thread)" if fl else ""),
-                f"{'format':>8} {'K x N':>11} {'act':>3} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
+                f"{'format':>8} {'layout':>6} {'K x N':>11} {'act':>3} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
                 f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}" + (f" {'cache':>6}" if cache else "")
                 + (f" {'floor_int':>9} {'floor':>6}" if fl else "")]
         for r in dec:
-            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
+            out.append(f"{r['format']:>8} {r.get('layout', 'blocks'):>6} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
                        f"{r['layers']:>6} {r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
                        f"{r['op_us']:>8.1f} {r['op_GBps']:>5.1f} {r['bound_x']:>7.2f} {r['mnb_us']:>8.1f} "
                        f"{r['vs_mnb']:>6.2f}" + (f" {r['cache_GBps']:>6.1f}" if "cache_GBps" in r else "")
@@ -399,9 +402,9 @@ def table(info: dict, rows: list[dict]) -> str:
     pre = [r for r in rows if r["M"] > 1]
     if pre:
         out += ["", "M = 128 (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)",
-                f"{'format':>8} {'K x N':>11} {'act':>3} {'thr':>3} {'op us':>9} {'GMAC/s':>7} {'MNB us':>9} {'vs_mnb':>6}"]
+                f"{'format':>8} {'layout':>6} {'K x N':>11} {'act':>3} {'thr':>3} {'op us':>9} {'GMAC/s':>7} {'MNB us':>9} {'vs_mnb':>6}"]
         for r in pre:
-            out.append(f"{r['format']:>8} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
+            out.append(f"{r['format']:>8} {r.get('layout', 'blocks'):>6} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
                        f"{r['op_us']:>9.1f} {r['GMACps']:>7.1f} {r['mnb_us']:>9.1f} {r['vs_mnb']:>6.2f}")
     return "\n".join(out)
 
@@ -420,16 +423,24 @@ def main() -> None:
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-in-cache", action="store_true", help="skip the M = 1 in-cache column")
+    ap.add_argument("--layouts", default="blocks,split",
+                    help="comma list of W's row layouts (blocks | split); split runs only for the formats that take "
+                         "it (q4_0, q4_1, q8_0, q4_f/32) and act_bits 8")
     ap.add_argument("--json", help="write the rows and the header here")
     a = ap.parse_args()
 
     from attn_speed import _stream_lib
+
+    from custom_ops.reference import blockquant as bq
 
     tmp = Path(tempfile.mkdtemp(prefix="ortlean-bqbench-"))
     libs = _stream_lib(tmp)
     floor, why = (None, "--no-in-cache") if a.no_in_cache else _floor_lib(tmp)
     threads = [int(t) for t in a.threads.split(",")]
     act_bits = tuple(int(b) for b in a.act_bits.split(","))
+    layouts = a.layouts.split(",")
+    if any(v not in ("blocks", "split") for v in layouts):
+        raise SystemExit(f"--layouts {a.layouts}: each must be blocks or split")
     if any(b not in (8, 16) for b in act_bits):
         raise SystemExit(f"--act-bits {a.act_bits}: each must be 8 or 16")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
@@ -444,15 +455,19 @@ def main() -> None:
     for K, N in shapes:
         for spec in a.formats.split(","):
             fmt, bs = _fmt(spec)
-            if not a.no_decode:
-                new = bench_decode(K, N, fmt, bs, threads, info["set_bytes"], a.min_time, libs, rng, act_bits,
-                                   not a.no_in_cache, floor)
-                rows += new
-                print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
-            if not a.no_prefill:
-                new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng, act_bits)
-                rows += new
-                print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
+            for lay in layouts:
+                ab = act_bits if lay == "blocks" else tuple(b for b in act_bits if not bq.split_refusal(fmt, bs, b))
+                if not ab:
+                    continue
+                if not a.no_decode:
+                    new = bench_decode(K, N, fmt, bs, threads, info["set_bytes"], a.min_time, libs, rng, ab,
+                                       not a.no_in_cache, floor, lay)
+                    rows += new
+                    print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
+                if not a.no_prefill:
+                    new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng, ab, lay)
+                    rows += new
+                    print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
     print()
     print(table(info, rows))
     if a.json:

@@ -89,6 +89,13 @@ void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_in
   w.Kp = w.nb * w.block;
   w.nbx = (w.Kp + kBqActBlock - 1) / kBqActBlock;
   if (at.given("bits_per_weight")) nd.bits_per_weight = at.f("bits_per_weight");
+  std::string layout;
+  at.read({{"layout", &layout}});
+  w.split = layout == "split" ? 1 : 0;
+  const int split_hdr = bq_split_header(w.format, w.block);
+  if (w.split && split_hdr == 0)
+    fail("attribute layout 'split' takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not " + fmt +
+         (w.format == kBqQ4_F ? " with block " + std::to_string(w.block) : std::string()));
 
   Ort::ConstValue wv = const_input(info, w_input, "W", kU8);
   const std::vector<int64_t> shp = wv.GetTensorTypeAndShapeInfo().GetShape();
@@ -104,14 +111,19 @@ void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_in
     const int64_t nblocks = N * w.nb;
     const uint8_t* p = w.data + off;
     for (int64_t i = 0; i < nblocks; ++i, p += w.type_size) {
-      const uint16_t h = ld16(p);
+      // split: field s of row r's block b at r * row_bytes + nb * (type_size - header) + 2 * (s * nb + b)
+      const uint8_t* hp = !w.split ? p
+                                   : w.data + (i / w.nb) * w.row_bytes + w.nb * (w.type_size - split_hdr) +
+                                         2 * ((off / 2) * w.nb + i % w.nb);
+      const uint16_t h = ld16(hp);
       if ((h & 0x7C00u) == 0x7C00u) {
         char hex[8];
         std::snprintf(hex, sizeof hex, "%04x", h);
         fail("input W row " + std::to_string(i / w.nb) + " block " + std::to_string(i % w.nb) +
              ": non-finite fp16 " + (s == 0 ? (w.format == kBqQ4_K || w.format == kBqQ5_K ? "d" : "scale d")
                                            : (w.format == kBqQ4_K || w.format == kBqQ5_K ? "dmin" : "min m")) +
-             " (0x" + hex + " at byte " + std::to_string(off) + " of the block)");
+             " (0x" + hex + (w.split ? " at byte " + std::to_string(hp - (w.data + (i / w.nb) * w.row_bytes)) + " of the row, layout split)"
+                                     : " at byte " + std::to_string(off) + " of the block)"));
       }
     }
   }

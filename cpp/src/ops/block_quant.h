@@ -24,6 +24,8 @@ constexpr AttrSpec kBqOwnAttrs[] = {
     attr_required("N", AttrType::Int).range(1, kMaxDim),
     // q4_f: 16 | 32 | 64 | 128 | 256, absent = 32; another format: absent or its own block
     attr_optional("block_size", AttrType::Int).range(16, 256),
+    // W's row layout: blocks (ggml's) | split (a row's integers, then its fp16 d array, then its m array)
+    attr_string("layout", "blocks").one_of("blocks|split"),
     attr_optional("source", AttrType::String),
     attr_optional("bits_per_weight", AttrType::Float).positive(),
     attr_float("gap", NAN).at_least(0).or_nan(),  // NaN: not measured
