@@ -166,7 +166,9 @@ def describe_model(path: str) -> str:
             elif n.op_type in ("BlockQuantMatMul", "BlockQuantGather"):
                 fmt = a.get("format", a.get("quant_type", b""))
                 fmt = fmt.decode() if isinstance(fmt, bytes) else str(fmt)
-                key = f"{n.op_type} {fmt}".strip()
+                lay = a.get("layout", b"blocks")
+                lay = lay.decode() if isinstance(lay, bytes) else str(lay)
+                key = f"{n.op_type} {fmt}".strip() + (f" {lay}" if lay != "blocks" else "")
         elif n.op_type in ("GroupQueryAttention", "GatherBlockQuantized"):
             key = n.op_type
         if key:

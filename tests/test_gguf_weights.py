@@ -156,6 +156,15 @@ def _s(v):
     return v.decode() if isinstance(v, bytes) else v
 
 
+def _blocks(W, a: dict):
+    """A node's W as ggml's blocks: un-split when its ``layout`` is split (--weights-layout auto: q4_0, q4_1,
+    q8_0; tests/test_block_quant_layout.py)."""
+    if _s(a.get("layout", "blocks")) != "split":
+        return W
+    bs = a.get("block_size")
+    return blockquant.from_split(W, _s(a["format"]), int(a["K"]), int(bs) if bs else None)
+
+
 # --------------------------------------------------------------------------- matching (no op needed)
 def test_match_finds_every_form(tiny):
     src = gg.GGUFSource(tiny["gguf"])
@@ -261,7 +270,8 @@ def test_rewrite_emits_the_gguf_blocks(tiny, tmp_path):
         start = 0
         for n in nodes:
             a = _attrs(n)
-            W = inits[n.input[1]]
+            W = _blocks(inits[n.input[1]], a)
+            assert _s(a.get("layout", "blocks")) == ("split" if _s(a["format"]) in ("q4_0", "q4_1", "q8_0") else "blocks")
             assert (a["K"], W.shape[0]) == (WT.shape[1], a["N"])
             deq = blockquant.dequantize(W, _s(a["format"]), a["K"])
             assert np.array_equal(deq.view(np.uint32), WT[start:start + a["N"]].view(np.uint32)), n.name
@@ -277,6 +287,7 @@ def test_rewrite_emits_the_gguf_blocks(tiny, tmp_path):
     assert np.array_equal(np.concatenate([inits[n.input[2]] for n in qkv]), tiny["qkv_bias"])
     g = next(n for n in m.graph.node if n.op_type == "BlockQuantGather")
     assert g.input[0] == by_name["/lm_head/MatMul_BQ"].input[1]       # the head's blocks, no bytes of its own
+    assert _s(_attrs(g)["layout"]) == _s(_attrs(by_name["/lm_head/MatMul_BQ"])["layout"]) == "split"   # and its layout
     summary = json.loads(rep.read_text())
     rows = {r["layer"]: r for r in summary["layers"]}
     assert rows["/perm/MatMul"]["backend"] == "gguf (BlockQuantMatMul)"
@@ -386,9 +397,10 @@ def test_glu_fuses_the_mlps_gate_and_up(tmp_path, glu):
     assert len(glus) == 2 and len(bq) == 7                      # a, b fused; c's gate is a graph output
     assert "QuickGelu" not in ops and ops.count("Sigmoid") == 1 and ops.count("Mul") == 2
     for n in glus:
-        a, W = _attrs(n), inits[n.input[1]]
+        a = _attrs(n)
+        W = _blocks(inits[n.input[1]], a)
         mname = n.name.split("/")[1]
-        assert a["N"] == 2 * F and W.shape[0] == 2 * F and a["act_bits"] == 16
+        assert a["N"] == 2 * F and W.shape[0] == 2 * F and a["act_bits"] == 16 and _s(a["layout"]) == "split"
         assert _s(a["source"]) == f"gguf:{mname}gate.weight,{mname}up.weight"
         deq = blockquant.dequantize(W, "q4_1", D)                 # the GGUF's blocks, gate rows then up rows
         want = np.concatenate([mlp["deq"][f"{mname}gate"], mlp["deq"][f"{mname}up"]])
@@ -441,7 +453,8 @@ def test_fallback_quantizes_what_the_gguf_lacks(tiny, tmp_path, fallback):
         a = _attrs(n)
         assert n.op_type == "BlockQuantMatMul" and _s(a["format"]) == fallback and a["K"] == K2
         assert _s(a["source"]) == f"quantize:{fallback}" and a["act_bits"] == 8   # auto: lossy weights, int8 x
-        W = inits[n.input[1]]                      # gguf.quants.quantize's blocks of the zero-padded rows
+        assert _s(a["layout"]) == "split"          # --weights-layout auto: q8_0 / q4_1 take it
+        W = blockquant.from_split(inits[n.input[1]], fallback, K2)   # gguf.quants.quantize's blocks of the padded rows
         x = np.zeros((16, 64), np.float32)
         x[:, :K2] = _orig_extra(tiny).T
         assert np.array_equal(W, quants.quantize(x, gg.ggml_type(fallback)))
@@ -511,6 +524,7 @@ def test_untied_embedding_reads_its_own_blocks(tiny, tmp_path):
     g = next(n for n in m2.graph.node if n.op_type == "BlockQuantGather")
     a = _attrs(g)
     assert _s(a["format"]) == "q4_0" and a["N"] == 48 and _s(a["source"]) == "gguf:a.weight"
+    assert "layout" not in a                    # an untied embedding keeps ggml's blocks (--weights-layout auto)
     assert "embed.weight" not in inits and inits[g.input[0]].shape == (48, 36)
     got = blockquant.gather(inits[g.input[0]], np.arange(-48, 48), format="q4_0", K=D, N=48)
     assert np.array_equal(got.view(np.uint32), np.concatenate([table, table]).view(np.uint32))
@@ -629,7 +643,8 @@ def test_smollm2_every_layer_bit_exact(tmp_path, fuse):
         if n.op_type != "BlockQuantMatMul":
             continue
         a = {k: v.value for k, v in n.attributes.items()}
-        W = n.inputs[1].const_value.numpy()
+        W = _blocks(n.inputs[1].const_value.numpy(), a)        # q4_1 / q8_0: layout split, un-split here
+        assert a.get("layout") == "split"
         fmt[a["format"]] = fmt.get(a["format"], 0) + 1
         names = a["source"].removeprefix("gguf:").split(",")
         rows = np.concatenate([src.by_name[t].data for t in names])       # the GGUF's own bytes, some rows permuted

@@ -14,7 +14,9 @@ backend takes (the lm_head included).
   BlockQuantMatMul blocks with the gguf package's own quantizer. A bias Add right after the MatMul
   (Qwen2's q/k/v) folds into the op's bias input. The token embedding tied to the head reads the
   head's blocks through ``BlockQuantGather`` (``--weights-embed shared``); an untied embedding that
-  a GGUF tensor holds becomes a BlockQuantGather of its own blocks.
+  a GGUF tensor holds becomes a BlockQuantGather of its own blocks. ``--weights-layout`` (auto: split
+  where the format takes it) writes W's rows in the op's "split" layout, the same bytes reordered
+  (``rewriter.builders.blockgraph.row_layout`` / ``layout_bytes``); the tied embedding follows the head.
 - ``int4`` on a float checkpoint (no GGUF): calibrated 4-bit blocks in ``BlockQuantMatMul`` —
   ``--weights-quantizer`` (GPTQ on the calibration Gram by default, or the k-quant search, HQQ, RTN),
   the format of each layer planned for the whole model under ``--quality-budget``
@@ -31,11 +33,14 @@ for) and drops other backends' plans — lowest gap kept first — until the bud
 backend loses to the guard is quantized instead (``fallback``)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+
+from custom_ops.reference import blockquant as bq
 
 from ..errors import OrtleanError
 from ..kit import gaps, modelfile, surgery
@@ -81,6 +86,15 @@ class WeightsConfig(Options):
                          "blocks (bit-exact weights: activation rounding is all they lose, and 8-bit rounding is "
                          "measurable in perplexity, see docs/weights.md), 8 where the weights "
                          "are quantized here (their own error dominates) | 8 | 16", choices=("auto", "8", "16"))
+    layout: str = flag("--weights-layout", "auto", "BlockQuantMatMul's row layout of W (docs/block-quant.md): auto "
+                       "(default) = split on every layer whose format takes it (q4_0, q4_1, q8_0, q4_f with block "
+                       "32), blocks on the others (q5_0, q5_1, the K formats, q4_f with another block) | blocks = "
+                       "ggml's block bytes, as in the GGUF, everywhere | split = as auto, but an error when no layer "
+                       "takes it, and the summary names the layers that kept blocks and why. split reorders each "
+                       "row's bytes (every block's integers, then the fp16 scales, then the mins) for the AVX-512 "
+                       "M = 1 kernel: the same bytes, the same numbers, checked to give the blocks back; a tied token "
+                       "embedding reads the head's initializer in the head's layout, an untied one keeps blocks",
+                       choices=BG.LAYOUT_CHOICES)
     quantizer: str = flag("--weights-quantizer", "auto", "with --weights int4 on a float checkpoint: auto (default: "
                           "GPTQ on the calibration Gram with --calib-text, else the weighted k-quant search; nbits with "
                           "--kwta/--event-driven, whose gated layers hold MatMulNBits' values) | gptq | "
@@ -141,6 +155,10 @@ class WeightsConfig(Options):
             return int(self.act_bits)
         return 16 if exact else 8
 
+    def layout_for(self, fmt: str, block_size: int | None, act_bits: int) -> tuple[str, str | None]:
+        """W's row layout of a BlockQuantMatMul layer and why it is not "split" (``BG.row_layout``)."""
+        return BG.row_layout(self.layout, fmt, block_size, act_bits)
+
     @property
     def explicit(self) -> bool:
         """Asked for by a flag (not --weights auto's choice for a packaged model's export): a model with
@@ -150,6 +168,10 @@ class WeightsConfig(Options):
     def validate(self) -> None:
         if self.source == "gguf" and self.gguf is not None and not Path(self.gguf).is_file():
             raise OrtleanError(f"--gguf {self.gguf}: no such file")
+        if self.layout == "split" and (self.source in ("fp32", "int8") or (self.source == "int4" and not self.float_path)):
+            raise OrtleanError(f"--weights-layout split: only BlockQuantMatMul weights have a row layout, and "
+                               f"--weights {self.weights}{' --weights-quantizer nbits' if self.source == 'int4' else ''} "
+                               "writes none (--weights gguf, or int4 on a float checkpoint, does)")
 
 
 class WeightsBackend(WeightBackendBase):
@@ -203,8 +225,16 @@ class WeightsBackend(WeightBackendBase):
         return self._plan_nbits(cand, W, G, ctx, self.cfg.weights)
 
     def finish_plans(self, planned, ctx) -> dict:
-        """--weights int4 on a float checkpoint: the per-layer mix under --quality-budget."""
-        return self._float.finish(self, planned, ctx) if self._float is not None else {}
+        """--weights int4 on a float checkpoint: the per-layer mix under --quality-budget. --weights-layout
+        split with no BlockQuantMatMul layer that takes it: an error (the request would change nothing)."""
+        revised = self._float.finish(self, planned, ctx) if self._float is not None else {}
+        if self.cfg.layout == "split" and planned:
+            final = [revised.get(c.name, p) for c, p in planned]
+            if not any("split" in str(p.attrs.get("layout", "")) for p in final):
+                why = "; ".join(dict.fromkeys(p.attrs["layout_refused"] for p in final if p.attrs.get("layout_refused")))
+                raise OrtleanError(f"--weights-layout split: no layer takes it: {why or 'no layer is BlockQuantMatMul'}"
+                                   "; --weights-layout auto writes ggml's blocks where split does not apply")
+        return revised
 
     def _plan_nbits(self, cand: Candidate, W: np.ndarray, G, ctx, weights: str, why: str = "") -> Plan:
         cfg = quantize.config_for(weights)
@@ -229,7 +259,7 @@ class WeightsBackend(WeightBackendBase):
             return self._emit_blocks(graph, cand, plan)
         if plan.payload[0] == "float":
             # weights quantized here: their own error dominates, --weights-act-bits auto keeps int8 activations
-            return weights_float.emit(graph, cand, plan, self.cfg.act_bits_for(exact=False))
+            return weights_float.emit(graph, cand, plan, self.cfg.act_bits_for(exact=False), self.cfg.layout)
         _, packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),
@@ -304,6 +334,15 @@ class WeightsBackend(WeightBackendBase):
                    "equal the source initializer")
         else:
             how = f"BlockQuantMatMul {fmts}, {bpw:.2f} bits/weight; {why}"
+        # W's row layout per part: the blocks are checked (bit-exact, above) before they are reordered, and
+        # the reordered rows are checked to give those blocks back byte for byte (BG.layout_bytes)
+        act_bits = self.cfg.act_bits_for(exact=exact)
+        layouts = [self.cfg.layout_for(p.format, None, act_bits) for p in parts]
+        parts = [dataclasses.replace(p, W=BG.layout_bytes(p.W, lay, p.format, p.K)) if lay == "split" else p
+                 for p, (lay, _) in zip(parts, layouts)]
+        how += "; " + _layout_text(layouts, [p.format for p in parts],
+                                   "the GGUF's bytes" if exact else f"{fmts}'s bytes")
+        layout = "+".join(lay for lay, _ in layouts) if len({lay for lay, _ in layouts}) > 1 else layouts[0][0]
         if len(parts) > 1:
             how += f"; {len(parts)} nodes (one per format) and a Concat"
         add = BG.bias_add(cand.node, cand.N)
@@ -322,9 +361,11 @@ class WeightsBackend(WeightBackendBase):
                     how += (f"; the untied token embedding ({embed[1]}) becomes a BlockQuantGather of its own GGUF "
                             f"blocks ({'+'.join(embed[2].tensors)}, {embed[2].format}, bit-exact)")
         label = f"{'gguf' if exact else self.cfg.fallback} (BlockQuantMatMul)"
-        return Plan(label, how, gap, cand.params, payload=("blocks", parts, source, gap, embed),
+        return Plan(label, how, gap, cand.params, payload=("blocks", parts, source, gap, embed, [l for l, _ in layouts]),
                     attrs={"format": fmts, "bits_per_weight": round(bpw, 4), "bytes": stored, "source": source,
-                           "bit_exact": exact})
+                           "bit_exact": exact, "layout": layout, "act_bits": act_bits,
+                           **({"layout_refused": "; ".join(dict.fromkeys(w for _, w in layouts if w))}
+                              if any(w for _, w in layouts) else {})})
 
     def _untied_embedding(self, cand: Candidate, ctx):
         """("own", gather name, Part) when ``cand`` is the first head the rewrite plans and the model
@@ -360,7 +401,7 @@ class WeightsBackend(WeightBackendBase):
         return None, None
 
     def _emit_blocks(self, graph: ir.Graph, cand: Candidate, plan: Plan) -> None:
-        _, parts, source, gap, embed = plan.payload
+        _, parts, source, gap, embed, layouts = plan.payload
         node = cand.node
         base = surgery.safe_name(cand.name)
         add = BG.bias_add(node, cand.N)
@@ -376,6 +417,8 @@ class WeightsBackend(WeightBackendBase):
                      "layer": cand.label, "target": cand.target,
                      "source": source, "bits_per_weight": float(p.bits_per_weight), "params_dense": int(cand.K * p.N),
                      "params_stored": int(cand.K * p.N), "gap": float(gap)}
+            if layouts[i] != "blocks":     # p.W holds that layout's bytes (the plan made them)
+                attrs["layout"] = layouts[i]
             new.append(surgery.op_node("BlockQuantMatMul", [cand.input, w, b], attrs, name=f"{cand.name}_BQ{sfx}"))
             weights.append(w)
         graph.insert_before(node, new)
@@ -390,9 +433,9 @@ class WeightsBackend(WeightBackendBase):
             kind, gname, part = embed
             gather = next((n for n in graph if n.name == gname), None)
             if gather is not None:
-                if kind == "tied":
+                if kind == "tied":        # the head's initializer: its layout too
                     BG.gather_blocks(graph, gather, weights[0], parts[0].format, int(cand.K), int(cand.N), "head",
-                                   source, cand.label)
+                                   source, cand.label, layout=layouts[0])
                 else:
                     w = surgery.initializer(graph, f"{surgery.safe_name(gname)}.weight_{part.format}", part.W)
                     BG.gather_blocks(graph, gather, w, part.format, part.K, part.N, "head",
@@ -402,7 +445,7 @@ class WeightsBackend(WeightBackendBase):
         """The summary's line on a GGUF-sourced rewrite: how many layers hold the GGUF's blocks and
         the written model's bytes (model file + external data) beside the GGUF file's."""
         if self._float is not None:
-            return self._float.notes()
+            return self._float.notes() + layout_notes(summary, self.cfg.layout)
         if self.cfg.source != "gguf":
             return []
         n = sum(1 for r in summary["layers"] if str(r["backend"]).startswith("gguf"))
@@ -414,7 +457,44 @@ class WeightsBackend(WeightBackendBase):
             if size:
                 line += (f"; the model's files {size / 1e6:.1f} MB ({' + '.join(p.name for p in files)}) vs the "
                          f"GGUF's {self._gguf.file_bytes / 1e6:.1f} MB ({size / self._gguf.file_bytes:.2f}x)")
-        return [line]
+        return [line] + layout_notes(summary, self.cfg.layout)
+
+
+def _layout_text(layouts: list[tuple[str, str | None]], formats: list[str], what: str) -> str:
+    """The report's words on W's row layout of a layer's parts ([(layout, why not split)], their formats)."""
+    out = []
+    same = len(set(layouts)) == 1
+    for (lay, why), fmt in dict.fromkeys(zip(layouts, formats if not same else ["+".join(dict.fromkeys(formats))] * len(layouts))):
+        pre = "" if same else f"{fmt}: "
+        why = why[len("layout "):] if why and why.startswith("layout split") else why
+        if lay == "split":
+            mins = any(f in bq.WITH_MIN for f in fmt.split("+"))
+            out.append(f"{pre}layout split ({what} reordered within each row: integers, then scales"
+                       f"{', then mins' if mins else ''}; they give the blocks back byte for byte)")
+        else:
+            out.append(f"{pre}layout blocks" + (f" ({why})" if why else ""))
+    return "; ".join(out)
+
+
+def layout_notes(summary: dict, choice: str) -> list[str]:
+    """The summary's line on W's row layout: how many BlockQuantMatMul layers hold split rows, how many
+    ggml's blocks, and with --weights-layout split the layers that kept blocks and why."""
+    rows = [r for r in summary["layers"] if "layout" in (r.get("extra") or {})]
+    if not rows:
+        return []
+    split = [r for r in rows if r["extra"]["layout"] == "split"]
+    mixed = [r for r in rows if "+" in r["extra"]["layout"]]
+    kept = [r for r in rows if r["extra"]["layout"] != "split"]
+    line = (f"weights layout ({choice}): {len(split)} of {len(rows)} BlockQuantMatMul layers split (the same bytes "
+            f"reordered within each row), {len(kept) - len(mixed)} blocks"
+            + (f", {len(mixed)} split in some parts (one node per format)" if mixed else ""))
+    if choice == "split" and kept:
+        why: dict[str, list[str]] = {}
+        for r in kept:
+            why.setdefault(r["extra"].get("layout_refused") or "?", []).append(r["layer"])
+        line += "; kept blocks: " + "; ".join(
+            f"{', '.join(ls[:4])}{f' and {len(ls) - 4} more' if len(ls) > 4 else ''} ({w})" for w, ls in why.items())
+    return [line]
 
 
 # --------------------------------------------------------------------------- --weights-pack (a "post" graph pass)

@@ -1,11 +1,57 @@
 """Graph surgery around BlockQuantMatMul / BlockQuantGather that the weights backend and its float path
 share: a MatMul's bias Add, the new op taking the MatMul's place, an embedding Gather turned into
-BlockQuantGather over a head's blocks."""
+BlockQuantGather over a head's blocks, and W's row layout (``--weights-layout``: ggml's blocks, or
+"split", the same bytes reordered within each row; ``custom_ops/reference/blockquant.py``)."""
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
+from custom_ops.reference import blockquant as bq
+
+from ..errors import OrtleanError
 from ..kit import surgery
+
+# --weights-layout: auto (split wherever the op takes it) | blocks (ggml's everywhere) | split (as auto,
+# and an error when no layer takes it)
+LAYOUT_CHOICES = ("auto", "blocks", "split")
+_SPLIT_ROWS_BYTES = 64 << 20      # rows converted (and checked) per chunk: a 151k-row head is ~1 GB
+
+
+def row_layout(choice: str, fmt: str, block_size: int | None, act_bits: int) -> tuple[str, str | None]:
+    """(W's layout, why not "split") of a BlockQuantMatMul in ``fmt`` / ``block_size`` (``act_bits``: passed
+    on to ``blockquant.split_refusal``, which takes every act_bits today) under --weights-layout ``choice``:
+    "split" wherever ``split_refusal`` lets it (auto, split), else "blocks" and the refusal (None when
+    ``choice`` is "blocks": nothing was refused)."""
+    if choice == "blocks":
+        return "blocks", None
+    why = bq.split_refusal(fmt, block_size, act_bits)
+    return ("blocks", why) if why else ("split", None)
+
+
+def layout_bytes(W: np.ndarray, layout: str, fmt: str, K: int, block_size: int | None = None) -> np.ndarray:
+    """The initializer's bytes of ggml blocks ``W`` [N, row_bytes] in ``layout``: W itself for "blocks";
+    for "split" ``blockquant.to_split``, a chunk of rows at a time, each chunk checked to give W's bytes
+    back (``from_split``) — so a split W dequantizes exactly as the blocks it was made of (raises
+    ``OrtleanError`` otherwise: a bug, never written)."""
+    if layout == "blocks":
+        return W
+    W = np.asarray(W)
+    out = np.empty_like(W)
+    step = max(1, _SPLIT_ROWS_BYTES // max(1, W.shape[1]))
+    for lo in range(0, W.shape[0], step):
+        hi = min(W.shape[0], lo + step)
+        out[lo:hi] = bq.to_split(W[lo:hi], fmt, K, block_size)
+        if not np.array_equal(bq.from_split(out[lo:hi], fmt, K, block_size), W[lo:hi]):
+            raise OrtleanError(f"layout split of {fmt} rows {lo}..{hi - 1} (K = {K}) does not give the blocks "
+                               "back byte for byte")
+    return out
+
+
+def layout_of(node: ir.Node) -> str:
+    """A BlockQuantMatMul / BlockQuantGather node's ``layout`` (absent: "blocks")."""
+    a = node.attributes.get("layout")
+    return a.as_string() if a is not None else "blocks"
 
 
 def embedding_table(node: ir.Node) -> ir.Value | None:
@@ -64,14 +110,16 @@ def take_over(graph: ir.Graph, node: ir.Node, add, out: ir.Value) -> None:
 
 
 def gather_blocks(graph: ir.Graph, gather: ir.Node, w: ir.Value, fmt: str, K: int, N: int, target: str,
-                   source: str, layer: str, block_size: int | None = None) -> None:
+                   source: str, layer: str, block_size: int | None = None, layout: str = "blocks") -> None:
     """Replace the embedding ``gather`` by BlockQuantGather over the blocks ``w`` ([N rows of K]; q4_f's
-    ``block_size``)."""
+    ``block_size``; ``layout``: w's row layout, a tied head's own when w is its initializer)."""
     qk = 8.0 * int(w.const_value.shape[1]) / K
     attrs = {"format": fmt, "K": K, "N": N, "layer": layer, "target": target, "source": source,
              "bits_per_weight": float(qk), "params_dense": K * N, "params_stored": K * N}
     if block_size is not None:
         attrs["block_size"] = int(block_size)
+    if layout != "blocks":
+        attrs["layout"] = layout
     node = surgery.op_node("BlockQuantGather", [w, gather.inputs[1]], attrs, name=f"{gather.name}_BQ")
     graph.insert_before(gather, node)
     table = gather.inputs[0]
@@ -112,7 +160,8 @@ _SAME = ("format", "K", "N", "act_bits", "block_size")
 
 
 def _bq_key(node: ir.Node) -> tuple | None:
-    """What two BlockQuantMatMul must share to be one gated unit (None: not a plain one)."""
+    """What two BlockQuantMatMul must share to be one gated unit (None: not a plain one): the settings
+    and W's row layout (rows are independent in both layouts: a split gate and a split up concatenate)."""
     if node.op_type != "BlockQuantMatMul" or node.domain != "ai.ortlean" or len(node.inputs) > 2:
         return None
     a = node.attributes
@@ -120,13 +169,13 @@ def _bq_key(node: ir.Node) -> tuple | None:
         return None
     if node.inputs[1] is None or node.inputs[1].const_value is None:
         return None
-    return tuple(None if k not in a else a[k].value for k in _SAME)
+    return tuple(None if k not in a else a[k].value for k in _SAME) + (layout_of(node),)
 
 
 def fuse_glu(graph: ir.Graph) -> list[str]:
     """Each SwiGLU MLP whose gate and up projections are BlockQuantMatMul of one input and one setting
-    (format, K, N, act_bits, block size; no bias) → one BlockQuantMatMul with glu = "silu" over the
-    gate's blocks then the up projection's (copied, never re-quantized): Y = silu(gate) * up in the op.
+    (format, K, N, act_bits, block size, layout; no bias) → one BlockQuantMatMul with glu = "silu" over the
+    gate's rows then the up projection's (copied, never re-quantized; whole rows, so either layout): Y = silu(gate) * up in the op.
     The product is the same numbers; the activation is the op's float32 SiLU instead of ONNX Runtime's
     (the exp differs in the last bits). Returns the fused gates' names."""
     import numpy as np

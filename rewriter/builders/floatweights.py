@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnx_ir as ir
 
+from custom_ops.reference import blockquant as bq
+
 from . import blockgraph as BG
 from . import quantizers as Q
 from . import weightplan as WP
@@ -126,11 +128,20 @@ class FloatWeights:
         how = (f"BlockQuantMatMul {fmt} ({b.source}), {o.bits:.3f} bits/weight ({why}; ladder "
                + ", ".join(f"{p.name} {p.bits:.2f}b gap {p.gap:.4f}" for p in layer.options) + ")"
                + ("" if calibrated else "; gap = weight error (no calibration)"))
+        act_bits = backend.cfg.act_bits_for(exact=False)
+        layout, refused = backend.cfg.layout_for(b.fmt, b.block if b.fmt == "q4_f" else None, act_bits)
+        mins = ", then mins" if b.fmt in bq.WITH_MIN else ""
+        how += (f"; layout split (each row's bytes reordered: integers, then scales{mins}; they give the blocks "
+                "back byte for byte)" if layout == "split" else "; layout blocks"
+                + (f" ({refused.removeprefix('layout ')})" if refused else ""))
         tied = self.tied.get(cand.name)
         if tied:
             how += f"; the tied token embedding ({tied}) reads these blocks through BlockQuantGather"
-        return Plan(f"int4 (BlockQuantMatMul)", how, o.gap, cand.params, payload=("float", b, tied),
-                    attrs={"format": fmt, "bits_per_weight": round(o.bits, 4), "bytes": b.nbytes, "source": b.source})
+        attrs = {"format": fmt, "bits_per_weight": round(o.bits, 4), "bytes": b.nbytes, "source": b.source,
+                 "layout": layout, "act_bits": act_bits}
+        if refused:
+            attrs["layout_refused"] = refused
+        return Plan(f"int4 (BlockQuantMatMul)", how, o.gap, cand.params, payload=("float", b, tied), attrs=attrs)
 
     # ---------------------------------------------------------------- the whole model
     def finish(self, backend, planned: list[tuple[Candidate, Plan]], ctx) -> dict[str, Plan]:
@@ -193,27 +204,31 @@ class FloatWeights:
 
 
 # ------------------------------------------------------------------ emission
-def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8) -> None:
+def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8, layout_choice: str = "blocks") -> None:
     """Replace the MatMul by BlockQuantMatMul over the plan's blocks (a constant bias Add after it folded
-    into the op's bias; ``act_bits``: the op's activation integers), and the tied embedding's Gather by
-    BlockQuantGather over the same initializer."""
+    into the op's bias; ``act_bits``: the op's activation integers; ``layout_choice``: --weights-layout, W's
+    row layout where the format takes it), and the tied embedding's Gather by BlockQuantGather over the
+    same initializer (and layout)."""
 
     _, b, tied = plan.payload
     base = surgery.safe_name(cand.name)
     tag = b.fmt if b.fmt != "q4_f" else f"q4_f{b.block}"
-    w = surgery.initializer(graph, f"{base}.weight_{tag}", b.W)
+    bs = b.block if b.fmt == "q4_f" else None
+    layout = plan.attrs.get("layout") or BG.row_layout(layout_choice, b.fmt, bs, act_bits)[0]   # the plan's (report)
+    w = surgery.initializer(graph, f"{base}.weight_{tag}", BG.layout_bytes(b.W, layout, b.fmt, cand.K, bs))
     add = BG.bias_add(cand.node, cand.N)
     bias = (surgery.initializer(graph, f"{base}.bias", add[1].const_value.numpy().reshape(-1).astype(np.float32))
             if add is not None else None)
     attrs = _attrs(b, cand.K, cand.N, cand.label, cand.target, plan.gap)
     attrs["act_bits"] = int(act_bits)
+    if layout != "blocks":
+        attrs["layout"] = layout
     node = surgery.op_node("BlockQuantMatMul", [cand.input, w, bias], attrs, name=f"{cand.name}_BQ")
     graph.insert_before(cand.node, node)
     BG.take_over(graph, cand.node, add, node.outputs[0])
     gather = next((n for n in graph if n.name == tied), None) if tied else None
     if gather is not None:
-        BG.gather_blocks(graph, gather, w, b.fmt, int(cand.K), int(cand.N), "head", b.source, cand.label,
-                       b.block if b.fmt == "q4_f" else None)
+        BG.gather_blocks(graph, gather, w, b.fmt, int(cand.K), int(cand.N), "head", b.source, cand.label, bs, layout)
 
 
 def _attrs(b: Q.Blocks, K: int, N: int, layer: str, target: str, gap) -> dict:
