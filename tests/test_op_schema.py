@@ -20,7 +20,7 @@ from conftest import requires_native  # noqa: E402
 
 pytestmark = requires_native
 OPS = ("TTMatMul", "ProcSparseMatMul", "EventGatedMatMul", "PackedAttention", "BlockQuantMatMul", "BlockQuantGather")
-OPS_WITH_DEFAULTS = OPS[:5]  # BlockQuantGather's only default is gap = NaN (not measured)
+OPS_WITH_DEFAULTS = OPS  # every op has a default beyond gap = NaN (BlockQuantGather: layout)
 
 
 def _attr(name, value):
@@ -51,6 +51,12 @@ def _case(op: str, rng, variant: str = ""):
         K, N = 64, 5
         inits = [numpy_helper.from_array(bq.random_blocks("q4_1", N, K, rng), "W")]
         return {"X": rng.standard_normal((2, K)).astype(np.float32)}, inits, dict(format="q4_1", K=K, N=N), ["X", "W"], 1
+    if op == "BlockQuantGather":
+        from custom_ops.reference import blockquant as bq
+
+        K, N = 64, 5
+        inits = [numpy_helper.from_array(bq.random_blocks("q4_1", N, K, rng), "W")]
+        return {"ids": np.array([[0, 4], [2, 2]], np.int64)}, inits, dict(format="q4_1", K=K, N=N), ["W", "ids"], 1
     if op == "EventGatedMatMul":
         K, N = 40, 24
         inits = [numpy_helper.from_array(rng.standard_normal((K, N)).astype(np.float32), "W")]
@@ -66,7 +72,8 @@ def _run(op, feeds, inits, attrs, ins, n_out, name):
     node = helper.make_node(op, ins, [f"Y{i}" for i in range(n_out)], name=name, domain="ai.ortlean")
     node.attribute.extend(_attr(k, v) for k, v in attrs.items())
     g = helper.make_graph([node], "g",
-                          [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()],
+                          [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                           for k, v in feeds.items()],
                           [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None) for i in range(n_out)],
                           initializer=inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.ortlean", 1)])
@@ -84,7 +91,8 @@ def test_schema_lists_every_op_with_typed_defaults():
     assert schema["PackedAttention"]["eps_heads"] == [] and schema["TTMatMul"]["gap"] is None
     # required attributes have no default
     assert "modes_k" not in schema["TTMatMul"] and "block" not in schema["ProcSparseMatMul"]
-    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8, "glu": "none"} and schema["BlockQuantGather"] == {"gap": None}
+    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8, "glu": "none", "layout": "blocks"}
+    assert schema["BlockQuantGather"] == {"gap": None, "layout": "blocks"}
 
 
 @pytest.mark.parametrize("op,variant", [(op, "") for op in OPS_WITH_DEFAULTS] + [("PackedAttention", "approx")])
