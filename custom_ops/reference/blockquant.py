@@ -135,9 +135,10 @@ def split_refusal(fmt: str, block_size: int | None = None, act_bits: int = 8) ->
 
 def _split_geometry(W, fmt: str, K: int, block_size: int | None):
     W = np.asarray(W)
+    why = split_refusal(fmt, block_size)
+    if why:
+        raise ValueError(why)
     nb, ts = blocks_per_row(fmt, K, block_size), type_size(fmt, block_size)
-    if fmt not in SPLIT_HEADER or (fmt == "q4_f" and block_of(fmt, block_size) != 32):
-        raise ValueError(split_refusal(fmt, block_size))
     if W.dtype != np.uint8 or W.ndim != 2 or W.shape[1] != nb * ts:
         raise ValueError(f"W has shape {list(W.shape)} ({W.dtype}), expected uint8 [N, {nb * ts}] "
                          f"(format {fmt}, K = {K})")
@@ -345,8 +346,9 @@ def _layout(attrs: dict, fmt: str, bs: int | None, act_bits: int = 8) -> str:
     lay = "blocks" if lay in (None, "", b"") else (lay.decode() if isinstance(lay, bytes) else lay)
     if lay not in LAYOUTS:
         raise ValueError(f"attribute layout must be one of {', '.join(LAYOUTS)}, got {lay!r}")
-    if lay == "split" and split_refusal(fmt, bs, act_bits):
-        raise ValueError("attribute " + split_refusal(fmt, bs, act_bits))
+    why = split_refusal(fmt, bs, act_bits) if lay == "split" else None
+    if why:
+        raise ValueError("attribute " + why)
     return lay
 
 
