@@ -61,6 +61,7 @@ def _gated_nodes(path) -> set[str]:
     return {n.name for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "EventGatedMatMul"}
 
 
+@pytest.mark.heavy  # ~35 s: a calibrated rewrite and two perplexity passes
 def test_event_mode_disables_itself_on_text(smol, tmp_path, novels):
     out = tmp_path / "event.onnx"
     rc = cli.main(["rewrite", str(smol), "-o", str(out), "--event-driven=on", "--include", "*layers.1[0-4]/mlp/*",

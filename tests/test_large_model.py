@@ -38,6 +38,7 @@ def big_model(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.mark.heavy  # ~40 s: writes, rewrites and runs a 2.15 GB model
 def test_rewrite_model_over_2gb(big_model, tmp_path):
     out = tmp_path / "lean" / "big.lean.onnx"
     p = subprocess.run([sys.executable, "-m", "rewriter.cli", "rewrite", str(big_model), "-o", str(out), "--tt=on",
