@@ -31,7 +31,7 @@ from .cache import artifact_key, atomic_dir, cache_root, pkg_version, versions
 from .prepare import PrepareError, _hf_key, _spec, gguf_path, hf_checkpoint
 
 __all__ = ["RECIPE", "PeerError", "hf_checkpoint", "genai_model", "genai_io", "genai_available",
-           "llama_bench", "LlamaBench", "GENAI_PRECISIONS"]
+           "llama_bench", "LlamaBench", "LlamaBenchRow", "GENAI_PRECISIONS"]
 
 RECIPE = 1
 GENAI_PRECISIONS = ("fp32", "int4")   # the peer rows of `ortlean eval` / `bench`
@@ -126,6 +126,99 @@ class LlamaBench(NamedTuple):
     rows: list            # one dict per test and thread count (llama_bench's docstring)
     note: str             # the commands and what ran them, or why the rows were skipped
     stopped: str | None   # the run that stopped and why, when some rows were kept before it
+
+
+class LlamaBenchRow:
+    """llama-bench as a row of :func:`custom_ops.runtime.bench.decode_table`: it takes its turn in every
+    round as the ONNX rows do, so that its figures and theirs come from the same minutes (a VM's speed
+    drifts: llama-bench run after the table measured 48.1 then 59.7 tok/s for the same decode in two runs
+    an hour apart). Each round: ``llama-bench -m GGUF -t T -p P -n 0 -r 1`` for the prefill and, per
+    past, ``-p 0 -n STEPS -d PAST -r 1`` (one sample of the mean step time) on the package's GGUF, with
+    llama-bench's own tokens (it takes no ids). The first run that fails ends the row: ``failed`` says
+    why, and later rounds return nothing for it. ``meta()`` gives the build, model type, peak RSS and
+    the commands for :func:`rows_from_table`."""
+
+    def __init__(self, name: str, threads: int, timeout: float = 600):
+        spec = _spec(name)
+        if not spec.gguf:
+            raise PeerError(f"{name} has no GGUF in its package")
+        self.spec, self.gguf = spec, gguf_path(name)
+        self.threads, self.timeout = int(threads), float(timeout)
+        self.failed: str | None = None
+        self.how, self.build, self.model_type, self.peak_kb = "llama.cpp", "", "", 0
+        self.commands: dict[str, str] = {}
+        self.samples: dict[str, list[float]] = {}   # test -> seconds per run (per step for decode), in order
+
+    def _run(self, test: str, args: list[str]) -> float | None:
+        from . import llamacpp
+
+        if self.failed:
+            return None
+        full = ["-m", str(self.gguf), "-t", str(self.threads), *args, "-r", "1", "-o", "json"]
+        cmd = " ".join(["llama-bench", *full]).replace(str(self.gguf), self.spec.gguf)
+        try:
+            res, self.how = llamacpp.run_tool("llama-bench", full, timeout=self.timeout)
+        except llamacpp.LlamaCppError as e:
+            self.failed = f"{cmd}: {e}"
+            return None
+        except subprocess.TimeoutExpired:
+            self.failed = f"{cmd} did not finish in {self.timeout:.0f} s"
+            return None
+        if res.returncode != 0:
+            last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
+            self.failed = f"{cmd} exited {res.returncode}: {last[0]}"
+            return None
+        try:
+            r = json.loads(res.stdout)[0]
+            ns = r.get("samples_ns") or [1e9 * (r["n_prompt"] + r["n_gen"]) / float(r["avg_ts"])]
+            sec = float(ns[0]) * 1e-9
+        except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError):
+            self.failed = f"{cmd} printed no usable JSON"
+            return None
+        self.commands[test] = cmd
+        self.build = f"{r.get('build_commit')} {r.get('build_number')}"
+        self.model_type = r.get("model_type") or self.model_type
+        self.peak_kb = max(self.peak_kb, getattr(res, "peak_rss_kb", None) or 0)
+        return sec
+
+    def prefill(self, ids) -> float | None:
+        n = int(getattr(ids, "size", len(ids)))
+        t = self._run(f"pp{n}", ["-p", str(n), "-n", "0"])
+        if t is not None:
+            self.samples.setdefault("prefill", []).append(t)
+        return t
+
+    def decode(self, p: int, step_ids) -> list[float]:
+        n = int(step_ids.shape[1])
+        t = self._run(f"tg{n}@d{p}", ["-p", "0", "-n", str(n), "-d", str(p)])
+        if t is None:
+            return []
+        self.samples.setdefault(f"decode{p}", []).append(t / n)
+        return [t / n]
+
+
+def rows_from_table(row: "LlamaBenchRow", cells: dict, prefill: int, pasts, steps: int) -> list[dict]:
+    """llama_bench-style rows (``test``, ``threads``, ``tok_s``, ``tok_s_std``, ``depth``, ...) from a
+    decode_table row's medians ({"prefill": ms, "decode<P>": ms per step}) of a :class:`LlamaBenchRow`;
+    the spread over the timed rounds (the row's samples after the table's warm-up round)."""
+    import statistics
+
+    base = {"threads": row.threads, "model_type": row.model_type, "build": row.build,
+            "peak_rss_mb": round(row.peak_kb / 1024) if row.peak_kb else None, "interleaved": True}
+
+    def sd(key: str, tokens: int) -> float:
+        tok_s = [tokens / t for t in row.samples.get(key, [])[1:]]
+        return statistics.stdev(tok_s) if len(tok_s) > 1 else 0.0
+
+    out = []
+    if cells.get("prefill"):
+        out.append({**base, "test": f"pp{prefill}", "depth": 0, "tok_s": prefill * 1e3 / cells["prefill"],
+                    "tok_s_std": sd("prefill", prefill)})
+    for p in pasts:
+        if cells.get(f"decode{p}"):
+            out.append({**base, "test": f"tg{steps}@d{p}" if p else f"tg{steps}", "depth": int(p),
+                        "tok_s": 1e3 / cells[f"decode{p}"], "tok_s_std": sd(f"decode{p}", 1)})
+    return out
 
 
 def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: int = 64,

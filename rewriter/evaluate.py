@@ -106,6 +106,9 @@ def fit_pasts(pasts, steps: int, models) -> tuple[list[int], str | None]:
 
 
 LONG_PASTS = (128, 1024, 4096, 8192)
+# llama.cpp's row in the decode table (pasts up to this: its runs take turns with ours; beyond: after)
+LLAMA_ROW = "llama.cpp | llama-bench"
+LLAMA_INTERLEAVE_MAX_PAST = 512
 
 
 def default_pasts(model: str) -> list[int]:
@@ -416,6 +419,12 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     def say(msg):
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
+    # llama.cpp at short pasts takes its turn in the table's rounds (one llama-bench run per round and
+    # test), so its figures come from the same minutes as ours; at long pasts each of its runs would
+    # prefill the whole past again, so it runs after the table (below)
+    llama_name = peer_name(ref, peers) if llama else None
+    interleaved = bool(llama_name) and max(pasts) <= LLAMA_INTERLEAVE_MAX_PAST
+    llama_runs: list = []
     for t in threads:
         models = {}
         for k, v in variants.items():
@@ -423,17 +432,42 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
                 continue
             s = _session(v, t)
             models[k] = (s, runtime.ModelIO.from_session(s, v))
+        extra = {}
+        if interleaved:
+            from models import peers as pm
+
+            try:
+                extra[LLAMA_ROW] = pm.LlamaBenchRow(llama_name, t)
+            except pm.PeerError as e:
+                notes.append(f"llama.cpp rows skipped: {e}")
+                interleaved = False
         res["table"][f"t{t}"] = rb.decode_table(
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
-            long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built)
+            long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built, extra=extra)
+        if extra:
+            llama_runs.append((extra[LLAMA_ROW], res["table"][f"t{t}"].pop(LLAMA_ROW, {})))
         del models
     if built.root is not None and any(p > 512 for p in pasts):
         notes.append(f"long pasts' caches kept in / loaded from {built.root} (by the building model's file stamp "
                      "and the token ids; --past-cache off: built in memory for this run only)")
     notes.extend(built.skipped)
     del built
-    if llama:
+    if llama and llama_runs:
+        from models import peers as pm
+
+        rows = [x for drv, cells in llama_runs for x in pm.rows_from_table(drv, cells, prefill, pasts, steps)]
+        cmds = list(dict.fromkeys(c for drv, _ in llama_runs for c in drv.commands.values()))
+        failed = [drv.failed for drv, _ in llama_runs if drv.failed]
+        note = ("llama-bench interleaved with the ONNX rows, one run per round and test (medians over the "
+                f"rounds): {'; '.join(cmds)} ({llama_runs[0][0].how})" + "".join(f"; stopped: {f}" for f in failed))
+        peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb")]
+        res["llama_cpp"] = {"rows": rows, "command": note, "peak_rss_mb": max(peaks) if peaks else None}
+        if not rows:
+            res["llama_cpp"]["command"] = "llama.cpp rows skipped: " + ("; ".join(failed) or "no samples")
+        if failed or not rows:
+            notes.append(res["llama_cpp"]["command"] if not rows else f"llama.cpp: {'; '.join(failed)}")
+    elif llama:
         name = peer_name(ref, peers)
         if name is None:
             notes.append("llama.cpp rows skipped: no packaged GGUF for this model (--peers)")
@@ -451,12 +485,13 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             say(f"llama.cpp: llama-bench took {time.perf_counter() - t0:.0f} s")
             peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb")]   # llama-bench's own VmHWM
             res["llama_cpp"] = {"rows": rows, "command": note, "peak_rss_mb": max(peaks) if peaks else None}
-            dense_cache = res["cache_bytes_per_token"].get("dense")
-            if dense_cache and runtime.ModelIO.from_model(ref).state_types.get("past_key_values.0.key") == np.float32:
-                # llama-bench's default cache type is f16 (-ctk / -ctv): half of the fp32 export's K/V
-                res["llama_cpp"]["cache_bytes_per_token"] = dense_cache // 2
             if not rows or stopped:
                 notes.append(note)
+    dense_cache = res["cache_bytes_per_token"].get("dense")
+    if res.get("llama_cpp") and dense_cache and \
+            runtime.ModelIO.from_model(ref).state_types.get("past_key_values.0.key") == np.float32:
+        # llama-bench's default cache type is f16 (-ctk / -ctv): half of the fp32 export's K/V
+        res["llama_cpp"]["cache_bytes_per_token"] = dense_cache // 2
     # the process's peak RSS after the timed rows (every ONNX row's weights and caches in this one
     # process; the quality rows after it load their models again)
     res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -712,7 +747,8 @@ def format_table(r: dict) -> str:
         lines.append(f"{row:<{w}} {mib:6.1f} " + " ".join(vals))
     lc = r.get("llama_cpp")
     if lc and lc["rows"]:
-        lines.append(f"llama.cpp ({lc['command']}), its own runtime, tokens/s mean ± sd:")
+        avg = "median" if any(x.get("interleaved") for x in lc["rows"]) else "mean"
+        lines.append(f"llama.cpp ({lc['command']}), its own runtime, tokens/s {avg} ± sd:")
         for x in lc["rows"]:
             lines.append(f"  {x['test']:>12} t{x['threads']}: {x['tok_s']:8.1f} ± {x['tok_s_std']:.1f}")
     lines += _speed_ratios(r)

@@ -216,3 +216,70 @@ def test_run_with_peak_reports_the_tools_own_peak_rss():
     del ballast
     with pytest.raises(subprocess.TimeoutExpired):
         llamacpp.run_with_peak([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+
+
+def _bench_script(tmp_path: Path, fail_on: str | None = None) -> tuple[Path, Path]:
+    """A fake llama-bench (via $ORTLEAN_ANCHORS_SCRIPT) that logs its arguments and answers one row:
+    a prompt of P tokens in P x 10 ms, N generated tokens in N x 20 ms (a run's ``samples_ns``)."""
+    script, log = tmp_path / "llama.sh", tmp_path / "calls"
+    fail = f'case "$*" in *"{fail_on}"*) echo "out of memory" >&2; exit 3;; esac\n' if fail_on else ""
+    script.write_text(f"""#!/bin/bash
+echo "$*" >> {log}
+{fail}p=$(echo "$*" | sed -E 's/.* -p ([0-9]+).*/\\1/'); n=$(echo "$*" | sed -E 's/.* -n ([0-9]+).*/\\1/')
+d=0; case "$*" in *" -d "*) d=$(echo "$*" | sed -E 's/.* -d ([0-9]+).*/\\1/');; esac
+t=$(echo "$*" | sed -E 's/.* -t ([0-9]+).*/\\1/')
+ns=$(( p * 10000000 + n * 20000000 ))
+echo '[{{"n_prompt": '$p', "n_gen": '$n', "n_depth": '$d', "n_threads": '$t', "avg_ts": 1.0, "samples_ns": ['$ns'],
+  "model_type": "llama ?B Q4_1", "build_commit": "abc", "build_number": 1}}]'
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script, log
+
+
+def test_llama_bench_takes_its_turn_in_the_decode_table_rounds(tmp_path, monkeypatch):
+    """peers.LlamaBenchRow as a decode_table row: one llama-bench run per round and test (-r 1: the
+    prompt at depth 0, each past decoding only), its sample the run's own time (per step for decode),
+    the warm-up round dropped like the ONNX rows'; rows_from_table gives llama_bench-style rows."""
+    from custom_ops.runtime import bench as rb
+
+    script, log = _bench_script(tmp_path)
+    monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
+    row = peers.LlamaBenchRow("smollm2", threads=2)
+    tab = rb.decode_table({}, [64, 128], prefill_len=8, steps=3, repeats=2, vocab=1000, long_past_from="none",
+                          huge_pages=False, extra={"llama.cpp | llama-bench": row})
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3 * 3   # 1 warm-up + 2 rounds, each: the prompt, past 64, past 128
+    assert all(" -t 2 " in c and c.endswith("-r 1 -o json") for c in calls)
+    assert " -p 8 -n 0 " in calls[0] and " -p 0 -n 3 -d 64 " in calls[1] and " -p 0 -n 3 -d 128 " in calls[2]
+    cells = tab["llama.cpp | llama-bench"]
+    assert cells["prefill"] == pytest.approx(80.0) and cells["decode64"] == cells["decode128"] == pytest.approx(20.0)
+    rows = peers.rows_from_table(row, cells, 8, [64, 128], 3)
+    assert [(r["test"], r["depth"], r["threads"]) for r in rows] == [("pp8", 0, 2), ("tg3@d64", 64, 2), ("tg3@d128", 128, 2)]
+    assert rows[0]["tok_s"] == pytest.approx(100.0) and rows[1]["tok_s"] == pytest.approx(50.0)
+    assert all(r["interleaved"] and r["tok_s_std"] == 0.0 and r["model_type"] == "llama ?B Q4_1" for r in rows)
+    assert row.failed is None and set(row.commands) == {"pp8", "tg3@d64", "tg3@d128"}
+    assert row.commands["pp8"].startswith("llama-bench -m SmolLM2") and str(tmp_path) not in row.commands["pp8"]
+
+
+def test_a_failed_llama_bench_run_ends_its_row_and_keeps_the_table(tmp_path, monkeypatch):
+    """The first llama-bench run that fails ends the row (named with its command and stderr): no later
+    run starts, the row has no cells, and the other rows of the table are untouched."""
+    from custom_ops.runtime import bench as rb
+
+    script, log = _bench_script(tmp_path, fail_on="-d 128")
+    monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
+    row = peers.LlamaBenchRow("smollm2", threads=1)
+
+    class Fixed:   # another row: a fixed time per step
+        def prefill(self, ids):
+            return 0.5
+
+        def decode(self, p, step_ids):
+            return [0.25] * step_ids.shape[1]
+
+    tab = rb.decode_table({}, [64, 128], prefill_len=8, steps=2, repeats=2, vocab=1000, long_past_from="none",
+                          huge_pages=False, extra={"llama": row, "other": Fixed()})
+    assert len(log.read_text().splitlines()) == 3   # round 0: prompt, past 64, past 128 (failed); no more
+    assert row.failed.startswith("llama-bench -m SmolLM2") and "-d 128" in row.failed and "exited 3: out of memory" in row.failed
+    assert tab["llama"] == {} and peers.rows_from_table(row, tab["llama"], 8, [64, 128], 2) == []
+    assert tab["other"] == {"prefill": 500.0, "decode64": 250.0, "decode128": 250.0}

@@ -685,6 +685,36 @@ def test_bench_cli_packed_vs_gqa_twin(tiny, tmp_path, capsys):
     assert "lean | shared KV's measured ratio: P64 " in est and ", P510 " in est and "(measured " in est
 
 
+def test_bench_interleaves_llama_cpp_at_short_pasts(tiny, tmp_path, monkeypatch):
+    """`ortlean bench` with llama.cpp at pasts up to 512: llama-bench takes its turn in every round of
+    the table (one run per round and test, through $ORTLEAN_ANCHORS_SCRIPT here), its rows come from
+    those rounds' medians and say so, and the ratio lines use them; the table itself keeps only the
+    ONNX rows."""
+    import stat
+
+    from rewriter import evaluate
+
+    script, log = tmp_path / "llama.sh", tmp_path / "calls"
+    script.write_text(f"""#!/bin/bash
+echo "$*" >> {log}
+case "$*" in *"-n 0"*) p=8; n=0; d=0; ns=80000000;; *) p=0; n=2; d=64; ns=40000000;; esac
+echo '[{{"n_prompt": '$p', "n_gen": '$n', "n_depth": '$d', "n_threads": 1, "avg_ts": 1.0, "samples_ns": ['$ns']}}]'
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("ORTLEAN_ANCHORS_SCRIPT", str(script))
+    src = tiny["llama"] / "model.onnx"
+    assert _rewrite(src, tmp_path / "lean.onnx", "--weights", "int4", "--quality-budget", "off")[0] == 0
+    r = evaluate.bench(str(tmp_path / "lean.onnx"), str(src), threads=(1,), prefill=8, decode_past=[64], repeats=2,
+                       steps=2, nbits=(), profile=False, peers="smollm2", genai=False, huge_pages=False)
+    assert len(log.read_text().splitlines()) == 2 * 3   # (warm-up + 2 rounds) x (prompt, past 64)
+    assert set(r["table"]["t1"]) == {"dense", "lean", "lean | shared KV"}
+    lc = r["llama_cpp"]
+    assert lc["command"].startswith("llama-bench interleaved with the ONNX rows") and "-d 64 -r 1" in lc["command"]
+    assert [(x["test"], round(x["tok_s"])) for x in lc["rows"]] == [("pp8", 100), ("tg2@d64", 50)]
+    text = evaluate.format_bench(r)
+    assert "tokens/s median ± sd" in text and "/ [llama.cpp]: P64 t1 " in text
+
+
 # --------------------------------------------------------------------------- pq key codes
 def test_pq_codes_fitted_on_calibration_keys(forms, tmp_path, capsys):
     """--state-pack binary with --calib-text on a fused graph packs pq codes by default (auto): every

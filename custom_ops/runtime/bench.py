@@ -501,13 +501,17 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
                  shared: tuple = (), og: Mapping[str, Any] | None = None, threads: int = 1,
                  long_past_from: str | None = None, seed: int = 0, vocab: int | None = None,
                  say=None, own_past: int = 512, huge_pages: bool = True,
-                 loop: Iterable[str] | None = None, built: "PastStore | None" = None) -> dict[str, dict]:
+                 loop: Iterable[str] | None = None, built: "PastStore | None" = None,
+                 extra: Mapping[str, Any] | None = None) -> dict[str, dict]:
     """Prefill and decode timing of several causal LMs in one process, interleaved.
 
     ``models``: {name: (session, ModelIO)}; rows are every model driven by :class:`LoopRow` (or only
     the names in ``loop``: a model in ``models`` for the long pasts alone is not timed), plus
     "<name> | shared KV" (:class:`SharedRow`) for the names in ``shared`` and "<name> | og"
-    (:class:`OgRow`) for ``og`` = {name: genai model directory}. One warm-up round, then ``repeats``
+    (:class:`OgRow`) for ``og`` = {name: genai model directory}, plus ``extra`` = {row: driver}, any
+    object with the rows' ``prefill(ids)`` (seconds, or None: no sample) and ``decode(past, step_ids)``
+    (a list of step seconds, maybe empty), e.g. :class:`models.peers.LlamaBenchRow` (a process outside
+    this one, timed in the same rounds). One warm-up round, then ``repeats``
     rounds, each running every row once (order rotated): a ``prefill_len``-token prefill (after an
     untimed one) and ``steps`` single-token decode steps after a past of each length in ``pasts``.
     Pasts ≤ ``own_past`` are each model's own cache; longer ones are built once by ``long_past_from`` (default
@@ -553,6 +557,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
         drivers[f"{n} | shared KV"] = SharedRow(s, io, states[n], steps, prefill_len)
     for n, d in (og or {}).items():
         drivers[f"{n} | og"] = OgRow(d, threads, past_ids, steps, 1 + repeats)
+    drivers.update(extra or {})
     times = {r: {"prefill": [], **{f"decode{p}": [] for p in pasts}} for r in drivers}
     rows = list(drivers)
     t_round = time.perf_counter()
@@ -564,7 +569,8 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
             pt = drivers[r].prefill(prefill_ids)
             dts = {p: drivers[r].decode(p, step_ids) for p in pasts}
             if rnd > 0:  # round 0 warms up
-                times[r]["prefill"].append(pt)
+                if pt is not None:
+                    times[r]["prefill"].append(pt)
                 for p in pasts:
                     times[r][f"decode{p}"].extend(dts[p])
         if say:
@@ -576,7 +582,7 @@ def decode_table(models: Mapping[str, tuple], pasts, prefill_len: int = 128, ste
             n = huge_pages_for_process()
             if say:
                 say(f"{n >> 20} MiB of the process's memory moved to 2 MiB pages")
-    return {r: {key: float(np.median(v)) * 1e3 for key, v in tt.items()} for r, tt in times.items()}
+    return {r: {key: float(np.median(v)) * 1e3 for key, v in tt.items() if v} for r, tt in times.items()}
 
 
 def fix_malloc_threshold(nbytes: int = 32 << 20) -> str:
