@@ -656,7 +656,7 @@ def test_nonfinite_guard_recomputes_in_double(act_bits):
 @requires_native
 def test_op_bench_script_runs_and_reports_every_column(tmp_path):
     """tests/bench/bench_blockquant_op.py end to end on a tiny shape (K not a multiple of 256, N odd):
-    every M = 1 row has the streaming bound, the MatMulNBits ratio and the in-cache rate, the M > 1 row
+    every M = 1 row has the streaming bound, the MatMulNBits ratio, the in-cache rate and a node's own cost, the M > 1 row
     its ratio, the compute floor's rates where the CPU has AVX-512 VNNI, and the Runs' bound outputs hold the
     op's result (a runner that ran nothing would not)."""
     out = tmp_path / "op.json"
@@ -676,10 +676,11 @@ def test_op_bench_script_runs_and_reports_every_column(tmp_path):
     assert res["machine"]["floor"].startswith("tests/bench/bq_floor.c") == vnni, res["machine"]["floor"]
     for x in dec:
         assert x["layers"] * x["layer_bytes"] >= 1 << 20
-        for k in ("op_us", "stream_us", "bound_x", "mnb_us", "vs_mnb", "cache_us") + (
+        for k in ("op_us", "stream_us", "bound_x", "mnb_us", "vs_mnb", "cache_us", "node_us") + (
                 ("floor_int_GBps", "floor_GBps") if vnni else ()):
             assert np.isfinite(x[k]) and x[k] > 0, (k, x)
         assert vnni or "floor_GBps" not in x
+        assert x["node_bound_x"] == (x["stream_us"] + x["node_us"]) / x["stream_us"]
     assert "floor_int" in r.stdout if vnni else "floor_int" not in r.stdout
 
     sys.path.insert(0, str(ROOT / "tests" / "bench"))

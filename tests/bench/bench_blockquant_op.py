@@ -25,6 +25,10 @@ set-sized buffer. MatMulNBits runs on the same shape with its own L layers (4 bi
 
 M = 1, in cache (--no-in-cache skips it): L nodes share one W, so a Run reads the same bytes L times
 from the core's caches (the layer must fit its L2): the kernel's own rate, GB/s of weight bytes.
+node = the time of one node of the same K and 16 rows (W in cache; 256 nodes a Run): what a layer costs
+besides its bytes -- ONNX Runtime's work per node, the op's activation quantization and, at > 1 thread,
+one parallel section of 2 tasks on ORT's pool. (stream + node) / stream is the least bound_x a kernel
+that streams its bytes perfectly could show in this model of 1 node a layer.
 The compute floor (1 thread, AVX-512 VNNI machines; the C loops of tests/bench/bq_floor.c, same rounds as
 the in-cache runs, the same number of bytes read as often from the caches): floor_int = only the integer
 dots of 4-bit weights (and, shift, and, two vpdpbusd per 64 bytes), floor = those plus the per-lane float
@@ -61,6 +65,10 @@ import numpy as np  # noqa: E402
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 49152), (1536, 8960), (8960, 1536)]
 FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K", "q4_f/32", "q4_f/64"]
 OPSET, IR = 17, 10
+
+
+# the node column: NODE_LAYERS nodes of K x NODE_ROWS on one W
+NODE_ROWS, NODE_LAYERS = 16, 256
 
 
 def _size_bytes(text: str) -> int:
@@ -315,11 +323,14 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
         # the in-cache twin: enough nodes on one W for a Run of ~1 ms of weight bytes at 20 GB/s
         cL = max(4, min(256, (20 << 20) // max(lb, 1)))
         cache_model = _bq_model(K, N, fmt, bs, cL, rng, ab, shared=True, layout=layout)[0] if in_cache else None
+        node_model = _bq_model(K, NODE_ROWS, fmt, bs, NODE_LAYERS, rng, ab, shared=True, layout=layout)[0] \
+            if in_cache else None
         bufs = [np.ones(lb // 8 + 8, np.uint64) for _ in range(L)]
         for th in threads:
             s_op, s_mnb = _session(model, th, True), _session(mnb, th, False)
             s_c = _session(cache_model, th, True) if in_cache else None
-            for s in (s_op, s_mnb, s_c):  # first runs (pool probes, allocations) untimed
+            s_n = _session(node_model, th, True) if in_cache else None
+            for s in (s_op, s_mnb, s_c, s_n):  # first runs (pool probes, allocations) untimed
                 for _ in range(3 if s is not None else 0):
                     s.run(None, x)
             jobs = {"op": _runner(s_op, x), "mnb": _runner(s_mnb, x),
@@ -327,6 +338,7 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
             fjobs, fbytes = _floor_jobs(floor, N, lb, cL, rng) if floor and in_cache and th == 1 else ({}, 0)
             if in_cache:
                 jobs["cache"] = _runner(s_c, x)
+                jobs["node"] = _runner(s_n, x)
             jobs.update(fjobs)
             med = _time_rounds(jobs, min_time, th)
             op, stream, mn = med["op"] / L, med["stream"] / L, med["mnb"] / mL
@@ -335,12 +347,14 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
                  "stream_GBps": lb / stream / 1e9, "op_GBps": lb / op / 1e9, "bound_x": op / stream,
                  "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op}
             if in_cache:
-                r.update(cache_layers=cL, cache_us=med["cache"] / cL * 1e6, cache_GBps=lb * cL / med["cache"] / 1e9)
+                r.update(cache_layers=cL, cache_us=med["cache"] / cL * 1e6, cache_GBps=lb * cL / med["cache"] / 1e9,
+                         node_us=med["node"] / NODE_LAYERS * 1e6)
+                r["node_bound_x"] = (r["stream_us"] + r["node_us"]) / r["stream_us"]
             if fjobs:
                 r.update(floor_int_GBps=fbytes / med["floor_int"] / 1e9, floor_GBps=fbytes / med["floor"] / 1e9)
             rows.append(r)
-            del s_op, s_mnb, s_c
-        del model, cache_model, bufs
+            del s_op, s_mnb, s_c, s_n
+        del model, cache_model, node_model, bufs
     return rows
 
 
@@ -388,16 +402,19 @@ def table(info: dict, rows: list[dict]) -> str:
         fl = any("floor_GBps" in r for r in dec)
         out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the best C loop reading the same "
                 "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)"
-                + ("; cache = the same layer read from the caches (GB/s)" if cache else "")
+                + ("; cache = the same layer read from the caches (GB/s); node = one node of 16 rows (us), "
+                   "node_x = (stream + node) / stream" if cache else "")
                 + ("; floor_int / floor = the compute floor's loops on those bytes (GB/s, 1 thread)" if fl else ""),
                 f"{'format':>8} {'layout':>6} {'K x N':>11} {'act':>3} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
-                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}" + (f" {'cache':>6}" if cache else "")
+                f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}"
+                + (f" {'cache':>6} {'node':>5} {'node_x':>6}" if cache else "")
                 + (f" {'floor_int':>9} {'floor':>6}" if fl else "")]
         for r in dec:
             out.append(f"{r['format']:>8} {r.get('layout', 'blocks'):>6} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
                        f"{r['layers']:>6} {r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
                        f"{r['op_us']:>8.1f} {r['op_GBps']:>5.1f} {r['bound_x']:>7.2f} {r['mnb_us']:>8.1f} "
-                       f"{r['vs_mnb']:>6.2f}" + (f" {r['cache_GBps']:>6.1f}" if "cache_GBps" in r else "")
+                       f"{r['vs_mnb']:>6.2f}"
+                       + (f" {r['cache_GBps']:>6.1f} {r['node_us']:>5.1f} {r['node_bound_x']:>6.2f}" if "cache_GBps" in r else "")
                        + (f" {r['floor_int_GBps']:>9.1f} {r['floor_GBps']:>6.1f}" if "floor_GBps" in r else ""))
     pre = [r for r in rows if r["M"] > 1]
     if pre:
