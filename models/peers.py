@@ -128,6 +128,25 @@ class LlamaBench(NamedTuple):
     stopped: str | None   # the run that stopped and why, when some rows were kept before it
 
 
+def _bench_run(args: list[str], timeout: float):
+    """One ``llama-bench ARGS`` process: (its JSON, None, how, process) when it printed JSON, else
+    (None, why not, how, process or None); how is what ran it (None when it timed out). Raises
+    ``llamacpp.LlamaCppError`` when llama.cpp's tools cannot be had."""
+    from . import llamacpp
+
+    try:
+        res, how = llamacpp.run_tool("llama-bench", args, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"did not finish in {timeout:.0f} s", None, None
+    if res.returncode != 0:
+        last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
+        return None, f"exited {res.returncode}: {last[0]}", how, res
+    try:
+        return json.loads(res.stdout), None, how, res
+    except json.JSONDecodeError:
+        return None, "printed no JSON", how, res
+
+
 class LlamaBenchRow:
     """llama-bench as a row of :func:`custom_ops.runtime.bench.decode_table`: it takes its turn in every
     round as the ONNX rows do, so that its figures and theirs come from the same minutes (a VM's speed
@@ -135,8 +154,8 @@ class LlamaBenchRow:
     an hour apart). Each round: ``llama-bench -m GGUF -t T -p P -n 0 -r 1`` for the prefill and, per
     past, ``-p 0 -n STEPS -d PAST -r 1`` (one sample of the mean step time) on the package's GGUF, with
     llama-bench's own tokens (it takes no ids). The first run that fails ends the row: ``failed`` says
-    why, and later rounds return nothing for it. ``meta()`` gives the build, model type, peak RSS and
-    the commands for :func:`rows_from_table`."""
+    why, and later rounds return nothing for it. The build, model type, peak RSS, commands and samples
+    it keeps are what :func:`rows_from_table` reads."""
 
     def __init__(self, name: str, threads: int, timeout: float = 600):
         spec = _spec(name)
@@ -157,22 +176,19 @@ class LlamaBenchRow:
         full = ["-m", str(self.gguf), "-t", str(self.threads), *args, "-r", "1", "-o", "json"]
         cmd = " ".join(["llama-bench", *full]).replace(str(self.gguf), self.spec.gguf)
         try:
-            res, self.how = llamacpp.run_tool("llama-bench", full, timeout=self.timeout)
+            data, why, how, res = _bench_run(full, self.timeout)
         except llamacpp.LlamaCppError as e:
             self.failed = f"{cmd}: {e}"
             return None
-        except subprocess.TimeoutExpired:
-            self.failed = f"{cmd} did not finish in {self.timeout:.0f} s"
-            return None
-        if res.returncode != 0:
-            last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
-            self.failed = f"{cmd} exited {res.returncode}: {last[0]}"
+        self.how = how or self.how
+        if why is not None:
+            self.failed = f"{cmd} {why}"
             return None
         try:
-            r = json.loads(res.stdout)[0]
+            r = data[0]
             ns = r.get("samples_ns") or [1e9 * (r["n_prompt"] + r["n_gen"]) / float(r["avg_ts"])]
             sec = float(ns[0]) * 1e-9
-        except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError):
+        except (IndexError, KeyError, TypeError, ValueError):
             self.failed = f"{cmd} printed no usable JSON"
             return None
         self.commands[test] = cmd
@@ -252,22 +268,11 @@ def llama_bench(name: str = "smollm2", threads=(1, 2), prompt: int = 128, gen: i
         # the timeout grows with the depth's prefills (about 0.1 s a token on one core, with room)
         limit = timeout + 0.1 * depth * int(repetitions) * len(tuple(threads))
         cmd = " ".join(["llama-bench"] + args).replace(str(gguf), spec.gguf)
-        why = None
         try:
-            res, how = llamacpp.run_tool("llama-bench", args, timeout=limit)
+            data, why, ran, res = _bench_run(args, limit)
         except llamacpp.LlamaCppError as e:
             return LlamaBench([], f"llama.cpp rows skipped: {e}", None)
-        except subprocess.TimeoutExpired:
-            why = f"did not finish in {limit:.0f} s"
-        else:
-            if res.returncode != 0:
-                last = (res.stderr or "").strip().splitlines()[-1:] or ["?"]
-                why = f"exited {res.returncode}: {last[0]}"
-            else:
-                try:
-                    data = json.loads(res.stdout)
-                except json.JSONDecodeError:
-                    why = "printed no JSON"
+        how = ran or how
         if why is not None:
             if not rows:
                 return LlamaBench([], f"llama.cpp rows skipped: llama-bench ({how}) {why}", None)

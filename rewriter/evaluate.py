@@ -438,8 +438,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
 
             try:
                 extra[LLAMA_ROW] = pm.LlamaBenchRow(llama_name, t)
-            except pm.PeerError as e:
-                notes.append(f"llama.cpp rows skipped: {e}")
+            except pm.PeerError:   # no GGUF: llama_bench below says so, once
                 interleaved = False
         res["table"][f"t{t}"] = rb.decode_table(
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
@@ -468,7 +467,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         if failed or not rows:
             notes.append(res["llama_cpp"]["command"] if not rows else f"llama.cpp: {'; '.join(failed)}")
     elif llama:
-        name = peer_name(ref, peers)
+        name = llama_name
         if name is None:
             notes.append("llama.cpp rows skipped: no packaged GGUF for this model (--peers)")
         else:
