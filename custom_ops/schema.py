@@ -337,7 +337,8 @@ _BQ_ATTRS = (
          doc="q4_f: weights per block (absent: 32); other formats: absent or their own block (32; K formats 256)"),
     Attr("layout", "string", default="blocks", valid=Valid(choices=("blocks", "split")),
          doc="W's row layout: blocks (ggml's, byte for byte) or split (the same bytes per row: every block's "
-             "integers, then the fp16 scale array, then the min array; q4_0, q4_1, q8_0, q4_f/32)"),
+             "integers, then the fp16 scale array, then the min array, then q5's qh halves; q4_0, q4_1, q5_0, q5_1, "
+             "q8_0, q4_f/32)"),
     Attr("source", "string", meta=True, doc="where the blocks come from, e.g. gguf:blk.0.attn_q.weight or hqq"),
     Attr("bits_per_weight", "float", meta=True, valid=Valid(lo=0, lo_open=True, finite=True)),
     Attr("target", "string", valid=TARGET, meta=True),
@@ -346,9 +347,9 @@ _BQ_ATTRS = (
 )
 _BQ_RULES = (Rule("block_size is for q4_f; another format takes only its own block (q4_K, q5_K, q6_K: 256, the others: 32)",
                   lambda a: a["format"] == "q4_f" or a.get("block_size") in (None, BQ_BLOCK.get(a["format"]))),
-             Rule("layout split takes formats q4_0, q4_1, q8_0 and q4_f with block 32",
+             Rule("layout split takes formats q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32",
                   lambda a: a.get("layout", "blocks") != "split" or
-                  a["format"] in ("q4_0", "q4_1", "q8_0") or (a["format"] == "q4_f" and a.get("block_size") in (None, 32))))
+                  a["format"] in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0") or (a["format"] == "q4_f" and a.get("block_size") in (None, 32))))
 _BQ_ACT = Attr("act_bits", "int", default=8, valid=Valid(choices=(8, 16)),
                doc="activation integers per block of 32: 8 (int8, ggml's q8_0) or 16 (int16: the rounding ~256x finer)")
 _BQ_GLU = Attr("glu", "string", default="none", valid=Valid(choices=("none", "silu")),

@@ -158,7 +158,7 @@ BAD = [
     (_bq, dict(gather=1, format="q8_0"), "input W has shape [5, 288], expected [5, 340]"),
     # layout split: only the one-stream formats, and a non-finite scale named by row and block in its own array
     (_bq, dict(layout="rows"), "layout must be one of blocks | split"),
-    (_bq, dict(layout="split"), "layout 'split' takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not q4_K"),
+    (_bq, dict(layout="split"), "layout 'split' takes formats q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32, not q4_K"),
     (_bq, dict(layout="split", format="q4_f", block_size=64, W=np.zeros((5, 5 * 36), np.uint8)),
      "not q4_f with block 64"),
     (_bq, dict(layout="split", format="q4_1", K=96, W=_split_bad_scale(2, 1, 1, 0x7C00, "q4_1", 96)),

@@ -29,7 +29,7 @@ GGUF = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smoll
 CASES = [(f, None) for f in bq.FORMATS if f != "q4_f"] + [("q4_f", b) for b in bq.Q4F_BLOCKS]
 IDS = [f if b is None else f"{f}_{b}" for f, b in CASES]
 # the formats that take layout "split" (a row's integers, then its scale arrays)
-SPLIT_CASES = [("q4_0", None), ("q4_1", None), ("q8_0", None), ("q4_f", 32)]
+SPLIT_CASES = [("q4_0", None), ("q4_1", None), ("q5_0", None), ("q5_1", None), ("q8_0", None), ("q4_f", 32)]
 
 
 def bq_model(W, fmt, K, N, block_size=None, bias=None, bias_input=False, name="bq", attrs=None, xshape=None,

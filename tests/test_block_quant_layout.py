@@ -4,7 +4,7 @@
 
 The reference: the split bytes are a permutation within each row, laid out as documented; op and
 gather give the same numbers in both layouts. The rewriter, on a tiny GGUF and ONNX model (q4_0, q4_1
-gate/up fused into a glu, q8_0 down, a q5_0 projection that cannot split, a q8_0 head tied to the
+gate/up fused into a glu, q8_0 down, a q4_K projection that cannot split, a q8_0 head tied to the
 embedding, a weight the GGUF lacks quantized to q4_0 at K = 40): split where the format and act_bits take
 it (every act_bits; a tied embedding reads the head's initializer with the head's layout), blocks with
 --weights-layout blocks, the same bit-exact report, the same reference outputs bit for bit. The native kernels run the split
@@ -25,7 +25,7 @@ from custom_ops import schema
 from custom_ops.reference import blockquant as bq
 from rewriter import cli
 
-SPLIT = [("q4_0", None), ("q4_1", None), ("q8_0", None), ("q4_f", 32)]
+SPLIT = [("q4_0", None), ("q4_1", None), ("q5_0", None), ("q5_1", None), ("q8_0", None), ("q4_f", 32)]
 
 
 # --------------------------------------------------------------------------- the reference
@@ -84,7 +84,7 @@ def test_split_refusal():
     for fmt, bs in SPLIT:           # every act_bits takes it
         assert bq.split_refusal(fmt, bs) is None and bq.split_refusal(fmt, bs, 8) is None
         assert bq.split_refusal(fmt, bs, 16) is None
-    for fmt in ("q5_0", "q5_1", "q4_K", "q5_K", "q6_K"):
+    for fmt in ("q4_K", "q5_K", "q6_K"):
         assert f"not {fmt}" in bq.split_refusal(fmt)
     for B in (16, 64, 128, 256):
         assert f"block 32, not {B}" in bq.split_refusal("q4_f", B)
@@ -98,8 +98,8 @@ def test_split_refusal():
                           bq.op(X, W, format="q4_0", K=64, N=2, act_bits=16))
     with pytest.raises(ValueError, match="layout must be one of"):
         bq.op(np.zeros((1, 64), np.float32), W, format="q4_0", K=64, N=2, layout="rows")
-    with pytest.raises(ValueError, match="not q5_0"):
-        bq.to_split(bq.random_blocks("q5_0", 2, 64, rng), "q5_0", 64)
+    with pytest.raises(ValueError, match="not q6_K"):
+        bq.to_split(bq.random_blocks("q6_K", 2, 256, rng), "q6_K", 256)
     mm = schema.get("BlockQuantMatMul")
     assert not mm.problems({"format": "q4_f", "K": 64, "N": 2, "layout": "split"})
     assert mm.problems({"format": "q4_f", "K": 64, "N": 2, "block_size": 64, "layout": "split"})
@@ -133,12 +133,14 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-D, F, V, K2, S = 64, 96, 80, 40, 4
+D, F, V, K2, K3, S = 64, 96, 80, 40, 256, 4
 
 
 def _quant(rng, N, K, qt):
-    x = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
-    q = quants.quantize(x, qt)
+    if qt == T.Q4_K:   # gguf-py does not quantize the K formats: random blocks, its own dequantization
+        q = bq.random_blocks("q4_K", N, K, rng)
+    else:
+        q = quants.quantize((rng.standard_normal((N, K)) * 0.05).astype(np.float32), qt)
     return q, np.ascontiguousarray(quants.dequantize(q, qt), dtype=np.float32)
 
 
@@ -146,8 +148,8 @@ def _quant(rng, N, K, qt):
 def tiny(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("layout")
     rng = np.random.default_rng(11)
-    qt = {"a": T.Q4_0, "b": T.Q5_0, "gate": T.Q4_1, "up": T.Q4_1, "down": T.Q8_0, "token_embd": T.Q8_0}
-    shapes = {"a": (48, D), "b": (32, D), "gate": (F, D), "up": (F, D), "down": (D, F), "token_embd": (V, D)}
+    qt = {"a": T.Q4_0, "b": T.Q4_K, "gate": T.Q4_1, "up": T.Q4_1, "down": T.Q8_0, "token_embd": T.Q8_0}
+    shapes = {"a": (48, D), "b": (32, K3), "gate": (F, D), "up": (F, D), "down": (D, F), "token_embd": (V, D)}
     t = {k: _quant(rng, *shapes[k], qt[k]) for k in qt}
     path = d / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -164,7 +166,7 @@ def tiny(tmp_path_factory) -> dict:
               numpy_helper.from_array(deq["token_embd"].copy(), "embed.weight"), numpy_helper.from_array(extra, "Wx")]
     p = "/model/layers.0/mlp"
     nodes = [helper.make_node("MatMul", ["x", "a.w"], ["y_a"], name="/a/MatMul"),
-             helper.make_node("MatMul", ["x", "b.w"], ["y_b"], name="/b/MatMul"),
+             helper.make_node("MatMul", ["x3", "b.w"], ["y_b"], name="/b/MatMul"),
              helper.make_node("MatMul", ["x", "gate.w"], ["g"], name=f"{p}/gate_proj/MatMul"),
              helper.make_node("MatMul", ["x", "up.w"], ["u"], name=f"{p}/up_proj/MatMul"),
              helper.make_node("Sigmoid", ["g"], ["sig"], name=f"{p}/act_fn/Sigmoid"),
@@ -179,6 +181,7 @@ def tiny(tmp_path_factory) -> dict:
     graph = helper.make_graph(
         nodes, "tiny_layout",
         [helper.make_tensor_value_info("x", f, [1, "S", D]), helper.make_tensor_value_info("x2", f, [1, "S", K2]),
+         helper.make_tensor_value_info("x3", f, [1, "S", K3]),
          helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "S"])],
         [helper.make_tensor_value_info(n, f, [1, "S", c]) for n, c in outs], inits)
     mp = d / "model.onnx"
@@ -186,6 +189,7 @@ def tiny(tmp_path_factory) -> dict:
     rng = np.random.default_rng(2)
     feeds = {"x": rng.standard_normal((1, S, D)).astype(np.float32),
              "x2": rng.standard_normal((1, S, K2)).astype(np.float32),
+             "x3": rng.standard_normal((1, S, K3)).astype(np.float32),
              "ids": rng.integers(-V, V, (1, S)).astype(np.int64)}
     return {"gguf": path, "model": mp, "deq": deq, "feeds": feeds, "outs": [n for n, _ in outs]}
 
@@ -238,7 +242,7 @@ def test_rewrite_splits_where_it_applies(tiny, both):
     g = by["/embed_tokens/Gather_BQ"]                     # the tied embedding: the head's initializer and layout
     assert g.input[0] == by["/lm_head/MatMul_BQ"].input[1]
     # the written bytes, un-split, are the GGUF's blocks (gate rows then up rows in the glu)
-    deq, K = tiny["deq"], {"a": D, "b": D, "down": F, "token_embd": D}
+    deq, K = tiny["deq"], {"a": D, "b": K3, "down": F, "token_embd": D}
     want = {"/a/MatMul_BQ": "a", "/b/MatMul_BQ": "b", "/model/layers.0/mlp/down_proj/MatMul_BQ": "down",
             "/lm_head/MatMul_BQ": "token_embd"}
     for name, t in want.items():
@@ -265,7 +269,7 @@ def test_report_states_the_layout_and_bit_exactness(both):
         assert "bit-exact: dequantized bytes equal the source initializer" in r["decision"]
         assert "layout split (the GGUF's bytes reordered within each row" in r["decision"]
     assert rows["/b/MatMul"]["extra"]["layout"] == "blocks" and rows["/a/MatMul"]["extra"]["act_bits"] == 16
-    assert "layout blocks (split takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not q5_0)" in rows["/b/MatMul"]["decision"]
+    assert "layout blocks (split takes formats q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32, not q4_K)" in rows["/b/MatMul"]["decision"]
     assert rows["/extra/MatMul"]["extra"]["layout"] == "split" and "q4_0's bytes reordered" in rows["/extra/MatMul"]["decision"]
     notes = both["auto"][1]["notes"]
     assert any("layers hold the GGUF's blocks, bit-exact" in n for n in notes)
@@ -316,11 +320,11 @@ def test_split_flag(tiny, tmp_path, capsys):
     assert _rewrite(tiny, out, "--weights-layout", "split", "--report", str(rep)) == 0
     notes = json.loads(rep.read_text())["notes"]
     line = next(n for n in notes if n.startswith("weights layout (split)"))
-    assert "kept blocks: /b/MatMul (layout split takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not q5_0)" in line
+    assert "kept blocks: /b/MatMul (layout split takes formats q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32, not q4_K)" in line
     capsys.readouterr()
     gg = ["--gguf", str(tiny["gguf"]), "--weights", "gguf,q4_0"]
-    for flags, msg in ((gg + ["--include", "/b/*"], "no layer takes it: layout split takes formats q4_0, q4_1, q8_0 "
-                                                    "and q4_f with block 32, not q5_0"),
+    for flags, msg in ((gg + ["--include", "/b/*"], "no layer takes it: layout split takes formats q4_0, q4_1, q5_0, "
+                                                    "q5_1, q8_0 and q4_f with block 32, not q4_K"),
                        (["--weights", "int8"], "only BlockQuantMatMul weights have a row layout"),
                        (["--fuse", "on"], "only BlockQuantMatMul weights have a row layout")):    # --weights auto: fp32
         o = tmp_path / f"bad{len(flags)}.onnx"

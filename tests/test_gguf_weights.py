@@ -271,7 +271,7 @@ def test_rewrite_emits_the_gguf_blocks(tiny, tmp_path):
         for n in nodes:
             a = _attrs(n)
             W = _blocks(inits[n.input[1]], a)
-            assert _s(a.get("layout", "blocks")) == ("split" if _s(a["format"]) in ("q4_0", "q4_1", "q8_0") else "blocks")
+            assert _s(a.get("layout", "blocks")) == ("split" if _s(a["format"]) in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0") else "blocks")
             assert (a["K"], W.shape[0]) == (WT.shape[1], a["N"])
             deq = blockquant.dequantize(W, _s(a["format"]), a["K"])
             assert np.array_equal(deq.view(np.uint32), WT[start:start + a["N"]].view(np.uint32)), n.name

@@ -31,11 +31,13 @@ Where the integers sit:
 
 Row layout (attribute ``layout``): "blocks" (default) is ggml's, above. "split" holds the same bytes
 reordered within each row: the integer bytes of every block (``qs``) one after the other, then each
-fp16 header field as its own array over the row's blocks — ``[qs_0 … qs_{nb−1} | d_0 … d_{nb−1}]``, and
-``| m_0 … m_{nb−1}`` for the formats with a min. Only q4_0, q4_1, q8_0 and q4_f with block 32 (whose
-blocks are one header and one byte stream) take it: the layout lets the
-AVX-512 M = 1 kernel read a row's integers as whole vectors (4 or 2 blocks per 64 bytes) and its scales
-16 at a time. ``to_split`` / ``from_split`` convert; a split W dequantizes exactly as its blocks.
+2-byte header field as its own array over the row's blocks — ``[qs_0 … qs_{nb−1} | d_0 … d_{nb−1}]``, and
+``| m_0 … m_{nb−1}`` for the formats with a min; q5_0 / q5_1 then hold ``qh``'s low 16 bits and its high
+16 bits as two more arrays (``| qhl_0 … qhl_{nb−1} | qhh_0 … qhh_{nb−1}``: bit j of qhl_b is element j's
+5th bit, of qhh_b element j + 16's). Only q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32 (whose
+blocks are 2-byte header fields and one byte stream) take it: the layout lets the AVX-512 M = 1 kernel
+read a row's integers as whole vectors (4 or 2 blocks per 64 bytes), its scales 16 at a time and q5's
+5th bits of 4 blocks as one 64-bit mask per nibble half. ``to_split`` / ``from_split`` convert; a split W dequantizes exactly as its blocks.
 
 Ŵ = dequantize(W)[:, :K] is float32 computed with exactly the float32 operations of gguf-py's
 ``gguf.quants`` (one product, then one sum, in the order written above; ``d·sc_j`` and ``dmin·m_j``
@@ -83,8 +85,9 @@ SCALE_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_
                 "q5_K": (0, 2), "q6_K": (208,), "q4_f": (0, 2)}
 # row layouts (module docstring): ggml's blocks, or a row's integers then its scale arrays
 LAYOUTS = ("blocks", "split")
-# formats that take layout "split" (q4_f: block 32 only) and their header bytes per block (fp16 fields)
-SPLIT_HEADER = {"q4_0": 2, "q4_1": 4, "q8_0": 2, "q4_f": 4}
+# formats that take layout "split" (q4_f: block 32 only) and their header bytes per block (2-byte fields:
+# fp16 d, m; q5's qh as two halves)
+SPLIT_HEADER = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8, "q8_0": 2, "q4_f": 4}
 ACT_BLOCK = 32  # activation quantization block
 ACT_BITS = (8, 16)  # activation integers: int8 (default) or int16 per block of 32
 GLU = ("none", "silu")  # BlockQuantMatMul's gated unit
@@ -127,7 +130,7 @@ def split_refusal(fmt: str, block_size: int | None = None, act_bits: int = 8) ->
     """Why layout "split" does not apply (None: it does): the format or its block size (every act_bits
     takes it; the argument stays for callers that pass it)."""
     if fmt not in SPLIT_HEADER:
-        return f"layout split takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not {fmt}"
+        return f"layout split takes formats q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32, not {fmt}"
     if fmt == "q4_f" and block_of(fmt, block_size) != 32:
         return f"layout split takes q4_f only with block 32, not {block_of(fmt, block_size)}"
     return None

@@ -87,8 +87,8 @@ class WeightsConfig(Options):
                          "measurable in perplexity, see docs/weights.md), 8 where the weights "
                          "are quantized here (their own error dominates) | 8 | 16", choices=("auto", "8", "16"))
     layout: str = flag("--weights-layout", "auto", "BlockQuantMatMul's row layout of W (docs/block-quant.md): auto "
-                       "(default) = split on every layer whose format takes it (q4_0, q4_1, q8_0, q4_f with block "
-                       "32), blocks on the others (q5_0, q5_1, the K formats, q4_f with another block) | blocks = "
+                       "(default) = split on every layer whose format takes it (q4_0, q4_1, q5_0, q5_1, q8_0, q4_f "
+                       "with block 32), blocks on the others (the K formats, q4_f with another block) | blocks = "
                        "ggml's block bytes, as in the GGUF, everywhere | split = as auto, but an error when no layer "
                        "takes it, and the summary names the layers that kept blocks and why. split reorders each "
                        "row's bytes (every block's integers, then the fp16 scales, then the mins) for the AVX-512 "

@@ -111,14 +111,20 @@ struct BqLayer {
   int block;            // weights per block (QK)
   int type_size;        // bytes per block
   int act_bits;         // activation integers: 8 (int8) | 16 (int16) per block of 32
-  int split;            // row layout: 0 ggml's blocks; 1 split (q4_0, q4_1, q8_0, q4_f/32):
-                        // [qs of blocks 0..nb-1 | fp16 d[nb] | fp16 m[nb] (with a min)], the same bytes
+  int split;            // row layout: 0 ggml's blocks; 1 split (q4_0, q4_1, q5_0, q5_1, q8_0, q4_f/32):
+                        // [qs of blocks 0..nb-1 | fp16 d[nb] | fp16 m[nb] (with a min) | q5: qh's low
+                        // 16 bits [nb] | its high 16 bits [nb]], the same bytes
   const int32_t* plan;  // the ISA copy's per-node tables (make_plan), or nullptr
 };
 
-// Layout split: header bytes per block (its fp16 fields: d, and m) of the formats that take it, else 0
+// Layout split: header bytes per block (the 2-byte fields before qs: d, m, qh's two halves) of the formats
+// that take it, else 0
 constexpr int bq_split_header(int format, int block) {
-  return format == kBqQ4_0 || format == kBqQ8_0 ? 2 : format == kBqQ4_1 || (format == kBqQ4_F && block == 32) ? 4 : 0;
+  return format == kBqQ4_0 || format == kBqQ8_0                     ? 2
+         : format == kBqQ4_1 || (format == kBqQ4_F && block == 32) ? 4
+         : format == kBqQ5_0                                         ? 6
+         : format == kBqQ5_1                                         ? 8
+                                                                     : 0;
 }
 
 // Per-ISA kernels. An activation row is quantized once per call into the copy's own layout

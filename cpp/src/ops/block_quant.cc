@@ -94,7 +94,7 @@ void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_in
   w.split = layout == "split" ? 1 : 0;
   const int split_hdr = bq_split_header(w.format, w.block);
   if (w.split && split_hdr == 0)
-    fail("attribute layout 'split' takes formats q4_0, q4_1, q8_0 and q4_f with block 32, not " + fmt +
+    fail("attribute layout 'split' takes formats q4_0, q4_1, q5_0, q5_1, q8_0 and q4_f with block 32, not " + fmt +
          (w.format == kBqQ4_F ? " with block " + std::to_string(w.block) : std::string()));
 
   Ort::ConstValue wv = const_input(info, w_input, "W", kU8);
