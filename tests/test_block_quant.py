@@ -334,9 +334,11 @@ def test_kernel_vs_reference(fmt, bs):
     assert not _check_all([(fmt, bs)], SHAPES, MS)
 
 
-# layout split reads rows in groups of 16 blocks: K = 520 and 4000 leave 1 and 13 blocks in the last,
-# partial group (q8_0: 1 and 7 vectors), 1000 none; N = 1..7 and 191 leave rows outside the 4-row passes
-SPLIT_SHAPES = [(40, 1), (520, 7), (576, 191), (1000, 17), (2400, 6), (4000, 3)]
+# layout split reads rows in groups of 16 blocks: K = 40, 520, 576 and 4000 leave 2, 1, 2 and 13 blocks in
+# the last, partial group (q8_0: 1, 1, 2 and 7 vectors), 1000 none; a last group of <= 32 bytes is read two
+# rows a vector in the 8-row passes (K = 40 and 576; 520: 4-bit and q8_0 alike): N = 17 and 23 give a task
+# of 16 rows in passes and rows left over, N = 3 and 6 only rows outside the passes
+SPLIT_SHAPES = [(40, 17), (520, 23), (576, 191), (1000, 17), (2400, 6), (4000, 3)]
 
 
 @requires_native
