@@ -51,6 +51,11 @@ def test_stream_read_and_chase(lib):
     for threads in (1, 2, 3):   # both threaded readers read every word of their range once
         assert lib.stream_read_mt(ptrs, 1, 1000, threads) > 0
         assert lib.stream_read4_mt(ptrs, 1, 1000, threads, 256) > 0
+    bufs = [rng.integers(0, 2**63, size=1000, dtype=np.uint64) for _ in range(5)]
+    ptrs5 = (ctypes.c_void_p * 5)(*[b.ctypes.data for b in bufs])
+    for threads in (1, 2, 3):   # the per-buffer barrier lets every thread through every buffer (no hang)
+        for pf in (0, 256):
+            assert lib.stream_sync_mt(ptrs5, 5, 1000, threads, pf) > 0
     assert lib.stream_read4(ptrs, 1, 0, 1000, 256) == _xor(buf)
     assert lib.stream_read4(ptrs, 1, 8, 992, 4096) == _xor(buf[8:])
     lines = 64

@@ -292,6 +292,9 @@ def _stream_lib(tmp: Path):
     lib.stream_read4_mt.restype = ctypes.c_uint64
     lib.stream_read4_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
                                     ctypes.c_size_t]
+    lib.stream_sync_mt.restype = ctypes.c_uint64
+    lib.stream_sync_mt.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
+                                   ctypes.c_size_t]
     lib.chase.restype = ctypes.c_uint64
     lib.chase.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
     lib.gather_rows.restype = ctypes.c_uint64

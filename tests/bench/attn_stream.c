@@ -63,12 +63,29 @@ uint64_t stream_read4(const uint64_t* const* bufs, int n, size_t off_words, size
          (uint64_t)_mm256_extract_epi64(a0, 2) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
 }
 
+/* A spin barrier for `n` threads (sense by generation): the per-layer barrier of stream_sync_mt */
+typedef struct {
+  atomic_int count, gen;
+  int n;
+} spin_barrier;
+
+static void spin_wait(spin_barrier* b) {
+  const int g = atomic_load(&b->gen);
+  if (atomic_fetch_add(&b->count, 1) == b->n - 1) {
+    atomic_store(&b->count, 0);
+    atomic_fetch_add(&b->gen, 1);
+  } else {
+    while (atomic_load(&b->gen) == g) _mm_pause();
+  }
+}
+
 typedef struct {
   const uint64_t* const* bufs;
   int n;
   size_t off, words, pf;  /* pf > 0: stream_read4 with that prefetch distance; 0: stream_read */
   atomic_int* ready;
   atomic_int* go;
+  spin_barrier* sync;     /* non-null: every thread waits for the others after each buffer */
   uint64_t end_ns, sink;
 } stream_part;
 
@@ -79,7 +96,14 @@ static uint64_t now_ns(void) {
 }
 
 static uint64_t stream_part_read(const stream_part* p) {
-  return p->pf ? stream_read4(p->bufs, p->n, p->off, p->words, p->pf) : stream_read(p->bufs, p->n, p->off, p->words);
+  if (!p->sync)
+    return p->pf ? stream_read4(p->bufs, p->n, p->off, p->words, p->pf) : stream_read(p->bufs, p->n, p->off, p->words);
+  uint64_t x = 0;
+  for (int b = 0; b < p->n; ++b) {
+    x ^= p->pf ? stream_read4(p->bufs + b, 1, p->off, p->words, p->pf) : stream_read(p->bufs + b, 1, p->off, p->words);
+    spin_wait(p->sync);
+  }
+  return x;
 }
 
 static void* stream_worker(void* arg) {
@@ -92,19 +116,20 @@ static void* stream_worker(void* arg) {
   return 0;
 }
 
-static uint64_t stream_mt(const uint64_t* const* bufs, int n, size_t words, int threads, size_t pf) {
+static uint64_t stream_mt(const uint64_t* const* bufs, int n, size_t words, int threads, size_t pf, int sync) {
   enum { kMax = 64 };
   if (threads < 1) threads = 1;
   if (threads > kMax) threads = kMax;
   pthread_t th[kMax];
   stream_part part[kMax];
   atomic_int ready = 0, go = 0;
+  spin_barrier bar = {0, 0, threads};
   /* shares of whole 64-byte lines */
   const size_t share = ((words + (size_t)threads - 1) / (size_t)threads + 7) / 8 * 8;
   for (int i = 0; i < threads; ++i) {
     const size_t off = share * (size_t)i < words ? share * (size_t)i : words;
     const size_t w = words - off < share ? words - off : share;
-    part[i] = (stream_part){bufs, n, off, w, pf, &ready, &go, 0, 0};
+    part[i] = (stream_part){bufs, n, off, w, pf, &ready, &go, sync ? &bar : 0, 0, 0};
   }
   for (int i = 1; i < threads; ++i) pthread_create(&th[i], 0, stream_worker, &part[i]);
   while (atomic_load(&ready) < threads - 1) {
@@ -121,12 +146,20 @@ static uint64_t stream_mt(const uint64_t* const* bufs, int n, size_t words, int 
 }
 
 uint64_t stream_read_mt(const uint64_t* const* bufs, int n, size_t words, int threads) {
-  return stream_mt(bufs, n, words, threads, 0);
+  return stream_mt(bufs, n, words, threads, 0, 0);
 }
 
 /* stream_read_mt with stream_read4's four prefetched streams per thread */
 uint64_t stream_read4_mt(const uint64_t* const* bufs, int n, size_t words, int threads, size_t pf) {
-  return stream_mt(bufs, n, words, threads, pf ? pf : 64);
+  return stream_mt(bufs, n, words, threads, pf ? pf : 64, 0);
+}
+
+/* The same reads, buffer by buffer: every thread waits at a spin barrier for the others after its share
+   of each buffer, as a runtime that runs one layer (node) at a time across its threads must (pf > 0:
+   stream_read4's loop, 0: stream_read's). The cheapest such hand-off; what it adds over stream_mt is
+   what one synchronization per layer costs pure streaming (the shares restart, the faster thread waits). */
+uint64_t stream_sync_mt(const uint64_t* const* bufs, int n, size_t words, int threads, size_t pf) {
+  return stream_mt(bufs, n, words, threads, pf, 1);
 }
 
 /* Dependent loads: `steps` reads where each read's word holds the index of the next one (a random

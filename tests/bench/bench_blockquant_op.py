@@ -29,6 +29,10 @@ node = the time of one node of the same K and 16 rows (W in cache; 256 nodes a R
 besides its bytes -- ONNX Runtime's work per node, the op's activation quantization and, at > 1 thread,
 one parallel section of 2 tasks on ORT's pool. (stream + node) / stream is the least bound_x a kernel
 that streams its bytes perfectly could show in this model of 1 node a layer.
+sync_x (> 1 thread): the stream loops again, every thread waiting at a spin barrier for the others after
+its share of each layer (tests/bench/attn_stream.c's stream_sync_mt), over the free-running stream: what
+one synchronization per layer costs pure streaming (shares restart cold, the faster thread waits) --
+a runtime that runs a node at a time across its threads pays it besides the node column.
 The compute floor (1 thread, AVX-512 VNNI machines; the C loops of tests/bench/bq_floor.c, same rounds as
 the in-cache runs, the same number of bytes read as often from the caches): floor_int = only the integer
 dots of 4-bit weights (and, shift, and, two vpdpbusd per 64 bytes), floor = those plus the per-lane float
@@ -137,6 +141,15 @@ def _stream_best(libs, arrays, nbytes: int, threads: int) -> float:
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
     t4 = libs.stream_read4_mt(ptrs, len(arrays), nbytes // 8, threads, STREAM4_PREFETCH) * 1e-9
     return min(_stream_time(libs, arrays, nbytes, threads), t4)
+
+
+def _stream_sync_best(libs, arrays, nbytes: int, threads: int) -> float:
+    """_stream_best's two loops with every thread waiting for the others after each array (a spin
+    barrier: one synchronization per layer, as a runtime that runs a node at a time)."""
+    import ctypes
+
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    return min(libs.stream_sync_mt(ptrs, len(arrays), nbytes // 8, threads, pf) for pf in (0, STREAM4_PREFETCH)) * 1e-9
 
 
 def machine() -> dict:
@@ -335,6 +348,8 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
                     s.run(None, x)
             jobs = {"op": _runner(s_op, x), "mnb": _runner(s_mnb, x),
                     "stream": lambda: _stream_best(libs, bufs, lb, th)}
+            if th > 1:
+                jobs["sync"] = lambda: _stream_sync_best(libs, bufs, lb, th)
             fjobs, fbytes = _floor_jobs(floor, N, lb, cL, rng) if floor and in_cache and th == 1 else ({}, 0)
             if in_cache:
                 jobs["cache"] = _runner(s_c, x)
@@ -346,6 +361,8 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
                  "layers": L, "layer_bytes": lb, "op_us": op * 1e6, "stream_us": stream * 1e6,
                  "stream_GBps": lb / stream / 1e9, "op_GBps": lb / op / 1e9, "bound_x": op / stream,
                  "mnb_layers": mL, "mnb_bytes": mlb, "mnb_us": mn * 1e6, "vs_mnb": mn / op}
+            if "sync" in med:
+                r.update(sync_us=med["sync"] / L * 1e6, sync_x=med["sync"] / med["stream"])
             if in_cache:
                 r.update(cache_layers=cL, cache_us=med["cache"] / cL * 1e6, cache_GBps=lb * cL / med["cache"] / 1e9,
                          node_us=med["node"] / NODE_LAYERS * 1e6)
@@ -400,22 +417,27 @@ def table(info: dict, rows: list[dict]) -> str:
     if dec:
         cache = any("cache_GBps" in r for r in dec)
         fl = any("floor_GBps" in r for r in dec)
+        sync = any("sync_x" in r for r in dec)
         out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the best C loop reading the same "
                 "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)"
                 + ("; cache = the same layer read from the caches (GB/s); node = one node of 16 rows (us), "
                    "node_x = (stream + node) / stream" if cache else "")
-                + ("; floor_int / floor = the compute floor's loops on those bytes (GB/s, 1 thread)" if fl else ""),
+                + ("; floor_int / floor = the compute floor's loops on those bytes (GB/s, 1 thread)" if fl else "")
+                + ("; sync_x = the stream loops with a barrier after each layer / stream (> 1 thread)" if sync else ""),
                 f"{'format':>8} {'layout':>6} {'K x N':>11} {'act':>3} {'thr':>3} {'layers':>6} {'KB':>7} {'stream us':>9} {'GB/s':>5} "
                 f"{'op us':>8} {'GB/s':>5} {'bound_x':>7} {'MNB us':>8} {'vs_mnb':>6}"
                 + (f" {'cache':>6} {'node':>5} {'node_x':>6}" if cache else "")
-                + (f" {'floor_int':>9} {'floor':>6}" if fl else "")]
+                + (f" {'floor_int':>9} {'floor':>6}" if fl else "")
+                + (f" {'sync_x':>6}" if sync else "")]
         for r in dec:
             out.append(f"{r['format']:>8} {r.get('layout', 'blocks'):>6} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
                        f"{r['layers']:>6} {r['layer_bytes'] / 1024:>7.0f} {r['stream_us']:>9.1f} {r['stream_GBps']:>5.1f} "
                        f"{r['op_us']:>8.1f} {r['op_GBps']:>5.1f} {r['bound_x']:>7.2f} {r['mnb_us']:>8.1f} "
                        f"{r['vs_mnb']:>6.2f}"
                        + (f" {r['cache_GBps']:>6.1f} {r['node_us']:>5.1f} {r['node_bound_x']:>6.2f}" if "cache_GBps" in r else "")
-                       + (f" {r['floor_int_GBps']:>9.1f} {r['floor_GBps']:>6.1f}" if "floor_GBps" in r else ""))
+                       + (f" {r['floor_int_GBps']:>9.1f} {r['floor_GBps']:>6.1f}" if "floor_GBps" in r else
+                          (f" {'':>9} {'':>6}" if fl else ""))
+                       + (f" {r['sync_x']:>6.2f}" if "sync_x" in r else ""))
     pre = [r for r in rows if r["M"] > 1]
     if pre:
         out += ["", "M = 128 (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)",
