@@ -128,6 +128,8 @@ constexpr int bq_split_header(int format, int block) {
 }
 // Layout split: whether a row holds a min array m[nb] after d[nb] (q4_1, q4_f/32, q5_1)
 constexpr bool bq_split_has_min(int format) { return format == kBqQ4_1 || format == kBqQ4_F || format == kBqQ5_1; }
+// Layout split, q5_0 / q5_1: where qhl[nb] starts after d[nb], in arrays of nb words (after m[nb] with a min)
+constexpr int bq_split_qh_at(int format) { return bq_split_has_min(format) ? 2 : 1; }
 
 // Per-ISA kernels. An activation row is quantized once per call into the copy's own layout
 // (act_bytes of scratch, 64-byte aligned), then multiplied against any rows of W.
