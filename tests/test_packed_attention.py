@@ -386,7 +386,7 @@ def _prepared(name):
         pytest.skip(f"{name} unavailable: {e}")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~25 s on 2 cores: SmolLM2 rewritten unfused, 24 greedy tokens twice (the fused path: test_packed_gqa_cli)
 @requires_native
 def test_smollm2_rewrite_full_budget_same_greedy_text(tmp_path):
     from custom_ops import runtime
