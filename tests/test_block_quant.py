@@ -493,6 +493,72 @@ def test_leading_dims_bias_input_and_metrics():
     assert m["bq.nonfinite_recomputes"] == 0
 
 
+def max_integer_blocks(fmt, N, K, rng, bs=None):
+    """W whose every stored integer is at its largest (4-bit 15, 5-bit 31, q6_K 63, q8_0 127; the K formats'
+    6-bit scales and mins 63, q6_K's int8 scales -1), with random fp16 scales: against activations all at
+    +-127 every integer partial sum of the kernels is as large as it can be (the int16 sums of the AVX2
+    kernels, folded over 2-8 steps, sit closest to 2^15 there)."""
+    W = bq.random_blocks(fmt, N, K, rng, bs)
+    ts = bq.type_size(fmt, bs)
+    b = W.reshape(-1, ts)
+    keep = np.zeros(ts, bool)
+    for off in bq.SCALE_FIELDS[fmt]:
+        keep[off:off + 2] = True
+    b[:, ~keep] = 0x7F if fmt == "q8_0" else 0xFF
+    return b.reshape(W.shape)
+
+
+_ISA_MAX_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import custom_ops
+from test_block_quant import _check_max
+print(json.dumps({"isa": custom_ops.op_isas()["BlockQuantMatMul"], "bad": _check_max()}))
+"""
+
+
+def _check_max() -> list:
+    """Kernel vs reference on max_integer_blocks, X all +1 or all -1 (every activation at +-127 / 32767),
+    M = 1, 5 and 128, every format and act_bits, ggml's blocks and layout split; returns the failures."""
+    bad = []
+    K, N = 1000, 19
+    for ci, (fmt, bs) in enumerate(CASES):
+        W = max_integer_blocks(fmt, N, K, np.random.default_rng([31, ci]), bs)
+        layouts = ["blocks"] + (["split"] if (fmt, bs) in SPLIT_CASES else [])
+        for lay in layouts:
+            Wl, la = (bq.to_split(W, fmt, K, bs), {"layout": "split"}) if lay == "split" else (W, None)
+            for ab in (8, 16):
+                s = custom_ops.session(bq_model(Wl, fmt, K, N, bs, act_bits=ab, attrs=la), threads=2)
+                for M in (1, 5, 128):
+                    for sign in (1.0, -1.0):
+                        X = np.full((M, K), sign, np.float32)
+                        ref = bq.op(X, W, format=fmt, K=K, N=N, block_size=bs, act_bits=ab)
+                        r = within(s.run(None, {"X": X})[0], ref, tolerance(X, W, fmt, K, bs, ab))
+                        if not r <= 1.0:
+                            bad.append((fmt, bs, lay, ab, M, sign, r))
+    return bad
+
+
+@requires_native
+@pytest.mark.parametrize("isa", ["this", "scalar", "avx2"])
+def test_integer_sums_at_their_bounds(isa):
+    """Every stored integer at its largest against activations at the clamp: the kernels' integer sums
+    (int16 where a path folds in int16) must not saturate or wrap, on this process's path and in a
+    subprocess per lower ISA."""
+    if isa == "this":
+        assert not _check_max()
+        return
+    if custom_ops.op_isas()["BlockQuantMatMul"] == isa:
+        pytest.skip(f"{isa} is this process's path")
+    r = subprocess.run([sys.executable, "-c", _ISA_MAX_SCRIPT, str(ROOT)], env=dict(os.environ, ORTLEAN_ISA=isa),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    if res["isa"] != isa:
+        pytest.skip(f"CPU runs BlockQuantMatMul at {res['isa']}, not {isa}")
+    assert not res["bad"], res["bad"]
+
+
 @requires_native
 @pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("fmt,bs", [("q4_0", None), ("q8_0", None), ("q4_K", None), ("q4_f", 64)])
