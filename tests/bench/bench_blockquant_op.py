@@ -464,7 +464,7 @@ def main() -> None:
     ap.add_argument("--no-in-cache", action="store_true", help="skip the M = 1 in-cache column")
     ap.add_argument("--layouts", default="blocks,split",
                     help="comma list of W's row layouts (blocks | split); split runs only for the formats that take "
-                         "it (q4_0, q4_1, q5_0, q5_1, q8_0, q4_f/32) and act_bits 8")
+                         "it (q4_0, q4_1, q5_0, q5_1, q8_0, q4_f/32)")
     ap.add_argument("--json", help="write the rows and the header here")
     a = ap.parse_args()
 
