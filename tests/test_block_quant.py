@@ -577,6 +577,32 @@ def test_prefill_rows_equal_decode_rows(fmt, bs, act_bits):
 
 
 @requires_native
+@pytest.mark.parametrize("fmt,layout", [("q4_1", "split"), ("q8_0", "split"), ("q4_K", "blocks")])
+def test_decode_tasks_after_the_pool_probe(fmt, layout):
+    """M = 1 on a 2-thread pool: the first calls split the rows into up to 8 tasks while the kernel counts
+    the pool's threads, later calls into at most that many (one a thread); every call, before and after,
+    sequential or two at once on one session, matches the reference (N = 1547: rows that no task size
+    divides)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(11)
+    K, N = 576, 1547
+    W = bq.random_blocks(fmt, N, K, rng)
+    Wl, la = (bq.to_split(W, fmt, K, None), {"layout": "split"}) if layout == "split" else (W, None)
+    s = custom_ops.session(bq_model(Wl, fmt, K, N, act_bits=16, attrs=la), threads=2)
+    X = rng.standard_normal((24, 1, K)).astype(np.float32)
+
+    def check(i):
+        y = s.run(None, {"X": X[i]})[0]
+        ref = bq.op(X[i], W, None, format=fmt, K=K, N=N, act_bits=16)
+        return within(y, ref, tolerance(X[i], W, fmt, K, None, 16))
+    worst = [check(i) for i in range(12)]  # past the probe's 8 calls
+    with ThreadPoolExecutor(2) as ex:
+        worst += list(ex.map(check, range(12, 24)))
+    assert max(worst) <= 1.0, worst
+
+
+@requires_native
 @pytest.mark.parametrize("act_bits", [8, 16])
 def test_against_dense_ort_matmul(act_bits):
     """BlockQuantMatMul equals ORT's MatMul on Ŵᵀ fed the quantized activations x̂ (within float32
