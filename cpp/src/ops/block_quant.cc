@@ -207,8 +207,8 @@ class BqCall {
       const int64_t total = N * w_.row_bytes;
       // 2 .. kMaxTasks tasks of at least kTaskBytes, and once the pool's threads are counted no more tasks
       // than threads: every task restarts its row streams, and on a 2-core Zen 5 host one task a thread
-      // decoded SmolLM2 7 % faster at 2 threads than tasks of 48 KB (dev A/B of the step, 61 rounds, two
-      // orders). While probing, an even number: ORT's pool hands tasks out dynamically, and 3 tasks on 2
+      // decoded SmolLM2 6 % faster at 2 threads than tasks of 48 KB (dev A/B of the step, 61 alternating
+      // rounds). While probing, an even number: ORT's pool hands tasks out dynamically, and 3 tasks on 2
       // threads leave one thread a third of the work to wait for. A one-thread pool: one task.
       int64_t nt = std::min<int64_t>(kMaxTasks, std::max<int64_t>(2, total / kTaskBytes));
       const int threads = k_.pool_.threads();
