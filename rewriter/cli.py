@@ -489,7 +489,7 @@ def cmd_generate(args) -> int:
     from custom_ops.runtime.generate import (chat_template, model_eos_ids, model_positions, render_chat,
                                              special_tokens)
 
-    from .evaluate import _session, _tokenizer
+    from .evaluate import _tokenizer, generator_session
 
     if args.system is not None and not args.chat:
         raise OrtleanError("--system needs --chat (a system message goes in the chat template)")
@@ -506,7 +506,7 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise OrtleanError(f"{what}: empty prompt")
     threads = options.one_thread_count(args.threads, "--threads")
-    sess = _session(args.model, threads)
+    sess = generator_session(args.model, threads)   # the prompt's last position's logits only
     io = runtime.ModelIO.from_session(sess, args.model)
     if io.kind != "causal-lm" or not io.logits_name:
         raise OrtleanError(f"{args.model}: not a causal LM (no logits output)")

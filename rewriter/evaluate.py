@@ -13,7 +13,7 @@ from custom_ops import runtime
 from models.cache import cache_root
 
 from .errors import OrtleanError
-from .kit import modelfile
+from .kit import modelfile, stream
 from .kit import stamps
 
 
@@ -23,6 +23,25 @@ def _session(path: str, threads: int):
     modelfile.load_model(path)  # clear messages for missing / corrupt files
     try:
         return custom_ops.session(path, threads=threads)
+    except custom_ops.LibraryNotFoundError as e:
+        raise OrtleanError(str(e)) from None
+    except Exception as e:
+        raise OrtleanError(f"{path}: onnxruntime could not create a session: {e}") from None
+
+
+def generator_session(path: str, threads: int):
+    """A session on the model as a generator runs it: the head reads the last position only
+    (:func:`stream.last_position_logits`, a view; the file is not changed), so a prompt run does not pay
+    the head's product for positions whose logits nobody reads — llama.cpp computes the last one only
+    as well. Decode steps compute exactly what the model computes. The model's own session where the
+    head is not found as a product."""
+    import custom_ops
+
+    view = stream.last_position_logits(modelfile.load_model(path))
+    if view is None:
+        return _session(path, threads)
+    try:
+        return stream.session(view, threads, stream=False)
     except custom_ops.LibraryNotFoundError as e:
         raise OrtleanError(str(e)) from None
     except Exception as e:
@@ -430,7 +449,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         for k, v in variants.items():
             if best and k == "dense" and src != "dense":   # neither timed nor building caches: no session
                 continue
-            s = _session(v, t)
+            s = generator_session(v, t)   # prompts: the last position's logits, as every generator reads them
             models[k] = (s, runtime.ModelIO.from_session(s, v))
         extra = {}
         if interleaved:

@@ -140,6 +140,35 @@ def test_greedy_equals_previous_loop(forms, form):
         assert g.prompt_tokens == 23 and g.decode_tokens == 11 and g.stop == "max_new_tokens"
 
 
+@pytest.mark.parametrize("form", ("toy", "optimum-cache", "gqa", "packed-exact", "packed-int8"))
+def test_generator_session_computes_the_last_position(forms, form):
+    """`ortlean generate` and `ortlean bench` run a model as a generator does: a prompt run's logits are
+    its last position's (the head skips the others), equal to the model's own last row; decode steps
+    give the model's own logits; the shared loop still shares; the file is not changed."""
+    from rewriter.evaluate import generator_session
+
+    if form not in forms:
+        pytest.skip(f"{form}: needs the native library")
+    path, _, loop = forms[form]
+    before = Path(path).read_bytes()
+    full = custom_ops.session(str(path), threads=1)
+    gen = generator_session(str(path), 1)
+    io = runtime.ModelIO.from_session(full, str(path))
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(2, io.vocab_size or 60, 11).tolist()
+    steps = rng.integers(2, io.vocab_size or 60, 4).tolist()
+    a = runtime.run(full, io, runtime.feeds(io, np.array([prompt], dtype=np.int64)))[io.logits_name]
+    b = runtime.run(gen, io, runtime.feeds(io, np.array([prompt], dtype=np.int64)))[io.logits_name]
+    assert a.shape[1] == 11 and b.shape[1] == 1
+    np.testing.assert_allclose(b[:, -1], a[:, -1], rtol=1e-5, atol=1e-5 * float(np.abs(a).max()))
+    ref = _previous_logits(full, io, prompt, steps)
+    dec = Decoder(gen, io, max_len=len(prompt) + len(steps) + 1, model_path=path)
+    assert dec.loop == loop
+    got = np.stack([dec.feed(prompt)] + [dec.feed([t]) for t in steps])
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * float(np.abs(ref).max()))
+    assert Path(path).read_bytes() == before
+
+
 class _Ids:
     """A stand-in tokenizer for models without one (ids only)."""
 
