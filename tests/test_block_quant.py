@@ -471,6 +471,57 @@ def test_isa_paths(isa):
     assert not res["bad"], res["bad"]
 
 
+_TILES_SCRIPT = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import custom_ops
+from custom_ops.reference import blockquant as bq
+from test_block_quant import CASES, SPLIT_CASES, bq_model
+out = {}
+for layout, cases in (("blocks", CASES), ("split", SPLIT_CASES)):
+    for ci, (fmt, bs) in enumerate(cases):
+        for K, N in ((40, 17), (1000, 33)):
+            rng = np.random.default_rng([3, ci, K, N])
+            W = bq.random_blocks(fmt, N, K, rng, bs)
+            Wl, la = (bq.to_split(W, fmt, K, bs), {"layout": "split"}) if layout == "split" else (W, None)
+            b = rng.standard_normal(N).astype(np.float32)
+            for ab in (8, 16):
+                s = custom_ops.session(bq_model(Wl, fmt, K, N, bs, b, name="tiles", act_bits=ab, attrs=la), threads=2)
+                for M in (16, 35, 130):
+                    X = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
+                    X[-1] = np.where(rng.random(K) < 0.5, -3.0, 3.0)
+                    X[M // 2, 3] = np.nan
+                    out[f"{layout}/{fmt}/{bs}/{K}x{N}/a{ab}/M{M}"] = s.run(None, {"X": X})[0]
+np.savez(sys.argv[2], **out)
+print(json.dumps({"tiles": custom_ops.metrics()["tiles"]["bq.amx_tiles"], "n": len(out)}))
+"""
+
+
+@requires_native
+def test_amx_tiles_bit_exact_to_vpdpbusd(tmp_path):
+    """M > 1 on AMX-INT8 (16 activation rows a tile product; the rest vpdpbusd): the same floats as the
+    AVX-512 vpdpbusd path (ORTLEAN_AMX=0) bit for bit — every format and layout, act_bits 8 and 16, M = 16,
+    35 and 130 (two full tiles of rows and leftovers, across the op's tasks), a NaN row."""
+    if custom_ops.op_isas()["BlockQuantMatMul"] != "avx512":
+        pytest.skip("the tiles are in the AVX-512 copy")
+    runs = {}
+    for amx in ("1", "0"):
+        env = dict(os.environ, ORTLEAN_AMX=amx)
+        f = tmp_path / f"amx{amx}.npz"
+        r = subprocess.run([sys.executable, "-c", _TILES_SCRIPT, str(ROOT), str(f)], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[amx] = (json.loads(r.stdout.strip().splitlines()[-1]), np.load(f))
+    assert runs["0"][0]["tiles"] == 0
+    if runs["1"][0]["tiles"] != 1:
+        pytest.skip("no AMX-INT8 here (or the kernel refused the tile state)")
+    a, b = runs["1"][1], runs["0"][1]
+    assert len(a.files) == runs["1"][0]["n"] == (len(CASES) + len(SPLIT_CASES)) * 2 * 2 * 3
+    bad = [k for k in a.files if not np.array_equal(a[k], b[k], equal_nan=True)]
+    assert not bad, bad[:10]
+
+
 @requires_native
 def test_leading_dims_bias_input_and_metrics():
     rng = np.random.default_rng(8)

@@ -156,6 +156,9 @@ struct BlockQuantKernels {
   // the gated unit (BlockQuantMatMul glu = "silu"): y[i] = silu(g[i]) * u[i], float32 with an exp of
   // ~1e-7 relative error (y may alias g)
   void (*silu_mul)(const float* g, const float* u, float* y, int64_t n);
+  // 1 when gemm multiplies 16 activation rows at a time in AMX tiles (the AVX-512 copy on a CPU and
+  // kernel that allow them; ORTLEAN_AMX=0: never), else 0
+  int (*tiles)();
 };
 
 // kernels/blockquant_impl.inc per ISA (picked once at construction by isa.h pick(); the AVX-512 copy

@@ -165,7 +165,8 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
           {"bq.bits_per_weight", 8.0 * node_.w.type_size / node_.w.block},
           {"bq.act_bits", static_cast<double>(node_.w.act_bits)},
           {"bq.glu", glu_ ? 1.0 : 0.0},
-          {"bq.isa", static_cast<double>(node_.level)}});
+          {"bq.isa", static_cast<double>(node_.level)},
+          {"bq.amx_tiles", static_cast<double>(node_.k->tiles())}});
   m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}, {&m_nonfinite_, "bq.nonfinite_recomputes"}});
 }
 
