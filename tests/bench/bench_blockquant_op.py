@@ -418,7 +418,8 @@ def table(info: dict, rows: list[dict]) -> str:
         cache = any("cache_GBps" in r for r in dec)
         fl = any("floor_GBps" in r for r in dec)
         sync = any("sync_x" in r for r in dec)
-        out += ["", "M = 1, weights from DRAM: us per layer (Run / layers); stream = the best C loop reading the same "
+        where = "DRAM" if not c or info.get("set_bytes", 1 << 62) > c["bytes"] else f"the L{c['level']} (the set fits it)"
+        out += ["", f"M = 1, weights from {where}: us per layer (Run / layers); stream = the best C loop reading the same "
                 "bytes (same threads, same rounds); bound_x = op / stream (<= 1.25); vs_mnb = MatMulNBits / op (>= 1.2)"
                 + ("; cache = the same layer read from the caches (GB/s); node = one node of 16 rows (us), "
                    "node_x = (stream + node) / stream" if cache else "")
