@@ -17,11 +17,16 @@ from .kit import modelfile, stream
 from .kit import stamps
 
 
-def _session(path: str, threads: int):
+def _session(path: str, threads: int, last_logits: bool = False):
+    """A session on the model file, with clear errors (missing, corrupt, no library). ``last_logits``:
+    on :func:`stream.last_position_logits`'s view of it where the head is found (:func:`generator_session`)."""
     import custom_ops
 
-    modelfile.load_model(path)  # clear messages for missing / corrupt files
+    m = modelfile.load_model(path)  # clear messages for missing / corrupt files
+    view = stream.last_position_logits(m) if last_logits else None
     try:
+        if view is not None:
+            return stream.session(view, threads, stream=False)
         return custom_ops.session(path, threads=threads)
     except custom_ops.LibraryNotFoundError as e:
         raise OrtleanError(str(e)) from None
@@ -35,17 +40,7 @@ def generator_session(path: str, threads: int):
     the head's product for positions whose logits nobody reads — llama.cpp computes the last one only
     as well. Decode steps compute exactly what the model computes. The model's own session where the
     head is not found as a product."""
-    import custom_ops
-
-    view = stream.last_position_logits(modelfile.load_model(path))
-    if view is None:
-        return _session(path, threads)
-    try:
-        return stream.session(view, threads, stream=False)
-    except custom_ops.LibraryNotFoundError as e:
-        raise OrtleanError(str(e)) from None
-    except Exception as e:
-        raise OrtleanError(f"{path}: onnxruntime could not create a session: {e}") from None
+    return _session(path, threads, last_logits=True)
 
 
 def _tokenizer(model: str, tokenizer: str | None):
