@@ -122,6 +122,9 @@ def fit_pasts(pasts, steps: int, models) -> tuple[list[int], str | None]:
 LONG_PASTS = (128, 1024, 4096, 8192)
 # llama.cpp's row in the decode table (pasts up to this: its runs take turns with ours; beyond: after)
 LLAMA_ROW = "llama.cpp | llama-bench"
+# the weights floor's two forms ({row: a barrier after each node}), timed in the rounds, then moved out
+# of the table into res["weights_floor"]
+FLOOR_ROWS = {"weights floor | one pass": False, "weights floor | barrier per node": True}
 LLAMA_INTERLEAVE_MAX_PAST = 512
 
 
@@ -439,6 +442,13 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     llama_name = peer_name(ref, peers) if llama else None
     interleaved = bool(llama_name) and max(pasts) <= LLAMA_INTERLEAVE_MAX_PAST
     llama_runs: list = []
+    # the memory floor of lean's decode step: its weight bytes read once, in the same rounds as the rows
+    from custom_ops.runtime import floor as fl
+
+    floor_reads = fl.weight_reads(model)
+    floor = {"model": "lean", "nodes": len(floor_reads), "bytes": sum(b for _, b in floor_reads),
+             "configs": [list(c) for c in fl.CONFIGS], "table": {}} if floor_reads else None
+    floor_arrays = fl.aligned_buffers([b for _, b in floor_reads]) if floor else None  # both forms read these
     for t in threads:
         models = {}
         for k, v in variants.items():
@@ -447,6 +457,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             s = generator_session(v, t)   # prompts: the last position's logits, as every generator reads them
             models[k] = (s, runtime.ModelIO.from_session(s, v))
         extra = {}
+        if floor:
+            extra.update({row: fl.FloorRow(floor_arrays, t, sync) for row, sync in FLOOR_ROWS.items()})
         if interleaved:
             from models import peers as pm
 
@@ -458,9 +470,14 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
             og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
             long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built, extra=extra)
-        if extra:
+        if floor:
+            floor["table"][f"t{t}"] = {row: res["table"][f"t{t}"].pop(row, {}) for row in FLOOR_ROWS}
+        if LLAMA_ROW in extra:
             llama_runs.append((extra[LLAMA_ROW], res["table"][f"t{t}"].pop(LLAMA_ROW, {})))
-        del models
+        del models, extra
+    if floor:
+        res["weights_floor"] = floor
+        del floor_arrays
     if built.root is not None and any(p > 512 for p in pasts):
         notes.append(f"long pasts' caches kept in / loaded from {built.root} (by the building model's file stamp "
                      "and the token ids; --past-cache off: built in memory for this run only)")
@@ -765,6 +782,7 @@ def format_table(r: dict) -> str:
         for x in lc["rows"]:
             lines.append(f"  {x['test']:>12} t{x['threads']}: {x['tok_s']:8.1f} ± {x['tok_s_std']:.1f}")
     lines += _speed_ratios(r)
+    lines += _floor_lines(r)
     lines.append(f"(tokens/s; decode: single-token steps after a past of P, {r['steps']} steps × {r['repeats']} rounds, "
                  f"medians; prefill: {prefill} tokens; rows interleaved in one process. Drivers: (none) = plain "
                  "InferenceSession loop, 'shared KV' = custom_ops.runtime.shared_kv, 'og' = onnxruntime_genai)")
@@ -816,6 +834,33 @@ def _speed_ratios(r: dict) -> list[str]:
             keys = [k for k in ms[a] if k in ms[b]]
             if keys:
                 out.append(f"speed [{a}] / [{b}]: " + ", ".join(f"{k} {ms[b][k] / ms[a][k]:.2f}x" for k in keys))
+    return out
+
+
+def _floor_lines(r: dict) -> list[str]:
+    """The weights floor (custom_ops.runtime.floor) at each thread count and past, and where our fastest
+    row of the floor's model stands against it (its step time / the floor's, 1 = at the memory limit)."""
+    fl = r.get("weights_floor")
+    if not fl:
+        return []
+    T = r["table"]
+    out = [f"weights floor of [{fl['model']}]: its {fl['nodes']} weight nodes' {fl['bytes'] / 2**20:.1f} MiB read once "
+           "a step, nothing computed (custom_ops.runtime.floor; one pass / a barrier after each node, as a "
+           "runtime running a node at a time), tok/s:"]
+    rows = [k for k in T.get(f"t{r['threads'][0]}", {}) if k == fl["model"] or k.startswith(fl["model"] + " | ")]
+    for t in r["threads"]:
+        cells = fl["table"].get(f"t{t}", {})
+        for p in r["pasts"]:
+            key = f"decode{p}"
+            one, bar = (cells.get(row, {}).get(key) for row in FLOOR_ROWS)
+            if not (one and bar):
+                continue
+            ours = {row: T[f"t{t}"][row][key] for row in rows if T.get(f"t{t}", {}).get(row, {}).get(key)}
+            best = min(ours, key=ours.get) if ours else None
+            line = f"  P{p} t{t}: one pass {1e3 / one:.0f}, a barrier per node {1e3 / bar:.0f}"
+            if best:
+                line += f"; [{best}] {1e3 / ours[best]:.0f} = {bar / ours[best]:.2f}x the barrier floor"
+            out.append(line)
     return out
 
 
