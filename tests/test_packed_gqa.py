@@ -720,6 +720,49 @@ def test_gqa_replaced_int8_close_and_shared_buffer(tmp_path):
 
 
 @requires_native
+def test_shared_kv_binds_its_own_output_arrays(tmp_path):
+    """SharedKV binds the non-cache outputs to arrays of its own per tokens-per-run (their shapes learned
+    from the first such run): every step returns fresh arrays (a kept step's logits are not overwritten by
+    the next), equal to the growing-state loop's; an output whose shape changes with the context (here the
+    attention mask, echoed) makes that run fall back to ORT-allocated outputs, with the same logits."""
+    import onnx
+    from onnx import helper
+
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+
+    m, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="int8", budget=0.5, min_context=8, window=4, sinks=2,
+                        min_candidates=4)
+    r = np.random.default_rng(3)
+    prompt, steps = r.integers(0, 256, (1, 20)), r.integers(0, 256, (1, 4))
+    sess = custom_ops.session(_save(m, tmp_path / "packed.onnx"), threads=1)
+    want, _ = _decode_logits(sess, prompt, steps)
+    kv = SharedKV(sess, runtime.ModelIO.from_session(sess), max_len=32)
+    first = kv.prefill(prompt)
+    outs = [kv.step(t[:, None]) for t in steps.T]
+    assert kv._out_bufs[1] is not None and kv._bound_t == 1     # decode steps write into bound arrays
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(outs) for b in outs[i + 1:])
+    assert not any(np.shares_memory(a, kv._out_bufs[1]["logits"]) for a in outs)
+    np.testing.assert_allclose(np.concatenate([first[:, -1:]] + outs, axis=1), want, atol=1e-5)
+
+    p = onnx.load(str(tmp_path / "packed.onnx"))
+    mask_type = next(i.type.tensor_type.elem_type for i in p.graph.input if i.name == "attention_mask")
+    p.graph.node.append(helper.make_node("Identity", ["attention_mask"], ["mask_seen"]))
+    p.graph.output.append(helper.make_tensor_value_info("mask_seen", mask_type, ["batch", "total"]))
+    onnx.save(p, str(tmp_path / "echo.onnx"))
+    sess = custom_ops.session(str(tmp_path / "echo.onnx"), threads=1)
+    kv = SharedKV(sess, runtime.ModelIO.from_session(sess), max_len=32)
+    kv.prefill(prompt)
+    got = []
+    for j, t in enumerate(steps.T):
+        o = kv._run(t[:, None])
+        assert o["mask_seen"].shape == (1, 21 + j)                  # the context's length, every step
+        got.append(o["logits"])
+    assert kv._out_bufs[1] is None and kv._bound_t is None        # shapes did not hold: ORT allocates
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want[:, 1:], atol=1e-5)
+
+
+@requires_native
 @pytest.mark.parametrize("which", ["gqa", "packed"])
 def test_shared_kv_chunked_prefill(tmp_path, which):
     """SharedKV.prefill(chunk=c): the prompt in runs of c tokens (the last one short), each after the

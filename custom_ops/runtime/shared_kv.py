@@ -16,6 +16,9 @@ The buffers are on 2 MiB pages where the kernel allows (``runtime.memory.huge_ze
 mapping for all layers): a step reads every layer's cache, and PackedAttention gathers its
 candidate rows at random, so with 4 KiB pages most rows cost a TLB miss (``tests/bench/attn_speed.py decode --hugepages`` measures both).
 
+Decode-sized runs (up to BIND_MAX_TOKENS tokens) write their logits into arrays bound once per token
+count, and every call returns a copy of them: the step's own Python work is a few copies and bindings.
+
 The graph contract is ``runtime.io``'s (``input_ids``, ``attention_mask``, optional ``position_ids``,
 ``past_key_values.N.*`` → ``present.N.*`` in ``[batch, kv_heads, seq, head_dim]``); the buffers are
 ``[batch, kv_heads, max_len, head_dim]``. A graph that concatenates its cache (an unfused export)
@@ -34,6 +37,8 @@ __all__ = ["SharedKV", "SharedKVError", "PREFILL_CHUNK"]
 # tokens per run of a long prompt's prefill (SharedKV.prefill's chunk where callers only need the last
 # logits): 1,024 tokens of a 152k vocabulary are 0.6 GB of logits, against 2.5 GB at 4k and 10 GB at 16k
 PREFILL_CHUNK = 1024
+# runs of at most this many tokens get their other outputs (logits) bound to arrays kept per token count
+BIND_MAX_TOKENS = 8
 
 
 def _quiet_run_options():
@@ -91,10 +96,20 @@ class SharedKV:
             self.arrays[past], self.buffers[past] = arr, buf
             self.binding.bind_ortvalue_input(past, buf)
             self.binding.bind_ortvalue_output(present, buf)
-        others = self._others = [o for o in io.outputs if o not in io.present_to_past]
-        # get_outputs() lists outputs in binding order: the presents first, then these
-        n_present = len(io.past_to_present)
-        self._out_index = {o: n_present + i for i, o in enumerate(others)}
+        self._others = [o for o in io.outputs if o not in io.present_to_past]
+        # the feeds' fixed facts, looked up once (a decode step's Python work is part of its time)
+        names = set(io.inputs)
+        self._ids_type = io.input_types.get("input_ids", np.int64)
+        self._mask_type = io.input_types["attention_mask"] if io.has_attention_mask else None
+        self._pos_type = io.input_types["position_ids"] if io.has_position_ids else None
+        self._gqa = [(n, io.input_types[n]) for n in GQA_LENGTH_INPUTS if n in names]
+        self._ones = np.ones((self.batch, self.max_len), self._mask_type) if self._mask_type is not None else None
+        # the other outputs (logits) of runs of t <= BIND_MAX_TOKENS tokens bound to arrays of ours, their
+        # shapes learned from a run that let ORT allocate them: get_outputs() would wrap every layer's present
+        # as well (SmolLM2's 60: 45-90 us a decode step; the step's Python work fell from ~180 to ~80 us).
+        # None for a t whose shapes did not hold (ORT allocates each run).
+        self._out_bufs: dict[int, dict[str, np.ndarray] | None] = {}
+        self._bound_t: int | None = None
         self.length = int(length)
         self._ran = False      # the first run is the probe
 
@@ -102,6 +117,30 @@ class SharedKV:
     def alloc(io, max_len: int, batch: int = 1) -> dict[str, np.ndarray]:
         """Zeroed buffers (one mapping on 2 MiB pages) for ``SharedKV(..., arrays=)``."""
         return dict(zip(io.past_to_present, huge_zeros_many(_specs(io, max_len, batch))))
+
+    def _feeds(self, ids: np.ndarray, total: int) -> dict[str, np.ndarray]:
+        b, t = ids.shape
+        feeds = {"input_ids": ids.astype(self._ids_type, copy=False)}
+        if self._ones is not None:
+            feeds["attention_mask"] = self._ones[:, :total] if b == 1 else np.ascontiguousarray(self._ones[:, :total])
+        if self._pos_type is not None:
+            feeds["position_ids"] = np.broadcast_to(np.arange(self.length, total, dtype=self._pos_type), (b, t)).copy()
+        for name, dt in self._gqa:
+            feeds[name] = gqa_lengths(name, b, total, dt)
+        return feeds
+
+    def _bind_outputs(self, t: int) -> None:
+        """The other outputs for runs of t tokens: our arrays when their shapes are known, else ORT's."""
+        bufs = self._out_bufs.get(t)
+        if bufs and self._bound_t == t:
+            return
+        for o in self._others:
+            if bufs:
+                a = bufs[o]
+                self.binding.bind_output(o, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+            else:
+                self.binding.bind_output(o)  # ORT allocates (the shape is learned after the run)
+        self._bound_t = t if bufs else None
 
     def _run(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         ids = np.asarray(ids)
@@ -112,21 +151,10 @@ class SharedKV:
             raise SharedKVError(f"shared KV: batch {b}, buffers were made for {self.batch}")
         if self.length + t > self.max_len:
             raise SharedKVError(f"shared KV: {self.length} + {t} tokens exceed max_len {self.max_len}")
-        io = self.io
         total = self.length + t
-        feeds = {"input_ids": ids.astype(io.input_types.get("input_ids", np.int64), copy=False)}
-        if io.has_attention_mask:
-            feeds["attention_mask"] = np.ones((b, total), dtype=io.input_types["attention_mask"])
-        if io.has_position_ids:
-            feeds["position_ids"] = np.broadcast_to(
-                np.arange(self.length, total, dtype=io.input_types["position_ids"]), (b, t)).copy()
-        for name in GQA_LENGTH_INPUTS:
-            if name in io.inputs:
-                feeds[name] = gqa_lengths(name, b, total, io.input_types[name])
-        for k, v in feeds.items():
+        for k, v in self._feeds(ids, total).items():
             self.binding.bind_cpu_input(k, v)
-        for o in self._others:  # rebound every run: their shape changes with the number of new tokens
-            self.binding.bind_output(o)
+        self._bind_outputs(t)
         try:
             # the first run probes whether the graph can write its present K/V in place; a graph that
             # cannot (a Concat cache) fails it as expected, so ORT must not print that failure
@@ -135,10 +163,22 @@ class SharedKV:
             if not self._ran:
                 raise SharedKVError("shared KV: the graph cannot write its present K/V into the past buffer "
                                     f"(not a GroupQueryAttention graph?): {e}") from None
-            raise
+            if self._bound_t != t:
+                raise
+            # an output's shape changed for the same t: ORT allocates for this t from now on (the
+            # rerun writes the same cache rows again)
+            self._out_bufs[t], self._bound_t = None, None
+            self._bind_outputs(t)
+            self.sess.run_with_iobinding(self.binding)
         self.length, self._ran = total, True
-        outs = self.binding.get_outputs()
-        return {o: outs[i].numpy() for o, i in self._out_index.items()}
+        if self._bound_t == t:
+            return {o: a.copy() for o, a in self._out_bufs[t].items()}
+        outs = self.binding.get_outputs()  # the presents first (binding order), then the others
+        n = len(self.io.past_to_present)
+        got = {o: outs[n + i].numpy() for i, o in enumerate(self._others)}
+        if t <= BIND_MAX_TOKENS and t not in self._out_bufs:   # decode-sized runs (a prompt's logits can be GBs)
+            self._out_bufs[t] = {o: np.empty_like(a) for o, a in got.items()}
+        return got
 
     def prefill(self, ids, chunk: int | None = None) -> np.ndarray:
         """Run the prompt from an empty cache (resets the length); returns the logits. ``chunk``: at most
