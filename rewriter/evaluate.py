@@ -448,7 +448,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     floor_reads = fl.weight_reads(model)
     floor = {"model": "lean", "nodes": len(floor_reads), "bytes": sum(b for _, b in floor_reads),
              "configs": [list(c) for c in fl.CONFIGS], "table": {}} if floor_reads else None
-    floor_arrays = fl.aligned_buffers([b for _, b in floor_reads]) if floor else None  # both forms read these
+    # both forms read these; the process's peak RSS before them, as the table's peak is reported without them
+    rss_before_floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    floor_arrays = fl.aligned_buffers([b for _, b in floor_reads]) if floor else None
     for t in threads:
         models = {}
         for k, v in variants.items():
@@ -477,7 +479,6 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         del models, extra
     if floor:
         res["weights_floor"] = floor
-        del floor_arrays
     if built.root is not None and any(p > 512 for p in pasts):
         notes.append(f"long pasts' caches kept in / loaded from {built.root} (by the building model's file stamp "
                      "and the token ids; --past-cache off: built in memory for this run only)")
@@ -524,7 +525,10 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         res["llama_cpp"]["cache_bytes_per_token"] = dense_cache // 2
     # the process's peak RSS after the timed rows (every ONNX row's weights and caches in this one
     # process; the quality rows after it load their models again)
-    res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    # (the weights floor's buffers, resident through the whole table, are not an ONNX row's memory)
+    floor_mb = sum(a.nbytes for a in floor_arrays) / 2**20 if floor else 0.0
+    res["peak_rss_mb"] = round(max(rss_before_floor, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - floor_mb))
+    del floor_arrays
     if quality_text:
         say(f"quality: Δppl of every row on {Path(quality_text).name}")
         res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say,

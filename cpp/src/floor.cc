@@ -92,14 +92,22 @@ ORTLEAN_EXPORT uint64_t ortlean_stream_floor_ns(const void* const* bufs, const i
       sums[static_cast<size_t>(t)] = w[0] ^ w[1];
       ends[static_cast<size_t>(t)] = std::chrono::steady_clock::now();
     };
+    std::atomic<bool> abort{false};
     std::vector<std::thread> pool;
     pool.reserve(static_cast<size_t>(threads - 1));
-    for (int t = 1; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        ready.fetch_add(1, std::memory_order_acq_rel);
-        while (!go.load(std::memory_order_acquire)) _mm_pause();
-        part(t);
-      });
+    try {
+      for (int t = 1; t < threads; ++t)
+        pool.emplace_back([&, t] {
+          ready.fetch_add(1, std::memory_order_acq_rel);
+          while (!go.load(std::memory_order_acquire)) _mm_pause();
+          if (!abort.load(std::memory_order_acquire)) part(t);
+        });
+    } catch (...) {  // a thread could not be created: release the ones that were, then no figure
+      abort.store(true, std::memory_order_release);
+      go.store(true, std::memory_order_release);
+      for (auto& th : pool) th.join();
+      return 0;
+    }
     while (ready.load(std::memory_order_acquire) < threads - 1) _mm_pause();
     const auto t0 = std::chrono::steady_clock::now();
     go.store(true, std::memory_order_release);
@@ -114,7 +122,7 @@ ORTLEAN_EXPORT uint64_t ortlean_stream_floor_ns(const void* const* bufs, const i
     if (checksum) *checksum = x;
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - t0).count();
     return ns > 0 ? static_cast<uint64_t>(ns) : 1;
-  } catch (...) {  // thread creation failed: no figure
+  } catch (...) {  // the bookkeeping vectors could not be allocated (before any thread): no figure
     return 0;
   }
 }
