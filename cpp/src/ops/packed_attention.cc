@@ -679,8 +679,8 @@ struct KvCall {
 };
 
 namespace {
-constexpr int64_t kKvChunk = 1024;
-constexpr int64_t kPrefetchNewRows = 4;  // new tokens a call whose shared-buffer rows read_kv_inputs prefetches  // keys per task in the attend phase
+constexpr int64_t kKvChunk = 1024;       // keys per task in the attend phase
+constexpr int64_t kPrefetchNewRows = 4;  // at most this many new tokens a call: read_kv_inputs prefetches their rows
 
 template <class T>
 const T* data_or_null(Ort::KernelContext& ctx, size_t i) {
