@@ -447,7 +447,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
 
     floor_reads = fl.weight_reads(model)
     floor = {"model": "lean", "nodes": len(floor_reads), "bytes": sum(b for _, b in floor_reads),
-             "configs": [list(c) for c in fl.CONFIGS], "table": {}} if floor_reads else None
+             "configs": [list(c) for c in fl.CONFIGS], "table": {}} if floor_reads else None  # patterns: the ones chosen
     # both forms read these; the process's peak RSS before them, as the table's peak is reported without them
     rss_before_floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     floor_arrays = fl.aligned_buffers([b for _, b in floor_reads]) if floor else None
@@ -474,6 +474,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built, extra=extra)
         if floor:
             floor["table"][f"t{t}"] = {row: res["table"][f"t{t}"].pop(row, {}) for row in FLOOR_ROWS}
+            floor.setdefault("patterns", {})[f"t{t}"] = {row: list(extra[row].config or ()) for row in FLOOR_ROWS}
         if LLAMA_ROW in extra:
             llama_runs.append((extra[LLAMA_ROW], res["table"][f"t{t}"].pop(LLAMA_ROW, {})))
         del models, extra

@@ -69,10 +69,18 @@ def test_weight_reads_lists_the_products_in_graph_order(tmp_path):
     assert floor.weight_reads(tmp_path / "m.onnx") == [("up", 6144 + 192), ("down", 6144), ("head", 6144)]
 
 
-def test_floor_row_times_each_step():
+def test_floor_row_times_each_step_in_the_pattern_its_first_call_chose():
     arrays = floor.aligned_buffers([4096, 64 * 1000])
     for sync in (False, True):
         row = floor.FloorRow(arrays, 2, sync)
-        assert row.prefill(None) is None and row.bytes == 4096 + 64000
-        t = row.decode(128, np.zeros((1, 3), np.int64))
-        assert len(t) == 3 and all(0 < x < 1 for x in t)
+        assert row.prefill(None) is None and row.bytes == 4096 + 64000 and row.config is None
+        t = row.decode(128, np.zeros((1, 3), np.int64))   # the warm-up call times every pattern
+        assert row.config in floor.CONFIGS and len(t) == 3 and all(0 < x < 1 for x in t)
+        calls = []
+        real = floor.stream_ns
+        floor.stream_ns = lambda *a, **k: calls.append(a[2:4]) or real(*a, **k)
+        try:
+            t = row.decode(256, np.zeros((1, 4), np.int64))
+        finally:
+            floor.stream_ns = real
+        assert len(t) == 4 and all(0 < x < 1 for x in t) and calls == [row.config] * 4

@@ -340,6 +340,7 @@ def test_eval_bench_generate_cli_on_toy(toy_model, toy_text, tmp_path):
     assert fl["nodes"] == len(reads) > 0 and fl["bytes"] == sum(n for _, n in reads)
     assert set(fl["table"]["t1"]) == {"weights floor | one pass", "weights floor | barrier per node"}
     assert all(v["decode8"] > 0 and "prefill" not in v for v in fl["table"]["t1"].values())
+    assert all(tuple(c) in floor.CONFIGS for c in fl["patterns"]["t1"].values())
     assert f"weights floor of [lean]: its {len(reads)} weight nodes'" in so
     assert "  P8 t1: one pass " in so and "x the barrier floor" in so
     code, so, se = run_cli("generate", out, "--prompt", "the sister", "--max-new-tokens", "4")
