@@ -33,6 +33,19 @@ def test_every_byte_is_read(threads, streams, pf, sync):
     assert floor.stream_ns(arrays, threads, streams, pf, sync)[1] == _xor(arrays)
 
 
+def test_the_callers_cpu_mask_comes_back():
+    """The pass pins its threads one CPU each (the caller's thread too, for the pass only): the calling
+    thread's mask is the same after it, whatever the thread count."""
+    import os
+
+    arrays = floor.aligned_buffers([64 * 999])
+    before = os.sched_getaffinity(0)
+    for threads in (1, 2, len(before) + 1):   # more threads than CPUs: none pinned
+        for sync in (False, True):
+            assert floor.stream_ns(arrays, threads, 8, 1024, sync)[1] == _xor(arrays)
+            assert os.sched_getaffinity(0) == before
+
+
 def test_bad_arguments_are_refused_not_read():
     a = floor.aligned_buffers([256])[0]
     with pytest.raises(ValueError, match="refused"):
