@@ -654,6 +654,44 @@ def test_decode_tasks_after_the_pool_probe(fmt, layout):
 
 
 @requires_native
+@pytest.mark.parametrize("fmt,layout,glu", [("q4_1", "split", None), ("q8_0", "split", None), ("q4_K", "blocks", None),
+                                            ("q4_1", "split", "silu")])
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_decode_row_quantized_inside_the_tasks(fmt, layout, glu, act_bits):
+    """M = 1 on a 2-thread pool: the first task to start quantizes the row while the others wait for it.
+    Once the pool is probed (the task split fixed), every call gives the same bits as the first time,
+    also two calls at once on one session, all within the reference's tolerance; a row with a NaN is NaN
+    whichever thread quantized it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(17)
+    K, N = 576, 1552
+    W = bq.random_blocks(fmt, N, K, rng)
+    Wl, attrs = (bq.to_split(W, fmt, K, None), {"layout": "split"}) if layout == "split" else (W, {})
+    if glu:
+        attrs["glu"] = glu
+    s = custom_ops.session(bq_model(Wl, fmt, K, N, act_bits=act_bits, attrs=attrs), threads=2)
+    X = (rng.standard_normal((48, 1, K)) * rng.uniform(0.1, 3, (48, 1, 1))).astype(np.float32)
+    X[5, 0, 300] = np.nan
+    for x in X[:8]:  # the pool probe's calls
+        s.run(None, {"X": x})
+    want = [s.run(None, {"X": x})[0] for x in X]
+    kw = dict(format=fmt, K=K, N=N, act_bits=act_bits)
+    for i in (0, 7, 31):
+        ref = bq.op(X[i], W, glu=glu, **kw)
+        tol = (glu_tolerance(X[i], W, fmt, K, None, act_bits, bq.op(X[i], W, **kw)) if glu
+               else tolerance(X[i], W, fmt, K, None, act_bits))
+        assert within(want[i], ref, tol) <= 1.0
+    assert np.isnan(want[5]).all() and np.isfinite(np.delete(np.stack(want), 5, axis=0)).all()
+
+    def same(i):
+        return np.array_equal(s.run(None, {"X": X[i % 48]})[0], want[i % 48], equal_nan=True)
+    assert all(same(i) for i in range(48))
+    with ThreadPoolExecutor(2) as ex:
+        assert all(ex.map(same, range(4 * 48)))
+
+
+@requires_native
 @pytest.mark.parametrize("act_bits", [8, 16])
 def test_against_dense_ort_matmul(act_bits):
     """BlockQuantMatMul equals ORT's MatMul on Ŵᵀ fed the quantized activations x̂ (within float32
