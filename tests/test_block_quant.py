@@ -692,6 +692,33 @@ def test_decode_row_quantized_inside_the_tasks(fmt, layout, glu, act_bits):
 
 
 @requires_native
+def test_phase_times_metrics(monkeypatch):
+    """ORTLEAN_PHASE_TIMES=1 at kernel construction: each decode call (M = 1) adds its wall times
+    (time.*_us: the call >= the pool's run >= its longest task; the first task starts no later than the
+    last) and time.calls; prompt rows (M > 1) are not timed. Without it the node has no time.* metrics."""
+    rng = np.random.default_rng(19)
+    K, N = 576, 1000
+    W = bq.random_blocks("q4_1", N, K, rng)
+    monkeypatch.setenv("ORTLEAN_PHASE_TIMES", "1")
+    timed = [custom_ops.session(bq_model(W, "q4_1", K, N, name=f"bq_timed{t}"), threads=t) for t in (1, 2)]
+    monkeypatch.delenv("ORTLEAN_PHASE_TIMES")
+    untimed = custom_ops.session(bq_model(W, "q4_1", K, N, name="bq_untimed"), threads=2)
+    custom_ops.reset_metrics()
+    X = rng.standard_normal((5, K)).astype(np.float32)
+    for s in (*timed, untimed):
+        for m in range(3):
+            s.run(None, {"X": X[m:m + 1]})
+        s.run(None, {"X": X})  # M = 5: not timed
+    for t in (1, 2):
+        m = custom_ops.metrics()[f"bq_timed{t}"]
+        assert m["time.calls"] == 3 and m["bq.calls"] == 4
+        assert m["time.total_us"] >= m["time.run_us"] >= m["time.task_us"] > 0
+        assert 0 <= m["time.first_start_us"] <= m["time.last_start_us"] <= m["time.run_us"]
+        assert 0 <= m["time.join_us"] <= m["time.run_us"]
+    assert not any(k.startswith("time.") for k in custom_ops.metrics()["bq_untimed"])
+
+
+@requires_native
 @pytest.mark.parametrize("act_bits", [8, 16])
 def test_against_dense_ort_matmul(act_bits):
     """BlockQuantMatMul equals ORT's MatMul on Ŵᵀ fed the quantized activations x̂ (within float32

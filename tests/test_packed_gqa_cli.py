@@ -104,6 +104,36 @@ def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
                                _shared_logits(tmp_path / "twin.onnx", prompt, steps), atol=1e-5, rtol=1e-5)
 
 
+def test_step_breakdown_script(tiny, tmp_path):
+    """tests/bench/step_breakdown.py on a rewritten tiny decoder (BlockQuantMatMul weights, PackedAttention
+    with a cache), in its own process (its phase clocks are an environment switch): a row per thread
+    count with every weight node's decode call timed once a step, the parts within the step and the
+    weights floor."""
+    import onnx
+    import subprocess
+    import sys
+
+    src = tiny["llama"] / "model.onnx"
+    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary",
+                       "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
+    assert rc == 0, rep
+    nodes = [n.op_type for n in onnx.load(str(tmp_path / "pa.onnx"), load_external_data=False).graph.node]
+    out = tmp_path / "sb.json"
+    script = Path(__file__).resolve().parent / "bench" / "step_breakdown.py"
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "pa.onnx"), "--past", "16", "--steps", "6",
+                        "--rounds", "2", "--threads", "1,2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["commit"] and doc["machine"]["cores"] and [row["threads"] for row in doc["rows"]] == [1, 2]
+    for row in doc["rows"]:
+        assert row["bq_calls"] == nodes.count("BlockQuantMatMul") and row["past"] == 16
+        assert 0 < row["tasks"] <= row["bq"] and row["pool"] >= 0 and row["call"] >= 0
+        assert row["pa"] > 0 and row["pa_attend"] > 0 and row["floor"] > 0
+        assert row["bq"] + row["pa"] + row["rest"] == pytest.approx(row["step_mean"], rel=0.05)
+        assert 0 < row["bq"] + row["pa"] < row["step_mean"]
+    assert "BlockQuantMatMul" in r.stdout and "weights floor" in r.stdout
+
+
 def test_attn_exact_replaces_gqa_with_the_same_attention(tiny, tmp_path):
     """--attn-exact (fused graphs, no --state-pack): on → every GroupQueryAttention becomes exact
     PackedAttention (fp32 rows, budget 0), logits equal to the GQA twin's (--attn-exact off) to 1e-5

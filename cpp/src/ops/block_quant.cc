@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -169,7 +172,17 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
           {"bq.isa", static_cast<double>(node_.level)},
           {"bq.amx_tiles", static_cast<double>(node_.k->tiles())}});
   m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}, {&m_nonfinite_, "bq.nonfinite_recomputes"}});
+  const char* pt = std::getenv("ORTLEAN_PHASE_TIMES");
+  if (pt && std::string(pt) == "1")
+    m->counters({{&m_time_[0], "time.total_us"}, {&m_time_[1], "time.run_us"}, {&m_time_[2], "time.first_start_us"},
+                 {&m_time_[3], "time.last_start_us"}, {&m_time_[4], "time.task_us"}, {&m_time_[5], "time.join_us"},
+                 {&m_time_[6], "time.calls"}});
 }
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
+}  // namespace
 
 // One Compute() call: quantize the rows, multiply, then the NaN rows and the non-finite guard.
 class BqCall {
@@ -223,14 +236,35 @@ class BqCall {
       rows = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
       nt = (N + rows - 1) / rows;
       // each task checks its outputs while they are in L1 (finish reads the flags, not the row)
+      const bool timed = k_.m_time_[0] != nullptr;
+      Clock::time_point span[kMaxTasks][2];
       auto task = [&](size_t t) noexcept {
+        if (timed) span[t][0] = Clock::now();
         quantized_x();
         const int64_t n0 = static_cast<int64_t>(t) * rows, n1 = std::min(N, n0 + rows);
         kr_.gemv(&w_, xq_, n0, n1, bias_, P_ + n0);
         task_finite_[t] = gemm_kernels().all_finite(P_ + n0, n1 - n0) != 0;
+        if (timed) span[t][1] = Clock::now();
       };
       ntask_ = static_cast<size_t>(nt);
+      const Clock::time_point r0 = timed ? Clock::now() : Clock::time_point{};
       k_.pool_.run(ctx_, ntask_, task);
+      if (timed) {
+        const Clock::time_point r1 = Clock::now();
+        Clock::time_point first = span[0][0], last = span[0][0], end = span[0][1];
+        double longest = 0;
+        for (size_t t = 0; t < ntask_; ++t) {
+          first = std::min(first, span[t][0]);
+          last = std::max(last, span[t][0]);
+          end = std::max(end, span[t][1]);
+          longest = std::max(longest, us(span[t][0], span[t][1]));
+        }
+        metrics::add(k_.m_time_[1], us(r0, r1));
+        metrics::add(k_.m_time_[2], us(r0, first));
+        metrics::add(k_.m_time_[3], us(r0, last));
+        metrics::add(k_.m_time_[4], longest);
+        metrics::add(k_.m_time_[5], us(end, r1));
+      }
       return;
     }
     const int64_t tm = (io_.M + kTileM - 1) / kTileM, tn = (N + kTileN - 1) / kTileN;
@@ -343,11 +377,17 @@ void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
   metrics::add(m_calls_, 1.0);
   if (io.M == 0) return;
   metrics::add(m_rows_, static_cast<double>(io.M));
+  const bool timed = m_time_[0] && io.M == 1;
+  const Clock::time_point t0 = timed ? Clock::now() : Clock::time_point{};
   BqCall c(*this, ctx, io, bias);
   c.quantize_rows();
   c.multiply();
   c.finish();
   c.gated_unit();
+  if (timed) {
+    metrics::add(m_time_[0], us(t0, Clock::now()));
+    metrics::add(m_time_[6], 1.0);
+  }
 }
 
 // ------------------------------------------------------------------ BlockQuantGather

@@ -79,6 +79,10 @@ class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
   bool glu_ = false;  // glu = "silu": N/2 outputs, silu(gate) * up
   mutable PoolProbe pool_;  // one-thread sessions keep the matvec in one task
   metrics::Value *m_calls_ = nullptr, *m_rows_ = nullptr, *m_nonfinite_ = nullptr;
+  // decode calls (M = 1) with ORTLEAN_PHASE_TIMES=1 in the environment at construction (null otherwise):
+  // wall microseconds of the whole call, of the pool's run, from its start to the first and to the last
+  // task's start, of the longest task, from the last task's end to the run's return; and the calls
+  std::array<metrics::Value*, 7> m_time_{};
 };
 
 class BlockQuantGatherKernel : public OpKernel<BlockQuantGatherKernel> {
