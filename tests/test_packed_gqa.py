@@ -763,6 +763,34 @@ def test_shared_kv_binds_its_own_output_arrays(tmp_path):
 
 
 @requires_native
+def test_shared_kv_reuses_its_bound_input_arrays(tmp_path):
+    """Decode-sized runs write input_ids and position_ids into arrays bound once per tokens-per-run:
+    runs of 1, 2, 1 and 3 tokens, a new prompt (a longer run, bound anew), then single steps again give
+    the logits of the growing-state loop on the same tokens, and the arrays stay the ones first bound."""
+    from custom_ops import runtime
+    from custom_ops.runtime.shared_kv import SharedKV
+
+    m, _ = _rewrite_gqa(_fused("qwen2"), kv_quant="fp32", budget=0.0)
+    r = np.random.default_rng(4)
+    sess = custom_ops.session(_save(m, tmp_path / "packed.onnx"), threads=1)
+    kv = SharedKV(sess, runtime.ModelIO.from_session(sess), max_len=48)
+    for prompt in (r.integers(0, 256, (1, 12)), r.integers(0, 256, (1, 15))):
+        toks = r.integers(0, 256, (1, 9))
+        want, _ = _decode_logits(sess, prompt, toks)  # the prompt's last logits, then one a token
+        got = [kv.prefill(prompt)[:, -1:]]
+        kept = {t: {k: v for k, v in b.items()} for t, b in kv._in_bufs.items()}
+        j = 0
+        for n in (1, 2, 1, 3, 1, 1):
+            got.append(kv.step(toks[:, j:j + n]))
+            j += n
+            # the graph reads its positions from the mask (GroupQueryAttention): the bound array is checked
+            np.testing.assert_array_equal(kv._in_bufs[n]["position_ids"], np.arange(kv.length - n, kv.length)[None])
+        assert all(kv._in_bufs[t][k] is v for t, b in kept.items() for k, v in b.items())
+        assert sorted(kv._in_bufs) == [1, 2, 3]
+        np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5)
+
+
+@requires_native
 @pytest.mark.parametrize("which", ["gqa", "packed"])
 def test_shared_kv_chunked_prefill(tmp_path, which):
     """SharedKV.prefill(chunk=c): the prompt in runs of c tokens (the last one short), each after the
