@@ -6,7 +6,10 @@
 // ortlean_metrics_reset() zeroes the counters only: nodes stay listed with their static values.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <initializer_list>
 #include <mutex>
@@ -22,6 +25,16 @@ inline void add(Value* v, double x) {
   double cur = v->load(std::memory_order_relaxed);
   while (!v->compare_exchange_weak(cur, cur + x, std::memory_order_relaxed)) {
   }
+}
+
+// Phase clocks: kernels constructed while ORTLEAN_PHASE_TIMES=1 is in the environment add their phases'
+// wall times (time.*_us metrics, in microseconds: elapsed_us)
+inline bool phase_times() {
+  const char* v = std::getenv("ORTLEAN_PHASE_TIMES");
+  return v && std::strcmp(v, "1") == 0;
+}
+inline double elapsed_us(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
 }
 
 class Node;

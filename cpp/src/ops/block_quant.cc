@@ -2,12 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -172,17 +169,14 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
           {"bq.isa", static_cast<double>(node_.level)},
           {"bq.amx_tiles", static_cast<double>(node_.k->tiles())}});
   m->counters({{&m_calls_, "bq.calls"}, {&m_rows_, "bq.rows"}, {&m_nonfinite_, "bq.nonfinite_recomputes"}});
-  const char* pt = std::getenv("ORTLEAN_PHASE_TIMES");
-  if (pt && std::string(pt) == "1")
+  if (metrics::phase_times())
     m->counters({{&m_time_[0], "time.total_us"}, {&m_time_[1], "time.run_us"}, {&m_time_[2], "time.first_start_us"},
                  {&m_time_[3], "time.last_start_us"}, {&m_time_[4], "time.task_us"}, {&m_time_[5], "time.join_us"},
                  {&m_time_[6], "time.calls"}});
 }
 
-namespace {
 using Clock = std::chrono::steady_clock;
-double us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
-}  // namespace
+using metrics::elapsed_us;
 
 // One Compute() call: quantize the rows, multiply, then the NaN rows and the non-finite guard.
 class BqCall {
@@ -257,13 +251,13 @@ class BqCall {
           first = std::min(first, span[t][0]);
           last = std::max(last, span[t][0]);
           end = std::max(end, span[t][1]);
-          longest = std::max(longest, us(span[t][0], span[t][1]));
+          longest = std::max(longest, elapsed_us(span[t][0], span[t][1]));
         }
-        metrics::add(k_.m_time_[1], us(r0, r1));
-        metrics::add(k_.m_time_[2], us(r0, first));
-        metrics::add(k_.m_time_[3], us(r0, last));
+        metrics::add(k_.m_time_[1], elapsed_us(r0, r1));
+        metrics::add(k_.m_time_[2], elapsed_us(r0, first));
+        metrics::add(k_.m_time_[3], elapsed_us(r0, last));
         metrics::add(k_.m_time_[4], longest);
-        metrics::add(k_.m_time_[5], us(end, r1));
+        metrics::add(k_.m_time_[5], elapsed_us(end, r1));
       }
       return;
     }
@@ -385,7 +379,7 @@ void BlockQuantMatMulKernel::Compute(Ort::KernelContext& ctx) const {
   c.finish();
   c.gated_unit();
   if (timed) {
-    metrics::add(m_time_[0], us(t0, Clock::now()));
+    metrics::add(m_time_[0], elapsed_us(t0, Clock::now()));
     metrics::add(m_time_[6], 1.0);
   }
 }

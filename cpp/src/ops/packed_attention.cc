@@ -287,8 +287,7 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   n->gauges({{&m_density_, "pack.density"}});
   n->counters({{&m_active_, "pack.active"}, {&m_calls_, "pack.calls"}, {&m_cands_, "pack.candidates"},
                {&m_keys_, "pack.keys"}, {&m_packed_, "pack.packed_keys"}});
-  const char* pt = std::getenv("ORTLEAN_PHASE_TIMES");
-  if (p.kv_bits && pt && std::string(pt) == "1")
+  if (p.kv_bits && metrics::phase_times())
     n->counters({{&m_time_[0], "time.inputs_us"}, {&m_time_[1], "time.store_us"}, {&m_time_[2], "time.score_us"},
                  {&m_time_[3], "time.select_us"}, {&m_time_[4], "time.attend_us"}, {&m_time_[5], "time.total_us"},
                  {&m_time_[6], "time.calls"}});
@@ -1717,9 +1716,7 @@ void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   if (timed) {
     const clock::time_point t4 = clock::now();
     const clock::time_point ts = c.scored == clock::time_point{} ? t2 : c.scored;  // no candidate rows: no scoring
-    auto us = [](clock::time_point a, clock::time_point b) {
-      return std::chrono::duration<double, std::micro>(b - a).count();
-    };
+    const auto us = metrics::elapsed_us;
     metrics::add(m_time_[0], us(t0, t1));
     metrics::add(m_time_[1], us(t1, t2));
     metrics::add(m_time_[2], us(t2, ts));
