@@ -134,6 +134,56 @@ def test_step_breakdown_script(tiny, tmp_path):
     assert "BlockQuantMatMul" in r.stdout and "weights floor" in r.stdout
 
 
+def test_attn_inmodel_script_counts_the_attention_nodes_only(tiny, tmp_path):
+    """tests/bench/attn_inmodel.py on a rewritten tiny decoder whose weights are BlockQuantMatMul (which
+    has phase clocks too): the phases are PackedAttention's, averaged over its nodes alone."""
+    import onnx
+    import re
+    import subprocess
+    import sys
+
+    src = tiny["llama"] / "model.onnx"
+    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary",
+                       "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
+    assert rc == 0, rep
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "pa.onnx"), load_external_data=False).graph.node]
+    assert "BlockQuantMatMul" in ops
+    script = Path(__file__).resolve().parent / "bench" / "attn_inmodel.py"
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "pa.onnx"), "--past", "24", "--steps", "4",
+                        "--repeats", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"; (\d+) nodes = (\d+) % of the mean step", r.stdout)
+    assert m and int(m.group(1)) == ops.count("PackedAttention") and 0 < int(m.group(2)) < 100, r.stdout
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fixed_past_steps_all_attend_to_the_same_cache(tiny, tmp_path, chunked):
+    """runtime.bench.FixedPast (the step loop of step_breakdown.py and attn_inmodel.py): after its warm-up and
+    timed steps the cache still holds the past alone — a step from it gives the logits of a fresh prefill of
+    the same tokens and that step — whether the past was prefilled in one run or in chunks; asking for more
+    steps than the ids were drawn for is refused."""
+    from custom_ops.runtime.bench import FixedPast
+
+    src = tiny["llama"] / "model.onnx"
+    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary",
+                       "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
+    assert rc == 0, rep
+    sess = custom_ops.session(str(tmp_path / "pa.onnx"), threads=1)
+    io = runtime.ModelIO.from_session(sess, str(tmp_path / "pa.onnx"))
+    fixed = FixedPast(sess, io, past=20, steps=4, warmup=3, chunked=chunked)
+    assert fixed.ids.shape == (1, 27)
+    calls = []
+    ts = fixed.steps(4, before=lambda: calls.append(fixed.kv.length))
+    assert len(ts) == 4 and all(t > 0 for t in ts) and calls == [21]   # after the warm-up's steps
+    fixed.kv.length = 20
+    got = fixed.kv.step(fixed.ids[:, 26:27])
+    fresh = runtime.SharedKV(sess, io, max_len=21)
+    fresh.prefill(fixed.ids[:, :20])
+    np.testing.assert_allclose(got, fresh.step(fixed.ids[:, 26:27]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="5 steps"):
+        fixed.steps(5)
+
+
 def test_attn_exact_replaces_gqa_with_the_same_attention(tiny, tmp_path):
     """--attn-exact (fused graphs, no --state-pack): on → every GroupQueryAttention becomes exact
     PackedAttention (fp32 rows, budget 0), logits equal to the GQA twin's (--attn-exact off) to 1e-5

@@ -415,6 +415,51 @@ def chunked_state(sess, io: ModelIO, ids, chunk: int = 512) -> dict[str, np.ndar
     return past
 
 
+class FixedPast:
+    """Decode steps each after the same cached past, in the shared-KV loop (``shared_kv.SharedKV``, the
+    driver of ``ortlean bench``'s rows and ``ortlean generate``): ``past`` random tokens (seeded; below the
+    vocabulary, the special tokens of a big one skipped) cached by the session itself — one prefill run,
+    or ``chunked``: :func:`chunked_state`'s 512-token chunks (bounded scratch at long pasts) — then the
+    process's memory moved to 2 MiB pages. :meth:`steps` rewinds the length to ``past`` before each step,
+    so every step attends to the same cache (the rows written after it are masked). The scripts that
+    time a step's parts (``tests/bench/step_breakdown.py``, ``attn_inmodel.py``) run it."""
+
+    def __init__(self, sess, io: ModelIO, past: int, steps: int, warmup: int = 8, chunked: bool = False,
+                 seed: int = 0):
+        from .memory import huge_pages_for_process
+        from .shared_kv import SharedKV
+
+        self.past, self.warmup = int(past), int(warmup)
+        hi = int(io.vocab_size or 100)
+        rng = np.random.default_rng(seed)
+        self.ids = rng.integers(100 if hi > 1000 else 0, hi, (1, self.past + self.warmup + int(steps)))
+        self.kv = SharedKV(sess, io, max_len=self.past + 1)
+        if chunked:
+            self.kv.fill(self.past, chunked_state(sess, io, self.ids[:, :self.past]))
+        else:
+            self.kv.prefill(self.ids[:, :self.past])
+        huge_pages_for_process()
+
+    def steps(self, n: int, before=None) -> list[float]:
+        """``warmup`` untimed steps, ``before()`` (e.g. resetting the kernels' metrics), then ``n`` timed
+        single-token steps (at most the ``steps`` the ids were drawn for); seconds each."""
+        p, w = self.past, self.warmup
+        if n > self.ids.shape[1] - p - w:
+            raise ValueError(f"{n} steps: the ids were drawn for {self.ids.shape[1] - p - w}")
+        for s in range(w):
+            self.kv.length = p
+            self.kv.step(self.ids[:, p + s: p + s + 1])
+        if before is not None:
+            before()
+        out = []
+        for s in range(n):
+            self.kv.length = p
+            t0 = time.perf_counter()
+            self.kv.step(self.ids[:, p + w + s: p + w + s + 1])
+            out.append(time.perf_counter() - t0)
+        return out
+
+
 def _float_kv(built: Mapping[str, np.ndarray], stem: str):
     """(K, V) float32 of layer ``stem`` in ``built``: its ``.key`` / ``.value``, or the rows of a
     PackedAttention fp32 cache (``.kv`` rows of D + Dv float words, D = Dv, with their ``.key_bits``

@@ -5,8 +5,8 @@ test run):
 
 MODEL is a rewritten decoder whose PackedAttention nodes carry a cache (``ortlean rewrite
 --state-pack binary`` on a fused graph). Its own chunked prefill of --past random tokens builds the
-cache (custom_ops.runtime.bench.chunked_state); then --steps single-token steps in the shared-KV loop
-(runtime.shared_kv, the process's memory on 2 MiB pages), each after the same past, with the
+cache (custom_ops.runtime.bench.chunked_state); then --steps single-token steps in the shared-KV loop,
+each after the same past (custom_ops.runtime.bench.FixedPast; the process's memory on 2 MiB pages), with the
 kernel's phase clocks on (ORTLEAN_PHASE_TIMES=1: reading the inputs, storing the new rows, scoring,
 selecting, attending; wall time of each phase). Printed per thread count: the median step and the
 op's phases per call, averaged over the nodes and steps, and the nodes' share of the step.
@@ -31,48 +31,37 @@ os.environ["ORTLEAN_PHASE_TIMES"] = "1"  # read by each PackedAttention kernel a
 PHASES = ("inputs", "store", "score", "select", "attend", "total")
 
 
-def _totals(metrics: dict) -> tuple[dict, int]:
-    """Phase times summed over the PackedAttention nodes (those with phase clocks) and their calls."""
-    nodes = [v for v in metrics.values() if "time.calls" in v]
+def _totals(metrics: dict, pa_nodes: set) -> tuple[dict, int]:
+    """Phase times summed over the PackedAttention nodes (those with phase clocks; BlockQuantMatMul's
+    nodes have clocks of their own) and their calls."""
+    nodes = [v for k, v in metrics.items() if k in pa_nodes and "time.calls" in v]
     tot = {k: sum(v.get(f"time.{k}_us", 0.0) for v in nodes) for k in PHASES}
     tot["calls"] = sum(v["time.calls"] for v in nodes)
     return tot, len(nodes)
 
 
 def run(a) -> list[dict]:
-    import numpy as np
+    import onnx
 
     import custom_ops
     from custom_ops import runtime
-    from custom_ops.runtime.bench import chunked_state
-    from custom_ops.runtime.memory import huge_pages_for_process
-    from custom_ops.runtime.shared_kv import SharedKV
+    from custom_ops.runtime.bench import FixedPast
 
+    g = onnx.load(a.model, load_external_data=False).graph
+    pa_nodes = {n.name for n in g.node if n.op_type == "PackedAttention"}
     out = []
     for t in (int(x) for x in a.threads.split(",")):
         custom_ops.reset_metrics()
         sess = custom_ops.session(a.model, threads=t)
         io = runtime.ModelIO.from_session(sess, a.model)
-        hi = int(io.vocab_size or 100)
-        rng = np.random.default_rng(0)
-        ids = rng.integers(100 if hi > 1000 else 0, hi, (1, a.past + a.steps + 8))
-        kv = SharedKV(sess, io, max_len=a.past + 1)
-        kv.fill(a.past, chunked_state(sess, io, ids[:, :a.past]))
-        huge_pages_for_process()
+        fixed = FixedPast(sess, io, a.past, a.steps, chunked=True)
         for rep in range(a.repeats):
-            for s in range(8):  # warm-up steps, not timed
-                kv.length = a.past
-                kv.step(ids[:, a.past + s: a.past + s + 1])
-            before, nodes = _totals(custom_ops.metrics())
+            got = {}   # the totals after the warm-up steps
+            steps = fixed.steps(a.steps, before=lambda: got.update(start=_totals(custom_ops.metrics(), pa_nodes)))
+            before, nodes = got["start"]
             if not nodes:
                 raise SystemExit(f"{a.model}: no PackedAttention node with a K/V cache (phase clocks) ran")
-            steps = []
-            for s in range(a.steps):
-                kv.length = a.past
-                t0 = time.perf_counter()
-                kv.step(ids[:, a.past + 8 + s: a.past + 9 + s])
-                steps.append(time.perf_counter() - t0)
-            after, _ = _totals(custom_ops.metrics())
+            after, _ = _totals(custom_ops.metrics(), pa_nodes)
             calls = after["calls"] - before["calls"]
             ph = {k: (after[k] - before[k]) / calls for k in PHASES}
             step_ms = statistics.median(steps) * 1e3
@@ -83,7 +72,7 @@ def run(a) -> list[dict]:
             print(f"[{custom_ops.isa_label()}, {t} thr] past {a.past}: step {step_ms:.2f} ms (median of {a.steps}); "
                   f"PackedAttention per call, us: " + "  ".join(f"{k} {v:.1f}" for k, v in ph.items()) +
                   f"; {nodes} nodes = {100 * share:.0f} % of the mean step", flush=True)
-        del kv, sess
+        del fixed, sess
     return out
 
 

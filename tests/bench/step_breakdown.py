@@ -5,7 +5,7 @@ part of the test run):
 
 MODEL is a rewritten decoder (BlockQuantMatMul weights; PackedAttention with a cache), e.g. SmolLM2's
 ``ortlean rewrite`` output. A random prompt of --past tokens is prefilled, then --steps single-token
-steps each after that same past run in the shared-KV loop (``runtime.shared_kv``, the driver of
+steps each after that same past run in the shared-KV loop (``runtime.bench.FixedPast``: the driver of
 ``ortlean bench``'s rows and ``ortlean generate``; the process's memory on 2 MiB pages) with the kernels'
 clocks on (ORTLEAN_PHASE_TIMES=1, read at kernel construction). Per thread count, medians over --rounds
 rounds, in microseconds per step:
@@ -62,13 +62,11 @@ def _floor_us(model: str, threads: int, passes: int = 5) -> float:
 
 
 def run(a) -> list[dict]:
-    import numpy as np
     import onnx
 
     import custom_ops
     from custom_ops import runtime
-    from custom_ops.runtime.memory import huge_pages_for_process
-    from custom_ops.runtime.shared_kv import SharedKV
+    from custom_ops.runtime.bench import FixedPast
 
     g = onnx.load(a.model, load_external_data=False).graph
     bq_nodes = {n.name for n in g.node if n.op_type == "BlockQuantMatMul"}
@@ -79,23 +77,10 @@ def run(a) -> list[dict]:
     for t in (int(x) for x in a.threads.split(",")):
         sess = custom_ops.session(a.model, threads=t)
         io = runtime.ModelIO.from_session(sess, a.model)
-        hi = int(io.vocab_size or 100)
-        ids = np.random.default_rng(0).integers(100 if hi > 1000 else 0, hi, (1, a.past + a.steps + 8))
-        kv = SharedKV(sess, io, max_len=a.past + 2)
-        kv.prefill(ids[:, :a.past])
-        huge_pages_for_process()
+        fixed = FixedPast(sess, io, a.past, a.steps)
         rounds = []
         for _ in range(a.rounds):
-            for s in range(8):  # warm-up steps, not timed
-                kv.length = a.past
-                kv.step(ids[:, a.past + s: a.past + s + 1])
-            custom_ops.reset_metrics()
-            steps = []
-            for s in range(a.steps):
-                kv.length = a.past
-                t0 = time.perf_counter()
-                kv.step(ids[:, a.past + 8 + s: a.past + 9 + s])
-                steps.append(time.perf_counter() - t0)
+            steps = fixed.steps(a.steps, before=custom_ops.reset_metrics)
             m = custom_ops.metrics()
             bq, bq_calls = _sums(m, bq_nodes, BQ_KEYS)
             pa, _ = _sums(m, pa_nodes, PA_KEYS)
@@ -108,7 +93,7 @@ def run(a) -> list[dict]:
                  **{f"pa_{k}": pa[k] / n for k in PA_KEYS if k != "total"}}
             r["rest"] = r["step_mean"] - r["bq"] - r["pa"]
             rounds.append(r)
-        del kv, sess
+        del fixed, sess
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         med["floor"] = _floor_us(a.model, t)
         row = {"threads": t, "past": a.past, "steps": a.steps, "rounds": a.rounds, "isa": custom_ops.isa_label(),
