@@ -104,7 +104,18 @@ def test_optimum_export_fused_then_packed_with_int4(tiny, tmp_path):
                                _shared_logits(tmp_path / "twin.onnx", prompt, steps), atol=1e-5, rtol=1e-5)
 
 
-def test_step_breakdown_script(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def pa_decoder(tiny, tmp_path_factory):
+    """The tiny llama rewritten with BlockQuantMatMul weights and exact PackedAttention over an fp32 cache
+    (what the step scripts below time), written once for the module."""
+    out = tmp_path_factory.mktemp("pa_decoder") / "pa.onnx"
+    rc, rep = _rewrite(tiny["llama"] / "model.onnx", out, "--weights", "int4", "--quality-budget", "off",
+                       "--state-pack", "binary", "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
+    assert rc == 0, rep
+    return out
+
+
+def test_step_breakdown_script(pa_decoder, tmp_path):
     """tests/bench/step_breakdown.py on a rewritten tiny decoder (BlockQuantMatMul weights, PackedAttention
     with a cache), in its own process (its phase clocks are an environment switch): a row per thread
     count with every weight node's decode call timed once a step, the parts within the step and the
@@ -113,14 +124,10 @@ def test_step_breakdown_script(tiny, tmp_path):
     import subprocess
     import sys
 
-    src = tiny["llama"] / "model.onnx"
-    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary",
-                       "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
-    assert rc == 0, rep
-    nodes = [n.op_type for n in onnx.load(str(tmp_path / "pa.onnx"), load_external_data=False).graph.node]
+    nodes = [n.op_type for n in onnx.load(str(pa_decoder), load_external_data=False).graph.node]
     out = tmp_path / "sb.json"
     script = Path(__file__).resolve().parent / "bench" / "step_breakdown.py"
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "pa.onnx"), "--past", "16", "--steps", "6",
+    r = subprocess.run([sys.executable, str(script), str(pa_decoder), "--past", "16", "--steps", "6",
                         "--rounds", "2", "--threads", "1,2", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -134,7 +141,7 @@ def test_step_breakdown_script(tiny, tmp_path):
     assert "BlockQuantMatMul" in r.stdout and "weights floor" in r.stdout
 
 
-def test_attn_inmodel_script_counts_the_attention_nodes_only(tiny, tmp_path):
+def test_attn_inmodel_script_counts_the_attention_nodes_only(pa_decoder):
     """tests/bench/attn_inmodel.py on a rewritten tiny decoder whose weights are BlockQuantMatMul (which
     has phase clocks too): the phases are PackedAttention's, averaged over its nodes alone."""
     import onnx
@@ -142,14 +149,10 @@ def test_attn_inmodel_script_counts_the_attention_nodes_only(tiny, tmp_path):
     import subprocess
     import sys
 
-    src = tiny["llama"] / "model.onnx"
-    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary",
-                       "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
-    assert rc == 0, rep
-    ops = [n.op_type for n in onnx.load(str(tmp_path / "pa.onnx"), load_external_data=False).graph.node]
+    ops = [n.op_type for n in onnx.load(str(pa_decoder), load_external_data=False).graph.node]
     assert "BlockQuantMatMul" in ops
     script = Path(__file__).resolve().parent / "bench" / "attn_inmodel.py"
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "pa.onnx"), "--past", "24", "--steps", "4",
+    r = subprocess.run([sys.executable, str(script), str(pa_decoder), "--past", "24", "--steps", "4",
                         "--repeats", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"; (\d+) nodes = (\d+) % of the mean step", r.stdout)
@@ -157,19 +160,15 @@ def test_attn_inmodel_script_counts_the_attention_nodes_only(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_fixed_past_steps_all_attend_to_the_same_cache(tiny, tmp_path, chunked):
+def test_fixed_past_steps_all_attend_to_the_same_cache(pa_decoder, chunked):
     """runtime.bench.FixedPast (the step loop of step_breakdown.py and attn_inmodel.py): after its warm-up and
     timed steps the cache still holds the past alone — a step from it gives the logits of a fresh prefill of
     the same tokens and that step — whether the past was prefilled in one run or in chunks; asking for more
     steps than the ids were drawn for is refused."""
     from custom_ops.runtime.bench import FixedPast
 
-    src = tiny["llama"] / "model.onnx"
-    rc, rep = _rewrite(src, tmp_path / "pa.onnx", "--weights", "int4", "--quality-budget", "off", "--state-pack", "binary",
-                       "--attn-kv", "fp32", "--attn-budget", "1", "--attn-tune", "off")
-    assert rc == 0, rep
-    sess = custom_ops.session(str(tmp_path / "pa.onnx"), threads=1)
-    io = runtime.ModelIO.from_session(sess, str(tmp_path / "pa.onnx"))
+    sess = custom_ops.session(str(pa_decoder), threads=1)
+    io = runtime.ModelIO.from_session(sess, str(pa_decoder))
     fixed = FixedPast(sess, io, past=20, steps=4, warmup=3, chunked=chunked)
     assert fixed.ids.shape == (1, 27)
     calls = []

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .io import ModelIO, feeds, run
+from .io import ModelIO, feeds, run, token_range
 from .shared_kv import PREFILL_CHUNK
 
 # benchmarking
@@ -69,8 +69,7 @@ def bench_sessions(sessions: Mapping[str, Any], io: ModelIO, prefill_len: int = 
     ios = {n: (ios or {}).get(n, io) for n in names}
     baseline = baseline or ("dense" if "dense" in sessions else names[0])
     rng = np.random.default_rng(seed)
-    hi = max(int(vocab_size or io.vocab_size or 100), 2)
-    lo = 100 if hi > 1000 else 0  # skip the special tokens at the start of big vocabularies
+    lo, hi = token_range(max(int(vocab_size or io.vocab_size or 100), 2))
     long_ids = rng.integers(lo, hi, size=(batch, prefill_len), dtype=np.int64)
     short_ids = rng.integers(lo, hi, size=(batch, short_len), dtype=np.int64)
     past_ids = rng.integers(lo, hi, size=(batch, decode_past), dtype=np.int64)
@@ -430,9 +429,8 @@ class FixedPast:
         from .shared_kv import SharedKV
 
         self.past, self.warmup = int(past), int(warmup)
-        hi = int(io.vocab_size or 100)
-        rng = np.random.default_rng(seed)
-        self.ids = rng.integers(100 if hi > 1000 else 0, hi, (1, self.past + self.warmup + int(steps)))
+        lo, hi = token_range(io.vocab_size)
+        self.ids = np.random.default_rng(seed).integers(lo, hi, (1, self.past + self.warmup + int(steps)))
         self.kv = SharedKV(sess, io, max_len=self.past + 1)
         if chunked:
             self.kv.fill(self.past, chunked_state(sess, io, self.ids[:, :self.past]))
@@ -535,8 +533,7 @@ def bench_ids(vocab: int, pasts, prefill_len: int, steps: int, seed: int = 0):
     steps [1, steps]), random in [100, vocab) for big vocabularies (past the special tokens). The
     same arguments give the same ids — and so the same long pasts' caches in a :class:`PastStore`."""
     rng = np.random.default_rng(seed)
-    hi = int(vocab)
-    lo = 100 if hi > 1000 else 0
+    lo, hi = token_range(vocab)
     prefill_ids = rng.integers(lo, hi, (1, prefill_len))
     past_ids = {p: rng.integers(lo, hi, (1, p)) for p in pasts}
     return prefill_ids, past_ids, rng.integers(lo, hi, (1, steps))

@@ -294,6 +294,13 @@ class ModelIO:
 GQA_LENGTH_INPUTS = ("seqlens_k", "total_sequence_length")
 
 
+def token_range(vocab: int | None) -> tuple[int, int]:
+    """[lo, hi) for random token ids (benchmarks, profiles): below ``vocab`` (100 when unknown), from 100
+    in a big vocabulary (past the special tokens at its start)."""
+    hi = int(vocab or 100)
+    return (100 if hi > 1000 else 0), hi
+
+
 def gqa_lengths(name: str, batch: int, total: int, dtype=np.int32) -> np.ndarray:
     """``seqlens_k`` [B] = total − 1 (the last position of every row) or ``total_sequence_length``
     (a scalar), for sequences of ``total`` tokens from position 0."""

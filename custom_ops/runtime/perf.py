@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .io import ModelIO, feeds as make_feeds
+from .io import ModelIO, feeds as make_feeds, token_range
 
 __all__ = ["PerfError", "load_inputs", "make_inputs", "perf", "format_perf"]
 
@@ -85,8 +85,7 @@ def _random_input(arg, rng, batch: int, seq: int, past: int, vocab: int | None) 
     if t.kind == "b":
         return np.ones(shape, t)
     if "ids" in n and "position" not in n and "type" not in n:
-        hi = int(vocab or 100)
-        return rng.integers(100 if hi > 1000 else 0, hi, shape).astype(t)
+        return rng.integers(*token_range(vocab), shape).astype(t)
     if "position" in n:
         return np.broadcast_to(np.arange(past, past + (shape[-1] if shape else 1)), shape).astype(t)
     return np.zeros(shape, t)
@@ -96,8 +95,7 @@ def make_inputs(sess, model_path, seq: int = 1, past: int = 0, batch: int = 1, s
     """Feeds for one run and a line saying what they are (see the module docstring)."""
     rng = np.random.default_rng(seed)
     io = ModelIO.from_session(sess, str(model_path))
-    hi = int(io.vocab_size or 100)
-    lo = 100 if hi > 1000 else 0
+    lo, hi = token_range(io.vocab_size)
     known = "input_ids" in io.inputs
     if known:
         ids = rng.integers(lo, hi, (batch, past + seq))

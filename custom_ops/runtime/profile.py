@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from .io import ModelIO
+from .io import ModelIO, token_range
 from .io import feeds as make_feeds
 
 # profiling
@@ -168,9 +168,7 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
         io = ModelIO.from_session(sess, str(model_path))
         if io.kind != "causal-lm" or not io.past_to_present:
             raise ValueError(f"{model_path}: decode profile needs a causal LM with a KV cache (kind {io.kind})")
-        hi = int(io.vocab_size or 100)
-        lo = 100 if hi > 1000 else 0
-        ids = rng.integers(lo, hi, (1, past + warmup + steps))
+        ids = rng.integers(*token_range(io.vocab_size), (1, past + warmup + steps))
         states = {past: chunked_state(sess, io, ids[:, :past])}
         step_ids = ids[:, past:]
         row = None

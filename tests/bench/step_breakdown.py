@@ -5,8 +5,9 @@ part of the test run):
 
 MODEL is a rewritten decoder (BlockQuantMatMul weights; PackedAttention with a cache), e.g. SmolLM2's
 ``ortlean rewrite`` output. A random prompt of --past tokens is prefilled, then --steps single-token
-steps each after that same past run in the shared-KV loop (``runtime.bench.FixedPast``: the driver of
-``ortlean bench``'s rows and ``ortlean generate``; the process's memory on 2 MiB pages) with the kernels'
+steps each after that same past run in the shared-KV loop (``runtime.bench.FixedPast`` over
+``runtime.shared_kv``, the driver of ``ortlean bench``'s rows and ``ortlean generate``; the process's memory
+on 2 MiB pages) with the kernels'
 clocks on (ORTLEAN_PHASE_TIMES=1, read at kernel construction). Per thread count, medians over --rounds
 rounds, in microseconds per step:
 
