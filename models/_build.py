@@ -72,6 +72,14 @@ def dequantize_gguf(src: Path, gguf_file: str, out: Path) -> None:
     tok.save_pretrained(out)
     # The GGUF tokenizer's "vocab file" is the whole GGUF: don't carry a copy around.
     (out / "tokenizer.model").unlink(missing_ok=True)
+    # a SentencePiece vocabulary (Gemma): transformers makes a Unigram of its merge ranks, which splits
+    # words into short pieces; llama.cpp's merge order instead (models/gguf_tokenizer.py)
+    from models.gguf_tokenizer import spm_tokenizer
+
+    spm = spm_tokenizer(src / gguf_file)
+    if spm is not None:
+        step("tokenizer: SentencePiece merges in llama.cpp's order")
+        spm.save(str(out / "tokenizer.json"))
 
 
 def export(model_dir: Path, task: str, out: Path) -> None:

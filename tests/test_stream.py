@@ -335,3 +335,44 @@ def test_last_position_logits_refuses_what_it_cannot_see():
     g.outputs.pop()
     v = stream.last_position_logits(ir.Model(g, ir_version=10))                  # the head alone reads it: sliced
     assert v is not None and [n.op_type for n in v.graph] == ["Slice", "MatMul"]
+
+
+def test_runnable_serializes_tensors_that_ort_constant_folds(monkeypatch):
+    """ORT folds a node whose inputs are all initializers while it optimizes the graph, before the
+    arrays ``add_initializer`` hands over are in place: it read the placeholder's zeros (Gemma 3's
+    tied embedding, a Reshape of the head's MatMulNBits scales, made the guard's trial model
+    +25,000 % worse than the model it wrote). Such a tensor is serialized; one only a runtime input
+    meets is still shared; the outputs equal the serialized model's at every optimization level."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(stream, "SHARE_BYTES", 1024)
+    rng = np.random.default_rng(0)
+    folded_arr = rng.standard_normal((64, 32)).astype(np.float32)     # 8 KiB: shared by size
+    shared_arr = rng.standard_normal((32, 16)).astype(np.float32)
+    x = ir.Value(name="x", shape=ir.Shape([4, 32]), type=ir.TensorType(ir.DataType.FLOAT))
+    w_fold = ir.Value(name="w_fold", const_value=ir.tensor(folded_arr, name="w_fold"))
+    w_mm = ir.Value(name="w_mm", const_value=ir.tensor(shared_arr, name="w_mm"))
+    shape = ir.Value(name="shape", const_value=ir.tensor(np.array([32, 64], np.int64), name="shape"))
+    r = ir.Node("", "Reshape", [w_fold, shape], name="fold")              # all inputs constant: folded
+    t = ir.Node("", "Slice", [r.outputs[0], ir.Value(name="s0", const_value=ir.tensor(np.array([0], np.int64), name="s0")),
+                              ir.Value(name="s1", const_value=ir.tensor(np.array([16], np.int64), name="s1")),
+                              ir.Value(name="ax", const_value=ir.tensor(np.array([1], np.int64), name="ax"))], name="cut")
+    m1 = ir.Node("", "MatMul", [x, w_mm], name="mm")                    # a runtime input: not folded
+    add = ir.Node("", "Add", [m1.outputs[0], ir.Value(name="zero", const_value=ir.tensor(np.zeros(16, np.float32), name="zero"))],
+                  name="add")
+    m2 = ir.Node("", "MatMul", [x, t.outputs[0]], name="mm2")
+    y = ir.Node("", "Add", [add.outputs[0], m2.outputs[0]], name="y")
+    y.outputs[0].name = "y"
+    y.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    consts = [w_fold, w_mm, shape, *t.inputs[1:], add.inputs[1]]
+    g = ir.Graph([x], [y.outputs[0]], nodes=[r, t, m1, add, m2, y], initializers=consts, opset_imports={"": 21})
+    model = ir.Model(g, ir_version=10)
+    run = stream.runnable(model)
+    assert "w_mm" in run.shared and "w_fold" not in run.shared
+    xv = rng.standard_normal((4, 32)).astype(np.float32)
+    want = xv @ shared_arr + xv @ folded_arr.reshape(32, 64)[:, :16]
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        got = stream.session(model, threads=1, so=so, stream=False).run(None, {"x": xv})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -151,6 +151,24 @@ def _numpy_in_place(t) -> np.ndarray | None:
     return a
 
 
+def _foldable_inputs(graph: ir.Graph) -> set[str]:
+    """Names of the initializers that a node ORT may constant-fold reads: a node of an ONNX or
+    contrib domain whose every input is an initializer. ORT folds such a node while it optimizes
+    the graph, reading the initializer's data from the model — the placeholder, not the array
+    :meth:`Runnable.options` adds (``add_initializer`` is applied after the optimizers ran): a tied
+    embedding's Reshape of a head's MatMulNBits scales folded to zeros made Gemma 3's trial model
+    +25,000 % worse than the model written to disk. Such tensors are serialized, never shared."""
+    inits = graph.initializers
+    names: set[str] = set()
+    for node in graph:
+        if node.domain not in ("", "ai.onnx", "com.microsoft") or not node.inputs:
+            continue
+        ins = [x for x in node.inputs if x is not None]
+        if ins and all(x.name in inits and inits[x.name] is x for x in ins):
+            names.update(x.name for x in ins)
+    return names
+
+
 def runnable(model: ir.Model) -> Runnable:
     """``model`` (not changed) as ONNX Runtime runs it without a copy of its weights (see the
     module docstring). Attribute tensors in external data and external initializers outside one
@@ -175,6 +193,7 @@ def runnable(model: ir.Model) -> Runnable:
                 fh.truncate(big)
     shared: dict[str, np.ndarray] = {}
     swapped: list[tuple[ir.Value, object]] = []
+    folded = _foldable_inputs(model.graph)
     for v in model.graph.initializers.values():
         t = v.const_value
         if t is None:
@@ -184,7 +203,7 @@ def runnable(model: ir.Model) -> Runnable:
                 swapped.append((v, t))
                 v.const_value = modelfile._lazy_bytes(t)
             continue
-        if placeholder is None or t.nbytes < SHARE_BYTES or t.nbytes > room:
+        if placeholder is None or t.nbytes < SHARE_BYTES or t.nbytes > room or v.name in folded:
             continue
         a = _numpy_in_place(t)
         if a is None:
