@@ -76,6 +76,20 @@ NEW tokens only; the cache is graph state (int32 rows, like the key bits):
   its best key's group score, the top ceil(n_top / B) blocks taken whole (ties: lower index
   first; n_top = C − sinks − window keys): the rows read run in order, at most B − 1 keys over C.
 
+Sparse prefill (cache mode, 0 < prefill_budget < 1, M > 1, no mask, no local_window, approx_prefill 0):
+the call's prompt rows are cut into tiles by position (pos // prefill_block); the keys into blocks
+of prefill_block from key 0. A tile whose last row pb has pb + 1 <= prefill_min_context is exact.
+Else, with pa its first row, nb = pb // block + 1 context blocks: sink blocks j < ceil(sinks /
+block), local blocks j >= max(0, pa − prefill_window) // block (up to the tile's own), and the
+middle blocks between them; keep = ceil(ceil(prefill_budget · (pb + 1)) / block) − sink blocks −
+local blocks middle blocks are kept (exact when that is all of them). A middle block j is scored
+from its keys' per-dimension max and min as decoded (k̂): centre c = (max + min) · 0.5, radius
+r = (max − min) · 0.5, and each query row q of each head of the group bounds its logits by
+u(j) = (q·c + |q|·r) · scale (Quest's bound: no key of the block has a larger q·k̂); per query row
+u − max_j u, then per block the max over the tile's rows and heads (NaN: −inf); the best `keep`
+blocks (ties: lower index). Each row of the tile attends, exactly as above, to the keys of the
+sink, chosen and local blocks up to its own position (causal).
+
 GroupQueryAttention's layout (cache mode with num_heads = Hq > 0, kv_num_heads = Hkv): the node
 takes GQA's own inputs, so no Split / RotaryEmbedding / Reshape / Transpose nodes surround it:
   Q [B, S, Hq·D], K [B, S, Hkv·D], V [B, S, Hkv·Dv] — or K and V absent and Q the packed
@@ -457,6 +471,46 @@ def kv_key_codes(rows: np.ndarray, bits: np.ndarray, D: int, kv_quant: str) -> t
             np.ascontiguousarray(np.asarray(bits)[..., -2]).view(np.float32))
 
 
+def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int, min_context: int, sinks: int,
+                 scale) -> dict:
+    """Sparse prefill (module docstring): the keys each prompt row of one KV head attends to.
+    Qg [rep, M, D] the group's query heads, Kh [T, D] the head's keys as the kernel reads them (the
+    cache rows decoded: codes · scale), rows the call's row indices m (positions pos0 + m). Returns
+    {m: key indices (ascending)} for the rows of tiles that approximate; rows not in it are exact."""
+    out = {}
+    tiles: dict[int, list[int]] = {}
+    for m in rows:
+        tiles.setdefault((pos0 + m) // block, []).append(m)
+    for t, ms in tiles.items():
+        pa, pb = pos0 + ms[0], pos0 + ms[-1]
+        if pb + 1 <= min_context:
+            continue
+        nb = pb // block + 1
+        ns = min(nb, -(-sinks // block)) if sinks > 0 else 0
+        jl = max(0, pa - window) // block
+        nmid = max(0, jl - ns)
+        keep = -(-math.ceil(budget * (pb + 1)) // block) - ns - (nb - jl)
+        keep = max(0, keep)
+        if keep >= nmid:
+            continue
+        mids = np.arange(ns, jl)
+        Kb = Kh[ns * block:jl * block].reshape(nmid, block, -1)
+        kmax, kmin = Kb.max(1), Kb.min(1)
+        kc = ((kmax + kmin) * np.float32(0.5)).astype(np.float32)
+        kr = ((kmax - kmin) * np.float32(0.5)).astype(np.float32)
+        q = Qg[:, ms].reshape(-1, Qg.shape[-1]).astype(np.float32)                  # [rep * rows, D]
+        u = ((q @ kc.T + np.abs(q) @ kr.T) * np.float32(scale)).astype(np.float32)  # [rep * rows, nmid]
+        u = np.where(np.isnan(u), np.float32(-np.inf), u)
+        top = u.max(1, keepdims=True)
+        s_ = np.where(np.isfinite(top), u - top, np.float32(-np.inf)).max(0)       # [nmid]
+        chosen = np.sort(mids[np.argsort(-s_, kind="stable")[:keep]])
+        blocks = np.concatenate([np.arange(ns), chosen, np.arange(jl, nb)]).astype(np.int64)
+        keys = (blocks[:, None] * block + np.arange(block)[None, :]).ravel()
+        for m in ms:
+            out[m] = keys[keys <= pos0 + m]
+    return out
+
+
 def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
     """The quantized cache mode (module docstring). Returns (Y, present_bits, present_kv)."""
     a = _SCHEMA.resolve(attrs)
@@ -507,6 +561,15 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
     dens = density(live, D, mode)
     global_exact = not (0 < budget < 1) or (mode in ("ternary", "binary") and dens > rho)
     Y = np.zeros((B, Hq, M, Dv), np.float32)
+    sparse = {}   # (b, hk, m) -> the prompt row's keys under sparse prefill (prefill_keys)
+    pb_ = float(np.float32(a["prefill_budget"]))
+    if M > 1 and not approx_prefill and mask is None and 0 < pb_ < 1 and local_window <= 0:
+        for b in range(B):
+            rows = [m for m in range(M) if pos0[b] + m < total[b]]
+            for hk in range(Hkv):
+                sparse.update({(b, hk, m): idx for m, idx in prefill_keys(
+                    Q[b, hk * rep:(hk + 1) * rep], Kd[b, hk], int(pos0[b]), rows, pb_, a["prefill_block"],
+                    a["prefill_window"], a["prefill_min_context"], sinks, scale).items()})
     ks_all = None if kscale is None or not len(kscale) else np.asarray(kscale, np.float32).reshape(Hkv, D)
     for b in range(B):
         for hk in range(Hkv):
@@ -522,7 +585,9 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
                 mrows = {h: _mask_row(mask, b, h, m, Tc) for h in heads}
                 exact = (global_exact or (M > 1 and not approx_prefill) or n_ctx <= min_context
                          or max(min_candidates, math.ceil(budget * n_ctx)) >= n_ctx)
-                if exact:
+                if (b, hk, m) in sparse:
+                    idx = sparse[(b, hk, m)]
+                elif exact:
                     idx = ctx
                 else:
                     qg = Q[b, hk * rep, m].copy()              # the group's query: sum of its heads' (in order)

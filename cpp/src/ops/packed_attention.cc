@@ -227,7 +227,11 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
   at.read({{"local_window", &p.local_window}, {"num_heads", &p.num_heads}, {"kv_num_heads", &p.kv_num_heads},
            {"rotary_interleaved", &p.rotary_interleaved}, {"cand_block", &p.cand_block}});
   at.read({{"ksmooth", &p.ksmooth}});
+  at.read({{"prefill_budget", &p.prefill_budget}, {"prefill_block", &p.prefill_block},
+           {"prefill_window", &p.prefill_window}, {"prefill_min_context", &p.prefill_min_context}});
   p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
+  if (!p.kv_bits && p.prefill_budget > 0 && p.prefill_budget < 1)
+    fail("attribute prefill_budget " + std::to_string(p.prefill_budget) + " needs kv_quant fp32 | int8 | int4");
   if (p.kv_bits && p.mix > 0) fail("attribute mix must be 0 with kv_quant " + kvq);
   if (p.kv_bits && layout != "bhtd") fail("attribute k_layout must be bhtd with kv_quant " + kvq);
   if (!p.kv_bits && p.cand_block != 1)
@@ -286,7 +290,8 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
           {"pack.budget", p.budget}});
   n->gauges({{&m_density_, "pack.density"}});
   n->counters({{&m_active_, "pack.active"}, {&m_calls_, "pack.calls"}, {&m_cands_, "pack.candidates"},
-               {&m_keys_, "pack.keys"}, {&m_packed_, "pack.packed_keys"}});
+               {&m_keys_, "pack.keys"}, {&m_packed_, "pack.packed_keys"},
+               {&m_pf_keys_, "pack.prefill_keys"}, {&m_pf_attended_, "pack.prefill_attended"}});
   if (p.kv_bits && metrics::phase_times())
     n->counters({{&m_time_[0], "time.inputs_us"}, {&m_time_[1], "time.store_us"}, {&m_time_[2], "time.score_us"},
                  {&m_time_[3], "time.select_us"}, {&m_time_[4], "time.attend_us"}, {&m_time_[5], "time.total_us"},
@@ -1693,6 +1698,294 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
   return true;
 }
 
+// Sparse prefill (custom_ops/reference/attn.py, prefill_keys): the call's prompt rows in tiles of
+// prefill_block rows by position, the keys in blocks of as many from key 0. A tile attends to the sink
+// blocks, the local blocks (from prefill_window keys before its first row) and the middle blocks whose
+// bound u(j) = (q.c_j + |q|.r_j) * scale — c, r the centre and radius of block j's decoded keys per
+// dimension (Quest's bound on q.k) — is best relative to each query row's best, max over the tile's rows
+// and heads; `keep` of them by the budget (a tile below prefill_min_context, or whose budget covers every
+// middle block, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
+// blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
+// scores the middle blocks in one GEMM ([q, |q|] . [c; r]^T), takes the best, and attends the tile's
+// query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T (OpenBLAS), causal mask, online
+// softmax, Y += P.V — int8 / int4 rows as prefill_gemm (the decode kernel's int16 query levels).
+bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) const {
+  const AttnParams& p = p_;
+  if (c.M < 2 || c.mask || !c.idx.empty() || p.approx_prefill || p.local_window > 0 ||
+      !(p.prefill_budget > 0 && p.prefill_budget < 1))
+    return false;
+  const int64_t Bk = p.prefill_block, M = c.M, rep = c.rep, D = c.D, Dv = c.Dv, R = c.kf.words, Tc = c.Tc;
+  const int64_t BH = c.B * c.Hkv, D2 = 2 * D;
+  const bool f32 = c.kf.bits == 32;
+  const float sc = p_.scale, cap = p_.softcap;
+  // tiles per sequence: rows m with the same (pos0 + m) / Bk, the rows < total
+  struct Tile {
+    int64_t b, m0, m1;            // rows [m0, m1), positions [pa, pb]
+    int64_t pa, pb, nb, ns, jl;   // context blocks, sink blocks, first local block
+    int64_t keep;                 // middle blocks kept; -1: every block (exact)
+  };
+  std::vector<Tile> tiles;
+  int64_t J = 0;  // blocks [0, J) whose centre and radius phase 1 computes (the sparse tiles' largest jl)
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t p0 = c.pos0[static_cast<size_t>(b)], nrow = std::min(M, c.total[static_cast<size_t>(b)] - p0);
+    for (int64_t m = 0; m < nrow;) {
+      const int64_t m1 = std::min(nrow, ((p0 + m) / Bk + 1) * Bk - p0);
+      Tile tl{b, m, m1, p0 + m, p0 + m1 - 1, 0, 0, 0, -1};
+      tl.nb = tl.pb / Bk + 1;
+      tl.ns = p.sinks > 0 ? std::min(tl.nb, (p.sinks + Bk - 1) / Bk) : 0;
+      tl.jl = std::max<int64_t>(0, tl.pa - p.prefill_window) / Bk;
+      const int64_t nmid = std::max<int64_t>(0, tl.jl - tl.ns);
+      const int64_t want =
+          static_cast<int64_t>(std::ceil(static_cast<double>(p.prefill_budget) * static_cast<double>(tl.pb + 1)));
+      const int64_t keep = std::max<int64_t>(0, (want + Bk - 1) / Bk - tl.ns - (tl.nb - tl.jl));
+      if (tl.pb + 1 > p.prefill_min_context && keep < nmid) {
+        tl.keep = keep;
+        J = std::max(J, tl.jl);
+      }
+      tiles.push_back(tl);
+      m = m1;
+    }
+  }
+  if (tiles.empty()) return false;
+  // phase 1: centre and radius of blocks [0, J) of every (b, hk): blk[(bh * J + j) * 2D + (0 | D) + d]
+  float* blk = nullptr;
+  if (J > 0) {
+    blk = outer_scratch().get(static_cast<size_t>(BH * J * D2) + 16);
+    constexpr int64_t kBlocksPerTask = 16;
+    const int64_t per = (J + kBlocksPerTask - 1) / kBlocksPerTask;
+    std::atomic<bool> oom{false};
+    auto summarize = [&](size_t t_) noexcept {
+      const int64_t t = static_cast<int64_t>(t_), bh = t / per, j0 = (t % per) * kBlocksPerTask,
+                    j1 = std::min(J, j0 + kBlocksPerTask);
+      float* kf;
+      try {
+        kf = task_scratch().get(static_cast<size_t>(Bk * D + 2 * Bk) + 16);
+      } catch (...) {
+        oom = true;
+        return;
+      }
+      const uint8_t** rp = reinterpret_cast<const uint8_t**>(kf + Bk * D);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t i = 0; i < Bk; ++i) rp[i] = c.kf.k(c.kv + (bh * Tc + j * Bk + i) * R);
+        ak_->deq_rows(rp, Bk, D, c.kf.bits, kf);
+        float* cr = blk + (bh * J + j) * D2;
+        float* mx = cr;      // max, then the centre
+        float* mn = cr + D;  // min, then the radius
+        for (int64_t i = 0; i < Bk; ++i) {
+          const float s = c.kscale(bh, j * Bk + i);
+          const float* x = kf + i * D;
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = f32 ? x[d] : x[d] * s;
+            if (i == 0) {
+              mx[d] = mn[d] = v;
+            } else {
+              mx[d] = v > mx[d] ? v : mx[d];  // NaN keys do not move the bounds
+              mn[d] = v < mn[d] ? v : mn[d];
+            }
+          }
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          const float hi = mx[d], lo = mn[d];
+          mx[d] = (hi + lo) * 0.5f;
+          mn[d] = (hi - lo) * 0.5f;
+        }
+      }
+    };
+    parallel_for(ctx, static_cast<size_t>(BH * per), summarize);
+    if (oom) throw std::bad_alloc();
+  }
+  // phase 2: per (b, hk, tile)
+  constexpr int64_t kChunk = 256;  // keys per S = Q.K^T chunk
+  const int64_t ntiles = static_cast<int64_t>(tiles.size());
+  std::atomic<int64_t> n_ctx{0}, n_att{0};
+  std::atomic<bool> oom{false};
+  auto task = [&](size_t t_) noexcept {
+    // tiles in the order first, last, second, second last ...: a pool that hands each thread a
+    // contiguous range of tasks gets light (early) and heavy (late) tiles alike
+    const int64_t t = static_cast<int64_t>(t_), hk = t % c.Hkv, z = t / c.Hkv;
+    const Tile& tl = tiles[static_cast<size_t>(z % 2 ? ntiles - 1 - z / 2 : z / 2)];
+    const int64_t b = tl.b, bh = b * c.Hkv + hk, mt = tl.m1 - tl.m0, rows = rep * mt;
+    const int64_t pa = tl.pa, pb = tl.pb, nb = tl.nb, ns = tl.ns, jl = tl.jl, keep = tl.keep;
+    const bool sparse = keep >= 0;
+    const int64_t nmid = sparse ? jl - ns : 0;
+    const int64_t D16 = (D + 15) / 16 * 16;
+    float* buf;
+    try {
+      const size_t need = static_cast<size_t>(rows * (D + Dv + kChunk + 4) + (sparse ? rows * (D2 + nmid) + 3 * nmid : 0) +
+                                              nb + kChunk * (D + Dv + 2) + 2 * kChunk * 2 + rep * D16 + rep + 64);
+      buf = task_scratch().get(need);
+    } catch (...) {
+      oom = true;
+      return;
+    }
+    float* Qt = buf;                 // [rows, D]: head h's rows at h * mt (int8 / int4: the int16 levels)
+    float* qs = Qt + rows * D;       // [rows] the levels' scales
+    float* mxr = qs + rows;          // [rows] running max
+    float* sum = mxr + rows;         // [rows] running sum
+    float* Yt = sum + rows;          // [rows, Dv]
+    float* S = Yt + rows * Dv;       // [rows, kChunk]
+    float* Kt = S + rows * kChunk;   // [kChunk, D]
+    float* Vt = Kt + kChunk * D;     // [kChunk, Dv]
+    float* ks = Vt + kChunk * Dv;    // [kChunk]
+    float* vs = ks + kChunk;         // [kChunk]
+    int32_t* sel = reinterpret_cast<int32_t*>(vs + kChunk);  // [nb] chosen blocks, ascending
+    const uint8_t** rp = reinterpret_cast<const uint8_t**>((reinterpret_cast<uintptr_t>(sel + nb) + 7) & ~uintptr_t{7});
+    float* rest = reinterpret_cast<float*>(rp + 2 * kChunk);
+    int16_t* q16 = reinterpret_cast<int16_t*>(rest);  // [rep][D16] one row's int16 heads
+    float* qsm = reinterpret_cast<float*>(q16 + rep * D16 + 16);  // [rep]
+    float* more = qsm + rep + 16;
+    // the tile's query heads
+    for (int64_t m = 0; m < mt; ++m) {
+      const float* q = c.Q + ((b * c.Hq + hk * rep) * M + tl.m0 + m) * D;  // heads at stride M * D
+      if (f32) {
+        for (int64_t h = 0; h < rep; ++h) std::memcpy(Qt + (h * mt + m) * D, q + h * M * D, sizeof(float) * static_cast<size_t>(D));
+      } else {
+        ak_->quantize_query(q, M * D, static_cast<int>(rep), D, D16, q16, qsm);
+        for (int64_t h = 0; h < rep; ++h) {
+          float* o = Qt + (h * mt + m) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(q16[h * D16 + d]);
+          qs[h * mt + m] = qsm[h];
+        }
+      }
+    }
+    // the blocks
+    int64_t nsel = 0;
+    if (!sparse) {
+      for (int64_t j = 0; j < nb; ++j) sel[nsel++] = static_cast<int32_t>(j);
+    } else {
+      for (int64_t j = 0; j < ns; ++j) sel[nsel++] = static_cast<int32_t>(j);
+      float* Qx = more;                 // [rows, 2D]: q, |q| (float queries)
+      float* U = Qx + rows * D2;        // [rows, nmid]
+      float* Sb = U + rows * nmid;      // [nmid] block scores
+      int32_t* order = reinterpret_cast<int32_t*>(Sb + nmid);  // [nmid]
+      for (int64_t h = 0; h < rep; ++h)
+        for (int64_t m = 0; m < mt; ++m) {
+          const float* q = c.Q + ((b * c.Hq + hk * rep + h) * M + tl.m0 + m) * D;
+          float* o = Qx + (h * mt + m) * D2;
+          for (int64_t d = 0; d < D; ++d) {
+            o[d] = q[d];
+            o[D + d] = std::fabs(q[d]);
+          }
+        }
+      blas::sgemm(false, true, rows, nmid, D2, sc, Qx, D2, blk + (bh * J + ns) * D2, D2, 0.0f, U, nmid);
+      for (int64_t j = 0; j < nmid; ++j) Sb[j] = -INFINITY;
+      for (int64_t i = 0; i < rows; ++i) {
+        float* u = U + i * nmid;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < nmid; ++j) {
+          if (u[j] != u[j]) u[j] = -INFINITY;
+          top = u[j] > top ? u[j] : top;
+        }
+        if (!(top > -INFINITY) || top == INFINITY) continue;  // no finite bound: the row ranks nothing
+        for (int64_t j = 0; j < nmid; ++j) {
+          const float v = u[j] - top;
+          Sb[j] = v > Sb[j] ? v : Sb[j];
+        }
+      }
+      for (int64_t j = 0; j < nmid; ++j) order[j] = static_cast<int32_t>(j);
+      std::partial_sort(order, order + keep, order + nmid, [&](int32_t x, int32_t y) {
+        return Sb[x] > Sb[y] || (Sb[x] == Sb[y] && x < y);  // NaN never: set to -inf above
+      });
+      std::sort(order, order + keep);
+      for (int64_t i = 0; i < keep; ++i) sel[nsel++] = static_cast<int32_t>(ns + order[i]);
+      for (int64_t j = jl; j < nb; ++j) sel[nsel++] = static_cast<int32_t>(j);
+    }
+    // exact attention over the chosen blocks' keys, kChunk at a time
+    for (int64_t i = 0; i < rows; ++i) {
+      mxr[i] = -INFINITY;
+      sum[i] = 0.0f;
+    }
+    std::fill(Yt, Yt + rows * Dv, 0.0f);
+    int64_t attended = 0;
+    int64_t bi = 0, off = 0;  // next key: block sel[bi], offset off
+    while (bi < nsel) {
+      int64_t nk = 0;
+      int64_t keys[kChunk];
+      while (nk < kChunk && bi < nsel) {
+        const int64_t key = static_cast<int64_t>(sel[bi]) * Bk + off;
+        if (key > pb) {  // the tile's last block ends at its last row
+          bi = nsel;
+          break;
+        }
+        keys[nk++] = key;
+        if (++off == Bk) {
+          off = 0;
+          ++bi;
+        }
+      }
+      if (!nk) break;
+      for (int64_t j = 0; j < nk; ++j) {
+        const uint32_t* row = c.kv + (bh * Tc + keys[j]) * R;
+        rp[j] = c.kf.k(row);
+        rp[kChunk + j] = c.kf.v(row);
+        ks[j] = f32 ? 1.0f : c.kscale(bh, keys[j]) * sc;
+        vs[j] = f32 ? 1.0f : c.vscale(bh, keys[j]);
+      }
+      ak_->deq_rows(rp, nk, D, c.kf.bits, Kt);
+      ak_->deq_rows(rp + kChunk, nk, Dv, c.kf.bits, Vt);
+      blas::sgemm(false, true, rows, nk, D, f32 ? sc : 1.0f, Qt, D, Kt, D, 0.0f, S, nk);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t pos = pa + i % mt;
+        float* s = S + i * nk;
+        int64_t hi = nk;  // keys are ascending: the row's causal limit cuts a suffix
+        while (hi > 0 && keys[hi - 1] > pos) --hi;
+        attended += hi;
+        if (!f32)
+          for (int64_t j = 0; j < hi; ++j) s[j] *= qs[i] * ks[j];
+        if (cap > 0)
+          for (int64_t j = 0; j < hi; ++j) s[j] = cap * std::tanh(s[j] / cap);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < hi; ++j) {
+          if (s[j] != s[j]) s[j] = -INFINITY;
+          mx = s[j] > mx ? s[j] : mx;
+        }
+        for (int64_t j = hi; j < nk; ++j) s[j] = 0.0f;
+        const float nm = mx > mxr[i] ? mx : mxr[i];
+        if (!(nm > -INFINITY)) {  // nothing finite yet
+          for (int64_t j = 0; j < hi; ++j) s[j] = 0.0f;
+          continue;
+        }
+        if (nm > mxr[i] && mxr[i] > -INFINITY) {
+          const float f = std::exp(mxr[i] - nm);
+          sum[i] *= f;
+          ak_->scal(f, Yt + i * Dv, Dv);
+        }
+        mxr[i] = nm;
+        sum[i] += ak_->expsum(s, nm, hi);
+        if (!f32)
+          for (int64_t j = 0; j < hi; ++j) s[j] *= vs[j];
+      }
+      blas::sgemm(false, false, rows, Dv, nk, 1.0f, S, nk, Vt, Dv, 1.0f, Yt, Dv);
+    }
+    n_att.fetch_add(attended / rep, std::memory_order_relaxed);
+    int64_t ctxk = 0;
+    for (int64_t m = 0; m < mt; ++m) ctxk += pa + m + 1;
+    n_ctx.fetch_add(ctxk, std::memory_order_relaxed);
+    for (int64_t h = 0; h < rep; ++h)
+      for (int64_t m = 0; m < mt; ++m) {
+        const int64_t i = h * mt + m;
+        float* y = c.Y + ((b * c.Hq + hk * rep + h) * M + tl.m0 + m) * Dv;
+        if (!(mxr[i] > -INFINITY)) {
+          std::fill(y, y + Dv, 0.0f);
+          continue;
+        }
+        const float inv = 1.0f / sum[i];
+        for (int64_t d = 0; d < Dv; ++d) y[d] = Yt[i * Dv + d] * inv;
+      }
+  };
+  parallel_for(ctx, static_cast<size_t>(ntiles * c.Hkv), task);
+  if (oom) throw std::bad_alloc();
+  // padding rows (at or beyond a sequence's total): Y = 0
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t nrow = std::max<int64_t>(0, std::min(M, c.total[static_cast<size_t>(b)] - c.pos0[static_cast<size_t>(b)]));
+    for (int64_t h = 0; h < c.Hq; ++h)
+      std::fill(c.Y + ((b * c.Hq + h) * M + nrow) * Dv, c.Y + ((b * c.Hq + h) * M + M) * Dv, 0.0f);
+  }
+  metrics::add(m_pf_keys_, static_cast<double>(n_ctx.load()));
+  metrics::add(m_pf_attended_, static_cast<double>(n_att.load()));
+  return true;
+}
+
 void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   using clock = std::chrono::steady_clock;
   const bool timed = m_time_[0] != nullptr;
@@ -1705,7 +1998,7 @@ void PackedAttentionKernel::compute_kv(Ort::KernelContext& ctx) const {
   select_kv(c, ctx);
   const clock::time_point t3 = timed ? clock::now() : t0;
   metrics::add(m_keys_, static_cast<double>(c.B * c.Hq * c.M * c.Tc));
-  if (!prefill_gemm(c, ctx)) attend_kv(c, ctx);
+  if (!prefill_sparse(c, ctx) && !prefill_gemm(c, ctx)) attend_kv(c, ctx);
   if (c.y_bsh) {  // staged [B, Hq, M, Dv] -> [B, M, Hq * Dv]
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t h = 0; h < c.Hq; ++h)

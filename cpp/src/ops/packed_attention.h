@@ -48,6 +48,9 @@ struct AttnParams {
   // kv cache mode: candidates chosen in blocks of this many consecutive keys (block score: the max of
   // its keys' scores), so that the rows read run in order; 1: key by key
   int64_t cand_block = 1;
+  // kv cache mode, prompt rows: sparse prefill (prefill_sparse) when 0 < prefill_budget < 1
+  float prefill_budget = 0.0f;
+  int64_t prefill_block = 64, prefill_window = 1024, prefill_min_context = 4096;
 };
 
 struct KvCall;
@@ -71,6 +74,10 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_int("window", 64).range(0, kMaxDim),
       attr_int("min_context", 256).range(0, kMaxDim),
       attr_int("cand_block", 1).range(1, 4096),
+      attr_float("prefill_budget", 0.0f).range(0, 1),  // 0 or 1: exact prompt rows
+      attr_int("prefill_block", 64).range(8, 4096),
+      attr_int("prefill_window", 1024).range(0, kMaxDim),
+      attr_int("prefill_min_context", 4096).range(0, kMaxDim),
       attr_float("rho", 0.15f).range(0, 1),
       attr_int("qbits", 8).range(2, 16),
       attr_float("mix", 0.0f).range(0, 1),
@@ -117,6 +124,9 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   void attend_kv(KvCall& c, Ort::KernelContext& ctx) const;
   // prompt rows (M > 1), every row exact, no mask: blocked GEMMs (true when it ran)
   bool prefill_gemm(KvCall& c, Ort::KernelContext& ctx) const;
+  // prompt rows under sparse prefill (0 < prefill_budget < 1, no mask, no local window): tiles of
+  // prefill_block rows over the sink, best-bounded middle and local key blocks (true when it ran)
+  bool prefill_sparse(KvCall& c, Ort::KernelContext& ctx) const;
 
   AttnParams p_{};
   const AttnKernels* ak_ = nullptr;
@@ -124,6 +134,8 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
   mutable PoolProbe pool_;  // one-thread sessions: attend tasks of kKvChunk keys (no split for balance)
   metrics::Value *m_density_ = nullptr, *m_active_ = nullptr, *m_calls_ = nullptr, *m_cands_ = nullptr,
                  *m_keys_ = nullptr, *m_packed_ = nullptr;
+  // sparse prefill: keys in the prompt rows' causal contexts, and the keys they attended (per KV head row)
+  metrics::Value *m_pf_keys_ = nullptr, *m_pf_attended_ = nullptr;
   // cache mode, with ORTLEAN_PHASE_TIMES=1 in the environment at construction (null otherwise): wall
   // time (µs) of each phase of compute_kv, summed over calls (time.inputs_us, time.store_us, time.score_us,
   // time.select_us, time.attend_us, time.total_us; time.calls)
