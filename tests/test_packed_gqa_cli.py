@@ -905,3 +905,57 @@ def test_og_row_runs_pasts_near_the_context_length(forms):
         gens.append(row.gens[p])
     assert all(g is gens[0] for g in gens)   # one generator, rewound (og has rewind_to)
     assert gens[0].token_count() == ctx
+
+
+def test_tune_prefill_chooses_a_sparse_budget(forms, tmp_path, monkeypatch):
+    """--attn-tune also chooses the sparse prefill budget: prefill-mode Δppl of the calibration spans'
+    rows past --attn-prefill-min-context against exact prompt attention, the smallest passing budget
+    (the largest first, stopping at the first failure); the nodes carry it; a given budget over the
+    quality budget is refused (exit 3) and nothing is written; --quality-budget off writes a given one
+    unmeasured."""
+    import onnx
+
+    from rewriter.backends.packed_attention import PREFILL_BUDGETS
+
+    src = forms["genai-fp32"] / "model.onnx"
+    calib = _calib_text(tmp_path / "calib.txt", n=600)
+    flags = ["--state-pack", "binary", "--calib-text", str(calib), "--attn-tune-context", "300",
+             "--attn-tune-score", "32", "--attn-prefill-min-context", "128", "--attn-prefill-context", "1024",
+             "--attn-prefill-window", "32", "--attn-prefill-block", "16"]   # (the tiny model has 512 positions)
+    rc, rep = _rewrite(src, tmp_path / "t.onnx", *flags, "--quality-budget", "0.05")
+    assert rc == 0, rep
+    rec = next(r for r in rep["graph_passes"] if "prefill_tune" in r)
+    pf = rec["prefill_tune"]
+    trials = pf["quality"]["trials"]
+    assert trials and [t["prefill_budget"] for t in trials] == list(PREFILL_BUDGETS[:len(trials)])
+    assert pf["quality"]["contexts"] == [128, 512] and pf["quality"]["scored"] >= 700
+    passing = [t["prefill_budget"] for t in trials if t["delta_ppl_upper"] <= pf["quality"]["budget"]]
+    assert pf["prefill_budget"] == (min(passing) if passing else 0.0)
+    m = onnx.load(str(tmp_path / "t.onnx"), load_external_data=False)
+    for n in (n for n in m.graph.node if n.op_type == "PackedAttention"):
+        a = {x.name: x for x in n.attribute}
+        if 0 < pf["prefill_budget"] < 1:
+            assert abs(a["prefill_budget"].f - pf["prefill_budget"]) < 1e-7 and a["prefill_block"].i == 16
+            assert a["prefill_window"].i == 32 and a["prefill_min_context"].i == 128
+        else:
+            assert "prefill_budget" not in a or a["prefill_budget"].f == 0
+    # a given budget that does not hold (its rows made 22 % worse here): exit 3, nothing written
+    import rewriter.backends.packed_attention as pa
+
+    real, calls = pa._prefill_nll_spans, []
+
+    def worse(*a, **k):
+        calls.append(1)
+        nll = real(*a, **k)
+        return nll if len(calls) == 1 else nll + 0.2      # the first call is the exact reference
+
+    monkeypatch.setattr(pa, "_prefill_nll_spans", worse)
+    rc, rep = _rewrite(src, tmp_path / "g.onnx", *flags, "--attn-prefill-budget", "0.2", "--quality-budget", "0.05")
+    assert rc == 3 and not (tmp_path / "g.onnx").exists() and len(calls) == 2, (rc, calls, rep and [r.get("prefill_tune") for r in rep["graph_passes"]])
+    monkeypatch.undo()
+    # unmeasured with --quality-budget off
+    rc, rep = _rewrite(src, tmp_path / "o.onnx", *flags, "--attn-prefill-budget", "0.2", "--quality-budget", "off")
+    assert rc == 0
+    m = onnx.load(str(tmp_path / "o.onnx"), load_external_data=False)
+    pas = [n for n in m.graph.node if n.op_type == "PackedAttention"]
+    assert pas and all(abs({x.name: x for x in n.attribute}["prefill_budget"].f - 0.2) < 1e-7 for n in pas)

@@ -96,6 +96,22 @@ class AttnConfig(Options):
     cand_block: int = flag("--attn-cand-block", 1, "fused graphs: choose candidates in blocks of this many consecutive "
                            "keys (a block scored by its best key), so that the rows read run in order — DRAM streams "
                            "them instead of one miss per row (default 1: key by key)", type=int)
+    prefill_budget: float = flag("--attn-prefill-budget", None, "fused graphs, int8 / int4 K/V rows: sparse prefill — "
+                                 "the keys a tile of prompt rows attends to as a fraction of its context (the sink "
+                                 "block, --attn-prefill-window keys before the tile, and the key blocks whose bound on "
+                                 "the tile's logits is best; docs/packed-attention.md). Default: chosen by --attn-tune "
+                                 "from prefill-mode perplexity of long calibration spans (--attn-prefill-context) "
+                                 "against exact prompt attention, else 0; 0 or 1 = exact prompts", type=float)
+    prefill_window: int = flag("--attn-prefill-window", 1024, "sparse prefill: keys before a tile of prompt rows it "
+                               "always attends to (default 1024)", type=int)
+    prefill_block: int = flag("--attn-prefill-block", 64, "sparse prefill: prompt rows per tile and keys per block "
+                              "(default 64)", type=int)
+    prefill_min_context: int = flag("--attn-prefill-min-context", 4096, "sparse prefill: prompt rows whose context "
+                                    "is at most this attend to every key (default 4096; the tuner scores the rows "
+                                    "from here on)", type=int)
+    prefill_context: int = flag("--attn-prefill-context", 16384, "--attn-tune: the prompt length whose rows past "
+                                "--attn-prefill-min-context the sparse prefill is scored on (default 16384, capped by "
+                                "the model's positions and the calibration text)", type=int)
     mix: float = flag("--attn-mix", 0.0, "seed behaviour: mix this fraction of the approximate score into the exact "
                       "logits (default 0)", type=float)
     # from the shared --state-pack* group (kit.options.StatePack) and --attn-pack-bits
@@ -129,6 +145,14 @@ class AttnConfig(Options):
             raise OrtleanError("--attn-min-candidates/--attn-sinks/--attn-window/--attn-min-context must be ≥ 0")
         if not 1 <= self.cand_block <= 4096:
             raise OrtleanError(f"--attn-cand-block {self.cand_block}: must be in 1..4096")
+        if self.prefill_budget is not None and not 0 <= self.prefill_budget <= 1:
+            raise OrtleanError(f"--attn-prefill-budget {self.prefill_budget}: must be in [0, 1]")
+        if not 8 <= self.prefill_block <= 4096:
+            raise OrtleanError(f"--attn-prefill-block {self.prefill_block}: must be in 8..4096")
+        if min(self.prefill_window, self.prefill_min_context) < 0:
+            raise OrtleanError("--attn-prefill-window / --attn-prefill-min-context must be ≥ 0")
+        if self.prefill_context < 256:
+            raise OrtleanError(f"--attn-prefill-context {self.prefill_context}: must be ≥ 256")
         if not 256 <= self.pq_keys <= 1 << 20:
             raise OrtleanError(f"--attn-pq-keys {self.pq_keys}: must be in 256..1048576")
 
@@ -313,6 +337,10 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | N
                      min_candidates=int(cfg.min_candidates), sinks=int(cfg.sinks), window=int(cfg.window),
                      min_context=int(cfg.min_context), rho=float(cfg.rho), qbits=int(cfg.qbits), mix=float(cfg.mix),
                      popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer, approx_prefill=int(cfg.approx_prefill))
+        pb = cfg.prefill_budget or 0.0
+        if 0 < pb < 1:
+            attrs.update(prefill_budget=float(pb), prefill_block=int(cfg.prefill_block),
+                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context))
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
         if kscale and m.cache in kscale:
@@ -461,6 +489,10 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
                      kv_quant=cfg.kv_quant, local_window=int(a.get_int("local_window_size", -1)),
                      softcap=float(a.get_float("softcap", 0.0)), num_heads=int(Hq), kv_num_heads=int(Hkv),
                      rotary_interleaved=int(a.get_int("rotary_interleaved", 0)) if rot else 0)
+        pb = cfg.prefill_budget or 0.0
+        if 0 < pb < 1:
+            attrs.update(prefill_budget=float(pb), prefill_block=int(cfg.prefill_block),
+                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context))
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
         if cfg.cand_block != 1:
@@ -772,6 +804,138 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
     return out
 
 
+PREFILL_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
+PREFILL_CHUNK = 512    # what `ortlean generate` and SharedKV.prefill run a long prompt in
+
+
+def _prefill_nll_spans(sess, spans: list, score_from: int, io_hint=None, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+    """Prefill-mode NLL of each span's tokens predicted from positions >= score_from: the span fed in
+    chunks of ``chunk`` tokens through one shared K/V buffer (the prompt path of `ortlean generate`),
+    every chunk's logits scored (teacher forcing over the prompt); concatenated over the spans."""
+    io = runtime.ModelIO.from_session(sess).fill_from(io_hint) if io_hint is not None else \
+        runtime.ModelIO.from_session(sess)
+    kv = runtime.SharedKV(sess, io, max(len(sp) for sp in spans))
+    out = []
+    for sp in spans:
+        kv.length = 0
+        n = len(sp) - 1
+        for c0 in range(0, n, chunk):
+            ids = np.asarray(sp[c0:min(n, c0 + chunk)], np.int64)
+            lg = kv.step(ids[None, :])[0].astype(np.float32)           # [len, vocab]
+            keep = np.arange(c0, c0 + ids.size) >= score_from
+            if not keep.any():
+                continue
+            lg = lg[keep]
+            tgt = np.asarray(sp[c0 + 1:c0 + 1 + ids.size], np.int64)[keep]
+            mx = lg.max(1)
+            lse = mx + np.log(np.exp(lg - mx[:, None]).sum(1))
+            out.append(lse - lg[np.arange(tgt.size), tgt])
+    return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spent: float) -> dict:
+    """Sparse prefill's budget (--attn-tune, fused graphs, int8 / int4 rows): the smallest of
+    PREFILL_BUDGETS whose prefill-mode Δppl — the calibration text's tokens at positions from
+    --attn-prefill-min-context to --attn-prefill-context, the prompt fed in 512-token chunks as
+    `ortlean generate` does — against the same model with exact prompt attention has a one-sided 95 %
+    bound within what the weights and the decode approximation (``spent``) left of --quality-budget;
+    budgets are tried from the largest, stopping at the first that fails (a smaller one attends to a
+    subset of its keys' blocks' rivals). A given --attn-prefill-budget is measured the same way and
+    refused (exit 3) over the budget. Sets the nodes' prefill attributes; returns the report's entry."""
+    out: dict = {}
+    given = cfg.prefill_budget is not None
+    floor = int(cfg.prefill_min_context)
+    ids = np.asarray(ctx.calib.ids, np.int64) if ctx.opts.calib_text else np.zeros(0, np.int64)
+    L = min(int(cfg.prefill_context), int(max_pos or 1 << 30), ids.size - 1)
+
+    def set_budget(b):
+        vals = {"prefill_budget": float(b), "prefill_block": int(cfg.prefill_block),
+                "prefill_window": int(cfg.prefill_window), "prefill_min_context": floor}
+        _set_attrs(model, vals if 0 < b < 1 else {"prefill_budget": 0.0})
+
+    def testable(b) -> bool:
+        # the last tile of a span keeps middle blocks, and fewer than all of them (else it tests nothing)
+        Bk = int(cfg.prefill_block)
+        nb, jl = L // Bk + 1, max(0, (L // Bk) * Bk - int(cfg.prefill_window)) // Bk
+        ns = 1 if cfg.sinks > 0 else 0
+        keep = -(-math.ceil(b * L) // Bk) - ns - (nb - jl)
+        return 0 < keep < jl - ns
+
+    if cfg.kv_quant == "fp32" and not given:
+        set_budget(0.0)
+        return {"prefill_budget": 0.0, "summary": "exact prompts (--attn-kv fp32: the exact recipe)"}
+    if ctx.opts.quality_budget is None or (cfg.tune != "auto" and not given):
+        b = cfg.prefill_budget or 0.0
+        set_budget(b)
+        return {"prefill_budget": float(b), "summary": (f"prefill budget {b:g} unmeasured (--quality-budget off)"
+                                                        if 0 < b < 1 else "exact prompts")}
+    if L - floor < 4 * int(cfg.prefill_block):
+        if given and 0 < cfg.prefill_budget < 1:
+            raise OrtleanError(f"--attn-prefill-budget {cfg.prefill_budget}: measuring it needs calibration spans longer "
+                               f"than --attn-prefill-min-context {floor} by 4 blocks; the text and positions allow "
+                               f"{L} (give a longer --calib-text, or --quality-budget off to write it unmeasured)")
+        set_budget(0.0)
+        return {"prefill_budget": 0.0, "summary": f"exact prompts (sparse prefill not measurable: {L}-token spans, "
+                                                  f"min context {floor})"}
+    qb = remaining_budget(float(ctx.opts.quality_budget), spent)
+    n_sp = max(1, min(2, ids.size // (L + 1)))
+    spans = [ids[o: o + L + 1] for o in
+             (min(ids.size - L - 1, max(0, (k + 1) * ids.size // (n_sp + 1) - (L + 1) // 2)) for k in range(n_sp))]
+    threads = max(2, ctx.threads)
+    set_budget(0.0)
+    sess = stream.session(model, threads, stream=False)
+    nll_ref = _prefill_nll_spans(sess, spans, floor, ctx.io)
+    del sess
+    budgets = (cfg.prefill_budget,) if given else PREFILL_BUDGETS
+    trials, best = [], 0.0
+    for b in budgets:
+        if not 0 < b < 1:
+            best = 0.0
+            break
+        if not given and not testable(b):
+            out.setdefault("untested", []).append(b)
+            continue
+        set_budget(b)
+        sess = stream.session(model, threads, stream=False)
+        nll = _prefill_nll_spans(sess, spans, floor, ctx.io)
+        del sess
+        d, up = runtime.paired_delta(nll, nll_ref)
+        trials.append({"prefill_budget": b, "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
+        if up > qb:
+            if given:
+                set_budget(0.0)
+                raise BudgetRefused(f"PackedAttention: --attn-prefill-budget {b} gives prefill-mode Δppl {d:+.4f} "
+                                    f"(one-sided 95 % bound {up:+.4f}) against exact prompt attention on the "
+                                    f"calibration text at contexts {floor}..{L}, over what the rest leaves of "
+                                    f"--quality-budget {ctx.opts.quality_budget} ({qb:+.4f}): nothing written "
+                                    "(a larger --attn-prefill-budget, or lift --quality-budget)",
+                                    {"prefill_tune": {"trials": trials}})
+            break
+        best = b
+    set_budget(best)
+    out.update({"prefill_budget": float(best), "quality": {
+        "metric": "prefill-mode Δppl vs the same model with exact prompt attention", "budget": qb,
+        "contexts": [floor, int(L)], "scored": int(nll_ref.size), "spans": len(spans), "trials": trials}})
+    if 0 < best < 1:
+        out.update(prefill_block=int(cfg.prefill_block), prefill_window=int(cfg.prefill_window),
+                   prefill_min_context=floor)
+        t = next(t for t in trials if t["prefill_budget"] == best)
+        out["summary"] = (f"sparse prefill budget {best:g} from context {floor} (prefill-mode Δppl "
+                          f"{100 * t['delta_ppl']:+.2f} %, bound {100 * t['delta_ppl_upper']:+.2f} %, at {floor}..{L})")
+    else:
+        out["summary"] = "exact prompts (no sparse prefill budget passed)" if trials else "exact prompts"
+    return out
+
+
+def _chosen_delta(tune: dict) -> float:
+    """The decode-mode Δppl the tuner measured for the setting it chose (0 when exact or unmeasured)."""
+    q = tune.get("quality")
+    if not isinstance(q, dict) or not 0 < tune.get("budget", 1.0) < 1:
+        return 0.0
+    return next((t["delta_ppl"] for t in q.get("trials", []) if (t["budget"], t["window"]) ==
+                 (tune["budget"], tune["window"])), 0.0)
+
+
 def _layer_shape(pa: ir.Node) -> tuple[int, int, int, int]:
     """(Hq, Hkv, D, Dv) of an apply_gqa PackedAttention node (its heads and its input widths)."""
     Hq, Hkv = pa.attributes.get_int("num_heads"), pa.attributes.get_int("kv_num_heads")
@@ -855,11 +1019,15 @@ class PackedAttentionPass(GraphPassBase):
             recs = apply_gqa(model, cfg, kscale=ks, pq=pq, ksmooth=smooth)
             if (cfg.tune == "auto" or measure) and any(r["backend"] == "packed_attention" for r in recs):
                 tune = tune_gqa(model, ref, cfg, ctx, max_pos)
+                spent = ctx.weights_loss + max(0.0, _chosen_delta(tune))
+                pf = tune_prefill(model, cfg, ctx, max_pos, spent)
                 for r in recs:
                     if r["backend"] == "packed_attention":
-                        r["decision"] = re.sub(r"budget [0-9.e-]+\)", f"{tune['summary']})", r["decision"])
+                        r["decision"] = re.sub(r"budget [0-9.e-]+\)", f"{tune['summary']}; {pf['summary']})",
+                                               r["decision"])
                 first = next(r for r in recs if r["backend"] == "packed_attention")
                 first["tune"] = tune
+                first["prefill_tune"] = pf
             if ks:
                 for r in recs:
                     if r["backend"] == "packed_attention":

@@ -29,6 +29,12 @@ streaming loop (tests/bench/attn_stream.c, same threads, same run, interleaved) 
 metrics: reading the inputs, storing the new rows, scoring, selecting, attending; medians over the
 timed runs; wall time of each phase, so at 2 threads a phase includes waiting for its slowest task).
 
+    python tests/bench/attn_speed.py prefill [--shape qwen|smollm2|gemma3] [--pasts 4096,16384,32256] [--chunk 512]
+                                             [--budgets exact,0.25,0.125] [--block 64] [--window 1024] [--threads 2]
+
+prefill: one prompt chunk of one PackedAttention node after a cached past (int8 rows): the exact
+prompt path against the sparse prefill at each budget (bench_prefill's docstring).
+
     python tests/bench/attn_speed.py memory [--threads 2] [--mib 512] [--repeats 30]
 
 memory: the machine's sustained read bandwidth (the bound's streaming loop over a buffer far larger
@@ -528,9 +534,74 @@ def _phase_times(m: dict, layers: int) -> dict:
     return {k: sum(v.get(f"time.{k}_us", 0.0) for v in m.values()) / layers for k in keys}
 
 
+def bench_prefill(a) -> dict:
+    """One PackedAttention node's prompt chunk (--chunk rows) after a cached past of each of --pasts
+    rows, int8 rows (--kv), GQA shapes (--shape qwen: 12 query heads, 2 KV heads, head dim 128;
+    smollm2: 9, 3, 64): the exact prompt path (prefill_gemm) and the sparse prefill at each of
+    --budgets (prefill_sparse; budget "exact" = its own path with every tile exact: the kernel's
+    cost without selection), interleaved rounds, medians; the time per chunk, the attention FLOPs it
+    did (QK and PV of the keys attended, 4 · heads · D per key and row) per second, and the
+    attended fraction (the op's pack.prefill_attended over pack.prefill_keys)."""
+    import numpy as np
+
+    import custom_ops
+    from custom_ops.reference.attn import pack_cache
+    from test_packed_gqa import kv_model
+
+    Hq, Hkv, D = {"qwen": (12, 2, 128), "smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}[a.shape]
+    M, q = a.chunk, a.kv.split(",")[0]
+    rng = np.random.default_rng(0)
+    res = {"shape": a.shape, "heads": [Hq, Hkv, D], "chunk": M, "kv": q, "threads": a.threads,
+           "isa": custom_ops.isa_label(), "block": a.block, "window": a.window, "rows": []}
+    for past in [int(x) for x in a.pasts.split(",")]:
+        Kp = rng.standard_normal((1, Hkv, past, D), dtype=np.float32)
+        Vp = rng.standard_normal((1, Hkv, past, D), dtype=np.float32)
+        bits, rows = pack_cache(Kp, Vp, q)
+        feed = {"Q": rng.standard_normal((1, Hq, M, D), dtype=np.float32),
+                "K": rng.standard_normal((1, Hkv, M, D), dtype=np.float32),
+                "V": rng.standard_normal((1, Hkv, M, D), dtype=np.float32), "past_bits": bits, "past_kv": rows}
+        variants = {"prefill_gemm": {}}
+        for b in a.budgets.split(","):
+            if b == "exact":
+                variants["sparse path, exact tiles"] = dict(prefill_budget=0.5, prefill_min_context=1 << 30)
+            else:
+                variants[f"sparse {b}"] = dict(prefill_budget=float(b), prefill_min_context=0)
+        sess = {}
+        for i, (name, extra) in enumerate(variants.items()):
+            attrs = dict(kv_quant=q, scale=float(D) ** -0.5, sinks=4, prefill_block=a.block, prefill_window=a.window,
+                         **extra)
+            sess[name] = (custom_ops.session(kv_model(attrs, use=tuple(feed), outs=3, name=f"pf{i}_{past}"),
+                                             threads=a.threads), f"pf{i}_{past}")
+        times = {n: [] for n in sess}
+        for r in range(a.repeats + 1):
+            names = list(sess)
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                s, node = sess[n]
+                t0 = time.perf_counter()
+                s.run(None, feed)
+                if r:
+                    times[n].append(time.perf_counter() - t0)
+        met = custom_ops.metrics()
+        for n, (s, node) in sess.items():
+            med = statistics.median(times[n])
+            m = met.get(node, {})
+            frac = (m.get("pack.prefill_attended", 0) / m["pack.prefill_keys"]) if m.get("pack.prefill_keys") else 1.0
+            keys = sum(past + i + 1 for i in range(M)) * frac
+            flops = 4.0 * Hq * D * keys
+            row = {"past": past, "variant": n, "ms": round(med * 1e3, 2), "attended": round(frac, 4),
+                   "GFLOPs": round(flops / med / 1e9, 1), "tok_s": round(M / med, 1)}
+            res["rows"].append(row)
+            print(f"past {past:6d} {n:26s} {row['ms']:9.2f} ms/chunk of {M}  attended {frac:6.3f}  "
+                  f"{row['GFLOPs']:7.1f} GFLOP/s  {row['tok_s']:8.1f} rows/s", flush=True)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["op", "model", "decode", "memory"])
+    ap.add_argument("what", choices=["op", "model", "decode", "memory", "prefill"])
+    ap.add_argument("--shape", choices=["qwen", "smollm2", "gemma3"], default="qwen", help="prefill: the heads")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill: prompt rows per call")
+    ap.add_argument("--block", type=int, default=64, help="prefill: prefill_block")
     ap.add_argument("--mib", type=int, default=512, help="memory: the buffer's size (MiB)")
     ap.add_argument("--pasts", default="128,4096")
     ap.add_argument("--kv", default="int8,int4")
@@ -555,7 +626,14 @@ def main(argv=None) -> int:
                     help="decode: PackedAttention's key codes (pq: a random codebook)")
     ap.add_argument("--lib-a", help="decode: also time PackedAttention on this build of libortlean_ops.so")
     a = ap.parse_args(argv)
-    res = {"op": bench_op, "model": bench_model, "decode": bench_decode, "memory": bench_memory}[a.what](a)
+    if a.what == "prefill":
+        a.budgets = a.budgets if a.budgets != "0,0.125,0.25,0.5" else "exact,0.25,0.125"
+        a.window = a.window if a.window != 64 else 1024
+        a.pasts = a.pasts if a.pasts != "128,4096" else "4096,16384,32256"
+        a.kv = a.kv if a.kv != "int8,int4" else "int8"
+        a.repeats = a.repeats if a.repeats != 30 else 3
+    res = {"op": bench_op, "model": bench_model, "decode": bench_decode, "memory": bench_memory,
+           "prefill": bench_prefill}[a.what](a)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     return 0
