@@ -125,6 +125,18 @@ def test_budget_zero_and_one_are_the_exact_path():
 
 
 @requires_native
+@pytest.mark.parametrize("q", ["int8", "fp32"])
+def test_exact_prompt_rows_of_a_long_context(q):
+    """Without a sparse budget, a call whose context reaches kFlashMinContext (2048) keys runs its exact
+    prompt rows through the chunked online softmax (every tile exact): the reference's exact rows."""
+    f = prompt_case(Hq=6, Hkv=2, M=70, P=2100, D=32, q=q, seed=11)
+    attrs = {"kv_quant": q, "scale": 32 ** -0.5}
+    Y = run_native(attrs, f)[0]
+    Yr = run_ref(attrs, f)[0]
+    np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
+
+
+@requires_native
 def test_tile_aligned_chunks_equal_one_call():
     """A prompt fed in chunks whose boundaries are multiples of the block (the state carried) gives the
     rows one call gives: a tile's rows are the same in both."""
@@ -164,6 +176,9 @@ def _isa_worker() -> None:
             Y = run_native(attrs, f)[0]
             Yr = run_ref(attrs, f)[0]
             np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
+        f = prompt_case(Hq=6, Hkv=2, M=40, P=2050, D=D, Dv=Dv, q=q, seed=5)   # exact rows, long context
+        attrs = {"kv_quant": q, "scale": 0.2}
+        np.testing.assert_allclose(run_native(attrs, f)[0], run_ref(attrs, f)[0], atol=3e-5, rtol=1e-4)
     print("ok", custom_ops.isa())
 
 

@@ -537,7 +537,8 @@ def _phase_times(m: dict, layers: int) -> dict:
 def bench_prefill(a) -> dict:
     """One PackedAttention node's prompt chunk (--chunk rows) after a cached past of each of --pasts
     rows, int8 rows (--kv), GQA shapes (--shape qwen: 12 query heads, 2 KV heads, head dim 128;
-    smollm2: 9, 3, 64): the exact prompt path (prefill_gemm) and the sparse prefill at each of
+    smollm2: 9, 3, 64): the exact prompt path (budget 0: prefill_gemm below 2,048 keys of context, the
+    chunked online softmax from there on) and the sparse prefill at each of
     --budgets (prefill_sparse; budget "exact" = its own path with every tile exact: the kernel's
     cost without selection), interleaved rounds, medians; the time per chunk, the attention FLOPs it
     did (QK and PV of the keys attended, 4 · heads · D per key and row) per second, and the
@@ -560,7 +561,7 @@ def bench_prefill(a) -> dict:
         feed = {"Q": rng.standard_normal((1, Hq, M, D), dtype=np.float32),
                 "K": rng.standard_normal((1, Hkv, M, D), dtype=np.float32),
                 "V": rng.standard_normal((1, Hkv, M, D), dtype=np.float32), "past_bits": bits, "past_kv": rows}
-        variants = {"prefill_gemm": {}}
+        variants = {"exact (budget 0)": {}}
         for b in a.budgets.split(","):
             if b == "exact":
                 variants["sparse path, exact tiles"] = dict(prefill_budget=0.5, prefill_min_context=1 << 30)

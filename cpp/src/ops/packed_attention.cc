@@ -684,6 +684,9 @@ struct KvCall {
 
 namespace {
 constexpr int64_t kKvChunk = 1024;       // keys per task in the attend phase
+// exact prompt rows (no sparse budget) of a call whose context reaches this many keys run prefill_sparse's
+// chunked online softmax, every tile exact, instead of prefill_gemm (measured: tests/bench/attn_speed.py prefill)
+constexpr int64_t kFlashMinContext = 2048;
 constexpr int64_t kPrefetchNewRows = 4;  // at most this many new tokens a call: read_kv_inputs prefetches their rows
 
 template <class T>
@@ -1711,9 +1714,11 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 // softmax, Y += P.V — int8 / int4 rows as prefill_gemm (the decode kernel's int16 query levels).
 bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
-  if (c.M < 2 || c.mask || !c.idx.empty() || p.approx_prefill || p.local_window > 0 ||
-      !(p.prefill_budget > 0 && p.prefill_budget < 1))
-    return false;
+  if (c.M < 2 || c.mask || !c.idx.empty() || p.approx_prefill || p.local_window > 0) return false;
+  // without a sparse budget, the exact prompt rows of a long context run here too (every tile exact):
+  // its key chunks stay in the caches where prefill_gemm's rows x context score matrix does not
+  const bool sparse_on = p.prefill_budget > 0 && p.prefill_budget < 1;
+  if (!sparse_on && c.Tc < kFlashMinContext) return false;
   const int64_t Bk = p.prefill_block, M = c.M, rep = c.rep, D = c.D, Dv = c.Dv, R = c.kf.words, Tc = c.Tc;
   const int64_t BH = c.B * c.Hkv, D2 = 2 * D;
   const bool f32 = c.kf.bits == 32;
@@ -1738,7 +1743,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
       const int64_t want =
           static_cast<int64_t>(std::ceil(static_cast<double>(p.prefill_budget) * static_cast<double>(tl.pb + 1)));
       const int64_t keep = std::max<int64_t>(0, (want + Bk - 1) / Bk - tl.ns - (tl.nb - tl.jl));
-      if (tl.pb + 1 > p.prefill_min_context && keep < nmid) {
+      if (sparse_on && tl.pb + 1 > p.prefill_min_context && keep < nmid) {
         tl.keep = keep;
         J = std::max(J, tl.jl);
       }
@@ -1841,9 +1846,10 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
         for (int64_t h = 0; h < rep; ++h) std::memcpy(Qt + (h * mt + m) * D, q + h * M * D, sizeof(float) * static_cast<size_t>(D));
       } else {
         ak_->quantize_query(q, M * D, static_cast<int>(rep), D, D16, q16, qsm);
-        for (int64_t h = 0; h < rep; ++h) {
+        for (int64_t h = 0; h < rep; ++h) {  // the levels times their scale: S below is the logits
           float* o = Qt + (h * mt + m) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(q16[h * D16 + d]);
+          const float f = qsm[h];
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(q16[h * D16 + d]) * f;
           qs[h * mt + m] = qsm[h];
         }
       }
@@ -1923,26 +1929,30 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
       }
       ak_->deq_rows(rp, nk, D, c.kf.bits, Kt);
       ak_->deq_rows(rp + kChunk, nk, Dv, c.kf.bits, Vt);
+      if (!f32)  // each key row times its scale (and the logit scale), each value row times its own
+        for (int64_t j = 0; j < nk; ++j) {
+          ak_->scal(ks[j], Kt + j * D, D);
+          ak_->scal(vs[j], Vt + j * Dv, Dv);
+        }
       blas::sgemm(false, true, rows, nk, D, f32 ? sc : 1.0f, Qt, D, Kt, D, 0.0f, S, nk);
+      // the rows' causal limits: keys are ascending, so a row's cuts a suffix, and only for the keys
+      // past the tile's first row (its local blocks)
+      const int64_t ahead = std::upper_bound(keys, keys + nk, pa - 1) - keys;  // keys < pa: every row's
       for (int64_t i = 0; i < rows; ++i) {
-        const int64_t pos = pa + i % mt;
         float* s = S + i * nk;
-        int64_t hi = nk;  // keys are ascending: the row's causal limit cuts a suffix
-        while (hi > 0 && keys[hi - 1] > pos) --hi;
+        int64_t hi = nk;
+        if (ahead < nk) {
+          const int64_t pos = pa + i % mt;
+          hi = std::upper_bound(keys + ahead, keys + nk, pos) - keys;
+        }
         attended += hi;
-        if (!f32)
-          for (int64_t j = 0; j < hi; ++j) s[j] *= qs[i] * ks[j];
         if (cap > 0)
           for (int64_t j = 0; j < hi; ++j) s[j] = cap * std::tanh(s[j] / cap);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < hi; ++j) {
-          if (s[j] != s[j]) s[j] = -INFINITY;
-          mx = s[j] > mx ? s[j] : mx;
-        }
-        for (int64_t j = hi; j < nk; ++j) s[j] = 0.0f;
+        const float mx = hi ? ak_->maxv(s, hi) : -INFINITY;
+        if (hi < nk) std::memset(s + hi, 0, sizeof(float) * static_cast<size_t>(nk - hi));
         const float nm = mx > mxr[i] ? mx : mxr[i];
-        if (!(nm > -INFINITY)) {  // nothing finite yet
-          for (int64_t j = 0; j < hi; ++j) s[j] = 0.0f;
+        if (!(nm > -INFINITY) || nm == INFINITY) {  // nothing finite yet (or a NaN / inf logit): no weight
+          std::memset(s, 0, sizeof(float) * static_cast<size_t>(hi));
           continue;
         }
         if (nm > mxr[i] && mxr[i] > -INFINITY) {
@@ -1952,8 +1962,6 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
         }
         mxr[i] = nm;
         sum[i] += ak_->expsum(s, nm, hi);
-        if (!f32)
-          for (int64_t j = 0; j < hi; ++j) s[j] *= vs[j];
       }
       blas::sgemm(false, false, rows, Dv, nk, 1.0f, S, nk, Vt, Dv, 1.0f, Yt, Dv);
     }
