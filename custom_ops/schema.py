@@ -363,12 +363,16 @@ _BQ_RULES = (Rule("block_size is for q4_f; another format takes only its own blo
                   a["format"] in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0") or (a["format"] == "q4_f" and a.get("block_size") in (None, 32))))
 _BQ_ACT = Attr("act_bits", "int", default=8, valid=Valid(choices=(8, 16)),
                doc="activation integers per block of 32: 8 (int8, ggml's q8_0) or 16 (int16: the rounding ~256x finer)")
+_BQ_PREFILL_ACT = Attr("prefill_act_bits", "int", default=0, valid=Valid(choices=(0, 8, 16)),
+                       doc="act_bits of a call with M > 1 rows (a prompt's prefill): 0 (default: act_bits), 8 or 16; "
+                           "M = 1 (decode) keeps act_bits. 8 under act_bits 16 halves the prefill's integer products "
+                           "(int16 activations cost two vpdpbusd each)")
 _BQ_GLU = Attr("glu", "string", default="none", valid=Valid(choices=("none", "silu")),
                doc="none, or silu: W holds a SwiGLU gate's N/2 rows then the up projection's N/2, and Y "
                    "[..., N/2] = silu(gate) * up of the product (one op for an MLP's gate, up and activation)")
 SCHEMAS += (
     OpSchema("BlockQuantMatMul", inputs=(Port("X"), Port("W", "uint8"), Port("bias", optional=True)),
-             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:5], _BQ_ACT, _BQ_GLU, *_BQ_ATTRS[5:]),
+             outputs=(Port("Y"),), attrs=(*_BQ_ATTRS[:5], _BQ_ACT, _BQ_PREFILL_ACT, _BQ_GLU, *_BQ_ATTRS[5:]),
              reference="custom_ops.reference.blockquant:op",
              rules=(*_BQ_RULES, Rule("glu silu needs an even N (the gate's rows, then as many of the up projection's)",
                                      lambda a: a.get("glu", "none") != "silu" or int(a["N"]) % 2 == 0))),

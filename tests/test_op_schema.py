@@ -91,7 +91,7 @@ def test_schema_lists_every_op_with_typed_defaults():
     assert schema["PackedAttention"]["eps_heads"] == [] and schema["TTMatMul"]["gap"] is None
     # required attributes have no default
     assert "modes_k" not in schema["TTMatMul"] and "block" not in schema["ProcSparseMatMul"]
-    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8, "glu": "none", "layout": "blocks"}
+    assert schema["BlockQuantMatMul"] == {"gap": None, "act_bits": 8, "prefill_act_bits": 0, "glu": "none", "layout": "blocks"}
     assert schema["BlockQuantGather"] == {"gap": None, "layout": "blocks"}
 
 

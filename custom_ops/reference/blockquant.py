@@ -50,7 +50,11 @@ to even), clamped to [−Q, Q]; a block whose Q / amax is not finite (all zero, 
 ≈ 3.7e-37 | 9.6e-35) has q = 0, d_x = 0. x̂ = d_x · q (exact).
 Y = x̂ · Ŵᵀ + bias: the exact product of the quantized activations with the exact weights (here in
 float64, rounded to float32 once); the kernels sum in float32 in any order. A row of X holding a NaN or
-an infinity gives a row of NaN. Rows never interact, so Y does not depend on M.
+an infinity gives a row of NaN. Rows never interact.
+prefill_act_bits (BlockQuantMatMul; attribute, 0 default | 8 | 16): the act_bits of the rows of a call
+with M > 1 rows (M = the product of X's leading dims: a prompt's prefill); 0 means act_bits. A call with
+M = 1 (decode) always uses act_bits. So with prefill_act_bits = act_bits (or 0) a row's result does not
+depend on M; with another value the rows of an M > 1 call are those of act_bits = prefill_act_bits.
 
 glu = "silu" (BlockQuantMatMul; N even): the gated unit of a SwiGLU MLP in the op. W's rows are a gate
 projection's N/2 rows followed by an up projection's N/2; P = x̂ · Ŵᵀ + bias as above (float32, bias of
@@ -362,6 +366,20 @@ def _act_bits(attrs: dict) -> int:
     return a
 
 
+def _prefill_act_bits(attrs: dict, act_bits: int) -> int:
+    """The act_bits of a call with M > 1 rows: attribute prefill_act_bits (0 or absent: act_bits)."""
+    a = attrs.get("prefill_act_bits")
+    a = 0 if a is None else int(a)
+    if a not in (0, *ACT_BITS):
+        raise ValueError(f"attribute prefill_act_bits must be 0 (as act_bits), 8 or 16, got {a}")
+    return a or act_bits
+
+
+def call_act_bits(M: int, act_bits: int = 8, prefill_act_bits: int = 0) -> int:
+    """The activation integers of a call with M rows: prefill_act_bits (0: act_bits) when M > 1, else act_bits."""
+    return (prefill_act_bits or act_bits) if M > 1 else act_bits
+
+
 def _glu(attrs: dict, N: int) -> bool:
     g = attrs.get("glu")
     g = "none" if g in (None, "", b"") else (g.decode() if isinstance(g, bytes) else g)
@@ -383,10 +401,12 @@ def silu_mul(P: np.ndarray) -> np.ndarray:
 
 def op(X, W, bias=None, **attrs) -> np.ndarray:
     """BlockQuantMatMul: Y = x̂ · Ŵᵀ + bias (module docstring); attrs: format, K, N, [block_size],
-    [act_bits] (8 | 16, absent: 8), [glu] (none | silu: Y = silu_mul of that product), [layout]
+    [act_bits] (8 | 16, absent: 8), [prefill_act_bits] (0 | 8 | 16, absent / 0: act_bits; the act_bits of
+    a call whose X holds M > 1 rows), [glu] (none | silu: Y = silu_mul of that product), [layout]
     (blocks | split: W's row layout)."""
     fmt, K, N, bs = _attrs(attrs)
     act_bits = _act_bits(attrs)
+    prefill_bits = _prefill_act_bits(attrs, act_bits)
     glu = _glu(attrs, N)
     _layer(W, fmt, K, N, bs)
     if _layout(attrs, fmt, bs, act_bits) == "split":
@@ -400,7 +420,8 @@ def op(X, W, bias=None, **attrs) -> np.ndarray:
         if bias.shape != (N,):
             raise ValueError(f"bias has shape {list(bias.shape)}, expected [{N}]")
     Wd = dequantize(W, fmt, K, bs).astype(np.float64)
-    q, d, finite = quantize_activations(X, act_bits)
+    M = X.size // K
+    q, d, finite = quantize_activations(X, call_act_bits(M, act_bits, prefill_bits))
     Y = dequantize_activations(q, d, K) @ Wd.T
     if bias is not None:
         Y = Y + bias.astype(np.float64)

@@ -86,6 +86,14 @@ class WeightsConfig(Options):
                          "blocks (bit-exact weights: activation rounding is all they lose, and 8-bit rounding is "
                          "measurable in perplexity, see docs/weights.md), 8 where the weights "
                          "are quantized here (their own error dominates) | 8 | 16", choices=("auto", "8", "16"))
+    prefill_act_bits: str = flag("--weights-prefill-act-bits", "auto", "BlockQuantMatMul's activations in calls of "
+                                 "more than one row (a prompt's prefill; decode's one-row calls keep "
+                                 "--weights-act-bits): auto (default) = the layer's act_bits (the lossless recipe's 16 "
+                                 "stays 16) | 8 | 16. 8 under act_bits 16 halves the prefill's integer products "
+                                 "(int16 activations cost two vpdpbusd each) for int8 rounding of the prompt rows; "
+                                 "the quality guard measures it (its perplexity windows are such calls). Written as "
+                                 "the node attribute prefill_act_bits where it differs from act_bits "
+                                 "(docs/block-quant.md)", choices=("auto", "8", "16"))
     layout: str = flag("--weights-layout", "auto", "BlockQuantMatMul's row layout of W (docs/block-quant.md): auto "
                        "(default) = split on every layer whose format takes it (q4_0, q4_1, q5_0, q5_1, q8_0, q4_f "
                        "with block 32), blocks on the others (the K formats, q4_f with another block) | blocks = "
@@ -154,6 +162,14 @@ class WeightsConfig(Options):
         if self.act_bits != "auto":
             return int(self.act_bits)
         return 16 if exact else 8
+
+    def prefill_act_bits_for(self, act_bits: int) -> int:
+        """BlockQuantMatMul's prefill_act_bits for a layer of ``act_bits``: --weights-prefill-act-bits where it
+        differs from ``act_bits``, else 0 (the attribute left out: calls of any M use act_bits). auto is
+        conservative: the layer's act_bits."""
+        if self.prefill_act_bits == "auto" or int(self.prefill_act_bits) == int(act_bits):
+            return 0
+        return int(self.prefill_act_bits)
 
     def layout_for(self, fmt: str, block_size: int | None, act_bits: int) -> tuple[str, str | None]:
         """W's row layout of a BlockQuantMatMul layer and why it is not "split" (``BG.row_layout``)."""
@@ -259,7 +275,9 @@ class WeightsBackend(WeightBackendBase):
             return self._emit_blocks(graph, cand, plan)
         if plan.payload[0] == "float":
             # weights quantized here: their own error dominates, --weights-act-bits auto keeps int8 activations
-            return weights_float.emit(graph, cand, plan, self.cfg.act_bits_for(exact=False), self.cfg.layout)
+            act_bits = self.cfg.act_bits_for(exact=False)
+            return weights_float.emit(graph, cand, plan, act_bits, self.cfg.layout,
+                                      prefill_act_bits=self.cfg.prefill_act_bits_for(act_bits))
         _, packed, scales, zp, cfg, tied = plan.payload
         base = surgery.safe_name(cand.name)
         inputs = [cand.input, surgery.initializer(graph, f"{base}.weight_Q{cfg.bits}", packed),
@@ -364,6 +382,7 @@ class WeightsBackend(WeightBackendBase):
         return Plan(label, how, gap, cand.params, payload=("blocks", parts, source, gap, embed, [l for l, _ in layouts]),
                     attrs={"format": fmts, "bits_per_weight": round(bpw, 4), "bytes": stored, "source": source,
                            "bit_exact": exact, "layout": layout, "act_bits": act_bits,
+                           **({"prefill_act_bits": pab} if (pab := self.cfg.prefill_act_bits_for(act_bits)) else {}),
                            **({"layout_refused": "; ".join(dict.fromkeys(w for _, w in layouts if w))}
                               if any(w for _, w in layouts) else {})})
 
@@ -408,13 +427,14 @@ class WeightsBackend(WeightBackendBase):
         bias = add[1].const_value.numpy().reshape(-1).astype(np.float32) if add is not None else None
         multi = len(parts) > 1
         act_bits = self.cfg.act_bits_for(exact=source.startswith("gguf:"))
+        prefill = self.cfg.prefill_act_bits_for(act_bits)
         new, weights = [], []
         for i, p in enumerate(parts):
             sfx = f"_{i}" if multi else ""
             w = surgery.initializer(graph, f"{base}.weight_{p.format}{sfx}", p.W)
             b = surgery.initializer(graph, f"{base}.bias{sfx}", bias[p.start:p.stop]) if bias is not None else None
             attrs = {"format": p.format, "K": int(cand.K), "N": int(p.N), "act_bits": act_bits,
-                     "layer": cand.label, "target": cand.target,
+                     **({"prefill_act_bits": prefill} if prefill else {}), "layer": cand.label, "target": cand.target,
                      "source": source, "bits_per_weight": float(p.bits_per_weight), "params_dense": int(cand.K * p.N),
                      "params_stored": int(cand.K * p.N), "gap": float(gap)}
             if layouts[i] != "blocks":     # p.W holds that layout's bytes (the plan made them)

@@ -156,7 +156,7 @@ def _silu_of(gate: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
     return [sig, mul], mul.outputs[0]
 
 
-_SAME = ("format", "K", "N", "act_bits", "block_size")
+_SAME = ("format", "K", "N", "act_bits", "prefill_act_bits", "block_size")
 
 
 def _bq_key(node: ir.Node) -> tuple | None:
@@ -174,7 +174,7 @@ def _bq_key(node: ir.Node) -> tuple | None:
 
 def fuse_glu(graph: ir.Graph) -> list[str]:
     """Each SwiGLU MLP whose gate and up projections are BlockQuantMatMul of one input and one setting
-    (format, K, N, act_bits, block size, layout; no bias) → one BlockQuantMatMul with glu = "silu" over the
+    (format, K, N, act_bits, prefill_act_bits, block size, layout; no bias) → one BlockQuantMatMul with glu = "silu" over the
     gate's rows then the up projection's (copied, never re-quantized; whole rows, so either layout): Y = silu(gate) * up in the op.
     The product is the same numbers; the activation is the op's float32 SiLU instead of ONNX Runtime's
     (the exp differs in the last bits). Returns the fused gates' names."""

@@ -139,11 +139,21 @@ void read_bq_node(const Ort::ConstKernelInfo& info, const Attrs& at, size_t w_in
 // ------------------------------------------------------------------ BlockQuantMatMul
 BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info) : OpKernel(info) {
   const Attrs at(info, kAttrs);
-  int64_t act_bits = 8;
+  int64_t act_bits = 8, prefill_act_bits = 0;
   std::string glu;
-  at.read({{"act_bits", &act_bits}, {"glu", &glu}});
+  at.read({{"act_bits", &act_bits}, {"glu", &glu}, {"prefill_act_bits", &prefill_act_bits}});
   if (act_bits != 8 && act_bits != 16) fail("attribute act_bits must be 8 or 16, got " + std::to_string(act_bits));
+  if (prefill_act_bits != 0 && prefill_act_bits != 8 && prefill_act_bits != 16)
+    fail("attribute prefill_act_bits must be 0 (as act_bits), 8 or 16, got " + std::to_string(prefill_act_bits));
   read_bq_node(info, at, 1, static_cast<int>(act_bits), node_);
+  // calls with M > 1 (prompt rows) run the same bytes at prefill_act_bits: a second layer over node_.w's data
+  prefill_ = node_.w;
+  if (prefill_act_bits != 0 && prefill_act_bits != act_bits) {
+    prefill_.act_bits = static_cast<int>(prefill_act_bits);
+    prefill_plan_.assign(node_.k->plan_ints(&prefill_), 0);
+    node_.k->make_plan(&prefill_, prefill_plan_.data());
+    prefill_.plan = prefill_plan_.empty() ? nullptr : prefill_plan_.data();
+  }
   glu_ = glu == "silu";
   if (glu_ && node_.w.N % 2 != 0)
     fail("attribute glu 'silu' needs an even N (the gate's rows, then as many of the up projection's), got N = " +
@@ -165,6 +175,7 @@ BlockQuantMatMulKernel::BlockQuantMatMulKernel(const Ort::ConstKernelInfo& info)
           {"bq.block", static_cast<double>(node_.w.block)},
           {"bq.bits_per_weight", 8.0 * node_.w.type_size / node_.w.block},
           {"bq.act_bits", static_cast<double>(node_.w.act_bits)},
+          {"bq.prefill_act_bits", static_cast<double>(prefill_.act_bits)},
           {"bq.glu", glu_ ? 1.0 : 0.0},
           {"bq.isa", static_cast<double>(node_.level)},
           {"bq.amx_tiles", static_cast<double>(node_.k->tiles())}});
@@ -182,7 +193,7 @@ using metrics::elapsed_us;
 class BqCall {
  public:
   BqCall(const BlockQuantMatMulKernel& k, Ort::KernelContext& ctx, const RowsIO& io, const float* bias)
-      : k_(k), ctx_(ctx), io_(io), w_(k.node_.w), kr_(*k.node_.k), bias_(bias) {}
+      : k_(k), ctx_(ctx), io_(io), w_(k.layer(io.M)), kr_(*k.node_.k), bias_(bias) {}
 
   void quantize_rows() {
     ab_ = kr_.act_bytes(&w_, io_.M);

@@ -34,8 +34,10 @@ constexpr auto kBqAttrs = join(kBqOwnAttrs, kLayerMetadata);
 // BlockQuantMatMul's own: the activation integers, 8 (int8, default) | 16 (int16) bits per block of 32;
 // glu: none (default) | silu — the gated unit of a SwiGLU MLP in the op: W's rows are the gate's N/2
 // rows then the up projection's N/2, and Y[:, j] = silu(P[:, j]) * P[:, N/2 + j] of the product P
-// (N/2 outputs; bias, when given, has the product's N)
-constexpr AttrSpec kBqActAttrs[] = {attr_int("act_bits", 8).range(8, 16), attr_string("glu", "none").one_of("none|silu")};
+// (N/2 outputs; bias, when given, has the product's N); prefill_act_bits: the activation integers of the
+// calls with M > 1 (prompt rows), 0 (default: act_bits) | 8 | 16 — M = 1 (decode) keeps act_bits
+constexpr AttrSpec kBqActAttrs[] = {attr_int("act_bits", 8).range(8, 16), attr_string("glu", "none").one_of("none|silu"),
+                                    attr_int("prefill_act_bits", 0)};  // 0 | 8 | 16: checked in the constructor
 template <size_t A, size_t B>
 constexpr std::array<AttrSpec, A + B> join_bq(const std::array<AttrSpec, A>& a, const AttrSpec (&b)[B]) {
   std::array<AttrSpec, A + B> r{};
@@ -73,7 +75,12 @@ class BlockQuantMatMulKernel : public OpKernel<BlockQuantMatMulKernel> {
 
  private:
   friend class BqCall;
+  // the layer of a call with M rows: node_.w (act_bits) for M = 1, prefill_ (prefill_act_bits) for M > 1
+  const BqLayer& layer(int64_t M) const { return M > 1 ? prefill_ : node_.w; }
   BqNode node_;
+  // node_.w with prefill_act_bits (the same weight bytes; its own kernel plan when the bits differ)
+  BqLayer prefill_{};
+  std::vector<int32_t> prefill_plan_;
   const float* bias_ = nullptr;  // constant bias (else read per call)
   bool has_bias_ = false;
   bool glu_ = false;  // glu = "silu": N/2 outputs, silu(gate) * up
