@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["spm_tokenizer", "gguf_vocab"]
+__all__ = ["spm_tokenizer", "spm_from_vocab", "gguf_vocab"]
 
 # llama.cpp's token types (gguf TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -81,12 +81,18 @@ def _merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> li
 def spm_tokenizer(path):
     """The llama.cpp-equivalent ``tokenizers.Tokenizer`` of the GGUF at ``path`` when its vocabulary is
     SentencePiece (``tokenizer.ggml.model == "llama"``), else None."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
-    from tokenizers.models import BPE
-
     v = gguf_vocab(Path(path))
     if v["model"] != "llama":
         return None
+    return spm_from_vocab(v)
+
+
+def spm_from_vocab(v: dict):
+    """:func:`spm_tokenizer` of a vocabulary already read (``gguf_vocab``'s dict: tokens, scores, types,
+    bos, eos, unk, add_bos, add_eos, add_space_prefix), e.g. by ``ortlean import``'s reader."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers.models import BPE
+
     tokens, types = v["tokens"], v["types"]
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):

@@ -2,8 +2,10 @@
  * computed by llama.cpp itself (libllama), so that llama.cpp's rows of ortlean's quality tables are
  * measured by its own engine on exactly the tokens the ONNX rows are scored on.
  *
- *   llama_nll MODEL.gguf IDS.bin WINDOW THREADS > NLL.bin
+ *   llama_nll MODEL.gguf IDS.bin WINDOW THREADS [PREFIX.bin] > NLL.bin
  *
+ * PREFIX.bin (optional): int32 token ids put before every window as context only (the tokenizer's
+ * beginning-of-sequence token: Gemma's <bos>), as runtime.perplexity's prefix.
  * IDS.bin: little-endian int32 token ids, scored in consecutive windows of WINDOW tokens (a last,
  * shorter window too); each window is one fresh sequence (the cache is cleared) decoded in one batch
  * with logits at every position, and token i + 1 of the window is scored by the logits at i — the
@@ -33,9 +35,20 @@ static void quiet(enum ggml_log_level level, const char *text, void *data) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 5) {
-    fprintf(stderr, "usage: %s MODEL.gguf IDS.bin WINDOW THREADS > NLL.bin\n", argv[0]);
+  if (argc != 5 && argc != 6) {
+    fprintf(stderr, "usage: %s MODEL.gguf IDS.bin WINDOW THREADS [PREFIX.bin] > NLL.bin\n", argv[0]);
     return 2;
+  }
+  int32_t pre[64];
+  int np = 0;
+  if (argc == 6) {
+    FILE *pf = fopen(argv[5], "rb");
+    if (!pf) {
+      fprintf(stderr, "llama_nll: cannot open %s\n", argv[5]);
+      return 2;
+    }
+    np = (int)fread(pre, 4, 64, pf);
+    fclose(pf);
   }
   const int window = atoi(argv[3]), threads = atoi(argv[4]);
   if (window < 2 || threads < 1) {
@@ -69,9 +82,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   struct llama_context_params cp = llama_context_default_params();
-  cp.n_ctx = window;
-  cp.n_batch = window;
-  cp.n_ubatch = window;
+  cp.n_ctx = window + np;
+  cp.n_batch = window + np;
+  cp.n_ubatch = window + np;
   cp.n_seq_max = 1;
   cp.n_threads = threads;
   cp.n_threads_batch = threads;
@@ -87,25 +100,31 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  struct llama_batch batch = llama_batch_init(window, 0, 1);
+  for (int i = 0; i < np; ++i) {
+    if (pre[i] < 0 || pre[i] >= n_vocab) {
+      fprintf(stderr, "llama_nll: prefix token id %d outside the model's vocabulary of %d\n", pre[i], n_vocab);
+      return 2;
+    }
+  }
+  struct llama_batch batch = llama_batch_init(window + np, 0, 1);
   for (int w0 = 0; w0 + 1 < n; w0 += window) {
     const int len = (n - w0 < window) ? n - w0 : window;
     if (len < 2) break;
     llama_memory_clear(llama_get_memory(ctx), true);
-    batch.n_tokens = len;
-    for (int i = 0; i < len; ++i) {
-      batch.token[i] = ids[w0 + i];
+    batch.n_tokens = np + len;
+    for (int i = 0; i < np + len; ++i) {
+      batch.token[i] = i < np ? pre[i] : ids[w0 + i - np];
       batch.pos[i] = i;
       batch.n_seq_id[i] = 1;
       batch.seq_id[i][0] = 0;
-      batch.logits[i] = 1;
+      batch.logits[i] = i >= np;
     }
     if (llama_decode(ctx, batch) != 0) {
       fprintf(stderr, "llama_nll: llama_decode failed on the window at %d\n", w0);
       return 1;
     }
     for (int i = 0; i + 1 < len; ++i) {
-      const float *lg = llama_get_logits_ith(ctx, i);
+      const float *lg = llama_get_logits_ith(ctx, np + i);
       double m = lg[0];
       for (int v = 1; v < n_vocab; ++v) m = lg[v] > m ? lg[v] : m;
       double s = 0.0;

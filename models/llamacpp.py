@@ -418,10 +418,11 @@ def f32_gguf(gguf: Path, progress: bool = True) -> Path:
     return out
 
 
-def token_nll(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bool = True):
+def token_nll(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bool = True, prefix=None):
     """Per-token NLLs of ``ids`` under ``gguf`` computed by llama.cpp (llama_nll): consecutive windows of
-    ``window`` tokens, token i + 1 of a window scored by the logits at i — as runtime.perplexity
-    scores the ONNX rows, so the two line up token for token. Returns a float64 array."""
+    ``window`` tokens (``prefix`` — the tokenizer's beginning-of-sequence tokens — before each, context
+    only), token i + 1 of a window scored by the logits at i — as runtime.perplexity scores the ONNX
+    rows, so the two line up token for token. Returns a float64 array."""
     import tempfile
 
     import numpy as np
@@ -436,13 +437,16 @@ def token_nll(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bo
         np.asarray(ids, dtype="<i4").tofile(f)
         cmd = [str(t.loader), "--library-path", os.pathsep.join(map(str, t.lib_dirs)), str(exe), str(gguf), str(f),
                str(int(window)), str(int(threads))]
+        if prefix is not None and len(prefix):
+            np.asarray(prefix, dtype="<i4").tofile(Path(d) / "prefix.bin")
+            cmd.append(str(Path(d) / "prefix.bin"))
         r = subprocess.run(cmd, env=t.env(), capture_output=True)
     if r.returncode != 0:
         raise LlamaCppError(f"llama_nll {Path(gguf).name} failed: {r.stderr.decode(errors='replace').strip()[-300:]}")
     return np.frombuffer(r.stdout, dtype="<f8").copy()
 
 
-def delta_ppl(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bool = True) -> dict:
+def delta_ppl(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bool = True, prefix=None) -> dict:
     """llama.cpp's Δppl on ``ids``: the GGUF as it ships against its own weights dequantized to F32
     (:func:`f32_gguf`), both scored by llama.cpp on the same windows; with the one-sided 95 % upper
     bound from the paired per-token NLLs (custom_ops.runtime.paired_delta)."""
@@ -450,8 +454,8 @@ def delta_ppl(gguf: Path, ids, window: int = 512, threads: int = 2, progress: bo
 
     from custom_ops.runtime import paired_delta
 
-    q = token_nll(gguf, ids, window, threads, progress)
-    f = token_nll(f32_gguf(gguf, progress), ids, window, threads, progress)
+    q = token_nll(gguf, ids, window, threads, progress, prefix)
+    f = token_nll(f32_gguf(gguf, progress), ids, window, threads, progress, prefix)
     d, up = paired_delta(q, f)
     return {"ppl": float(np.exp(q.mean())), "ppl_f32": float(np.exp(f.mean())), "delta_ppl": d, "delta_ppl_upper": up,
             "tokens": int(q.size), "reference": "llama.cpp on the GGUF dequantized to F32 (llama-quantize F32)"}

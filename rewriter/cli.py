@@ -58,6 +58,27 @@ def _nbits(v: str) -> list[int]:
     return bits
 
 
+def _lengths(what: str, none: bool = False):
+    """argparse type: a comma list of token counts (≥ 1; "4k" = 4096), or with ``none`` the word none (an
+    empty list); ``what`` names the values in the error."""
+    def parse(v: str) -> list[int]:
+        if none and v.strip().lower() == "none":
+            return []
+        out = []
+        try:
+            for x in (x.strip().lower() for x in v.split(",")):
+                if x:
+                    out.append(int(x[:-1]) * 1024 if x.endswith("k") else int(x))
+        except ValueError:
+            out = []
+        if not out or min(out) < 1:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what} in tokens (≥ 1, e.g. 4096,16k)"
+                                             + (" or 'none'" if none else "") + f", got {v!r}")
+        return out
+    parse.__name__ = "lengths"
+    return parse
+
+
 def _labelled(v: str) -> tuple[str, str]:
     """argparse type for bench --also: LABEL=MODEL."""
     label, sep, path = v.partition("=")
@@ -89,14 +110,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true")
     _add_backend_flags(p)
 
+    p = sub.add_parser("import", help="a GGUF (llama, qwen2, gemma3) straight to the fused ONNX graph holding its own "
+                       "blocks (BlockQuantMatMul), with its tokenizer, chat template and config files beside it: no "
+                       "torch, transformers or float32 export (docs/import.md)")
+    p.add_argument("gguf", help="the GGUF file")
+    p.add_argument("-o", "--output", required=True, help="the model file to write, DIR/model.onnx (the tokenizer and "
+                   "config files go to DIR)")
+    p.add_argument("--attn-exact", choices=["auto", "on", "off"], default="auto",
+                   help="GroupQueryAttention → PackedAttention's exact fp32 cache mode, as `ortlean rewrite` does: auto "
+                   "(default: when it measures faster on this CPU) | on | off (keep GroupQueryAttention, which "
+                   "onnxruntime-genai runs)")
+    p.add_argument("--weights-layout", choices=["auto", "blocks", "split"], default="auto",
+                   help="BlockQuantMatMul's row layout, as in `ortlean rewrite` (default auto: split where the format "
+                   "takes it)")
+    p.add_argument("--weights-act-bits", choices=["auto", "8", "16"], default="auto",
+                   help="BlockQuantMatMul's activation integers (default auto: 16 on the GGUF's exact blocks)")
+    p.add_argument("--weights-glu", choices=["on", "off"], default="on",
+                   help="a SwiGLU MLP's gate and up projections as one BlockQuantMatMul (glu silu; default on)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
     p = sub.add_parser("inspect", help="ops, layers and ortlean attributes of a model")
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("eval", help="quality vs a dense reference: Δperplexity (causal LM) or embedding cosine (encoder)")
+    p = sub.add_parser("eval", help="quality vs a dense reference: Δperplexity (causal LM) or embedding cosine "
+                       "(encoder); --task needle: retrieval of facts hidden in long prose")
     p.add_argument("model")
     p.add_argument("--ref", required=True, help="the dense model")
-    p.add_argument("--text", required=True, help="held-out text file")
+    p.add_argument("--text", required=True, help="held-out text file (--task needle: the haystack's prose)")
+    p.add_argument("--task", choices=["ppl", "needle"], default="ppl",
+                   help="ppl: Δperplexity / embedding cosine (default); needle: needle-in-a-haystack retrieval, hits "
+                   "per length and depth for the model and --ref, and the needles --ref finds that the model loses "
+                   "(docs/retrieval.md)")
+    p.add_argument("--lengths", type=_lengths("case lengths"), default=None, metavar="N[,N...]",
+                   help="--task needle: positions each case fills, prompt + new tokens (default 2048,4096,8192, those "
+                   "the models take; e.g. 4k,16k,32k)")
+    p.add_argument("--depths", default=None, metavar="D[,D...]",
+                   help="--task needle: where the asked needle goes, fractions of the haystack 0..1 (default "
+                   "0.1,0.3,0.5,0.7,0.9)")
+    p.add_argument("--needle-kinds", default=None, metavar="KIND[,KIND...]",
+                   help="--task needle: passkey (one pass key), kv (a block of key-value lines, one asked), multi "
+                   "(several pass keys, one asked) (default all three)")
+    p.add_argument("--cases", type=_count(1), default=None, help="--task needle: cases per cell (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="--task needle: the cases' seed (default 0)")
     p.add_argument("--window", type=_count(2), default=512)
     p.add_argument("--windows", type=_count(1), default=8, help="number of windows (causal LM) (default 8)")
     p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
@@ -119,10 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", required=True, help="the dense model")
     p.add_argument("--threads", type=thread_counts, default=BENCH_THREADS, help="comma list (default 1,2)")
     p.add_argument("--prefill", type=_count(1), default=128, help="prefill tokens (default 128)")
-    p.add_argument("--decode-past", type=thread_counts, default=None,
+    p.add_argument("--decode-past", type=_lengths("past lengths", none=True), default=None,
                    help="past length(s) for decode steps, comma list (default 128; 128,1024,4096,8192 for a model "
-                   "that approximates in decode, e.g. PackedAttention with a budget; capped by the positions)")
+                   "that approximates in decode, e.g. PackedAttention with a budget; capped by the positions); none: "
+                   "no decode table (with --prompt: the time to first token alone)")
     p.add_argument("--repeats", type=_count(1), default=15)
+    p.add_argument("--prompt", type=_lengths("prompt lengths"), default=None, metavar="N[,N...]",
+                   help="causal LMs: also the time to first token (TTFT) of an N-token prompt (the start of the "
+                   "held-out novel) for every row at every thread count — ours as `ortlean generate` runs it, genai's "
+                   "models in their generator, llama.cpp with `llama-bench -p N -n 0`; e.g. 4096,16384,32760 (an N "
+                   "beyond the models' positions is an error)")
+    p.add_argument("--prompt-repeats", type=_count(1), default=None, metavar="R",
+                   help="--prompt: timed runs per length after one untimed round (default min(--repeats, 3) below "
+                   "8,192 tokens, 1 from 8,192 on)")
+    p.add_argument("--prompt-chunk", type=_count(1), default=None, metavar="TOKENS",
+                   help="--prompt: prompt tokens per run (default 512, `ortlean generate`'s --prefill-chunk; genai's "
+                   "generator gets the same chunks; llama-bench its own 512-token ubatches)")
+    p.add_argument("--prompt-text", default=None, metavar="FILE",
+                   help="--prompt: the prompt's text (default: the held-out novel, `ortlean corpus --eval`), "
+                   "tokenized by --tokenizer (default: beside --ref)")
     p.add_argument("--steps", type=_count(1), default=16, help="decode steps per past length and round (default 16)")
     p.add_argument("--peers", default="auto", help="rows for the genai builder's fp32/int4 models and llama.cpp: auto "
                    "(when --ref is a packaged model's export, default) | none | a packaged model name")
@@ -153,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality-cache", default=None, metavar="DIR",
                    help="--quality-text: keep every row's scores in DIR by a stamp of its files, the text and mode, "
                    "ortlean's code and library, and reuse them under the same stamp (as `ortlean demo` does)")
-    p.add_argument("--tokenizer", help="tokenizer.json for --quality-text (default: beside --ref)")
+    p.add_argument("--tokenizer", help="tokenizer.json for --quality-text and --prompt (default: beside --ref)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write ONNX Runtime's profiler trace (chrome trace JSON) of every row at every thread count "
                    "into DIR as <row>.t<threads>.json (decoders: decode steps after the longest past)")
@@ -197,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill run (default 512: bounded attention scratch for long prompts)")
     p.add_argument("--threads", type=thread_counts, default=RUN_THREADS)
     p.add_argument("--tokenizer")
+    p.add_argument("--document", help="a UTF-8 text file the prompt is about ('-': standard input): it goes "
+                   "first (with --chat, first in the user's message), then a blank line and --prompt / --prompt-file; "
+                   "with --prompt-cache the cache holds the document, so another question about it loads the cache")
+    p.add_argument("--prompt-cache", metavar="FILE", help="keep the prompt's state in FILE: written after the first "
+                   "token when FILE does not exist; when it does, a prompt that starts with its tokens loads it and "
+                   "prefills only the rest (another model's, another prompt's or a damaged file is refused; format: "
+                   "docs/generate.md)")
+    p.add_argument("--prompt-cache-refresh", action="store_true",
+                   help="rebuild --prompt-cache FILE from this prompt even when it exists")
 
     p = sub.add_parser("models", help="prepare the packaged real models as ONNX (cached)")
     msub = p.add_subparsers(dest="mcmd")
@@ -221,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-past", type=thread_counts, default=[128, 4096, 8192],
                    help="past lengths of the decode table (causal LMs), comma list (default 128,4096,8192; capped "
                    "by the model's positions)")
+    p.add_argument("--prompt", type=_lengths("prompt lengths", none=True), default=None, metavar="N[,N...]|none",
+                   help="prompt lengths of the time-to-first-token columns (causal LMs; default 4096, and "
+                   "4096,16384,32768 for qwen2.5-coder-1.5b; capped by the models' positions as the decode pasts "
+                   "are; none: no TTFT)")
     p.add_argument("--repeats", type=_count(1), default=2, help="timed rounds per row after an untimed one "
                    "(default 2: rows interleave in every round; medians over rounds and steps)")
     p.add_argument("--steps", type=_count(1), default=8, help="decode steps per past length and round (default 8)")
@@ -264,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return {
             "rewrite": cmd_rewrite, "inspect": cmd_inspect, "eval": cmd_eval, "bench": cmd_bench,
             "generate": cmd_generate, "models": cmd_models, "corpus": cmd_corpus, "demo": cmd_demo,
-            "perf": cmd_perf,
+            "perf": cmd_perf, "import": cmd_import,
         }[args.cmd](args)
     except user_errors as e:
         print(f"ortlean {args.cmd}: error: {e}", file=sys.stderr)
@@ -323,6 +407,16 @@ def cmd_rewrite(args) -> int:
     summary = pipeline.run(cfg)
     print(pipeline.format_report(summary))
     return 0 if summary["output"] else EXIT_NOTHING_WRITTEN
+
+
+# --------------------------------------------------------------------------- import
+def cmd_import(args) -> int:
+    from .gguf_import import format_summary, import_gguf
+
+    summary = import_gguf(args.gguf, args.output, attn_exact=args.attn_exact, layout=args.weights_layout,
+                          act_bits=args.weights_act_bits, glu=args.weights_glu, progress=not args.quiet)
+    print(format_summary(summary))
+    return 0
 
 
 # --------------------------------------------------------------------------- inspect
@@ -393,6 +487,13 @@ def _short(v, n: int = 6):
 def cmd_eval(args) -> int:
     from . import evaluate
 
+    needle_flags = {"--lengths": args.lengths, "--depths": args.depths, "--needle-kinds": args.needle_kinds,
+                    "--cases": args.cases, "--seed": args.seed}
+    if args.task == "needle":
+        return _eval_needle(args)
+    given = [f for f, v in needle_flags.items() if v is not None]
+    if given:
+        raise OrtleanError(f"{given[0]} applies to --task needle (this is --task {args.task})")
     res = evaluate.evaluate(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
                             window=args.window,
                             windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer, peers=args.peers,
@@ -403,12 +504,37 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _eval_needle(args) -> int:
+    """`ortlean eval --task needle`: the table, and with --json the result with its provenance."""
+    from custom_ops.runtime import needle
+
+    from . import evaluate, results
+
+    depths = None
+    if args.depths is not None:
+        try:
+            depths = [float(x) for x in args.depths.split(",") if x.strip()]
+        except ValueError:
+            raise OrtleanError(f"--depths {args.depths}: expected a comma list of fractions 0..1") from None
+        if not depths:
+            raise OrtleanError(f"--depths {args.depths!r}: give at least one depth (fractions 0..1)")
+    start = results.git_commit()
+    res = evaluate.needle(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
+                          tokenizer=args.tokenizer, lengths=args.lengths, depths=depths, kinds=args.needle_kinds,
+                          cases=1 if args.cases is None else args.cases,
+                          seed=0 if args.seed is None else args.seed, progress=sys.stderr.isatty())
+    print(needle.format_table(res))
+    if args.json:
+        results.write_json(args.json, {**res, **results.provenance(start), "command": _command_line(args)})
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import evaluate
 
     from . import results
 
-    decode_past = args.decode_past or evaluate.default_pasts(args.model)
+    decode_past = args.decode_past if args.decode_past is not None else evaluate.default_pasts(args.model)
     also = dict(args.also)
     if len(also) != len(args.also):
         raise OrtleanError("--also: each LABEL may be given once")
@@ -418,12 +544,18 @@ def cmd_bench(args) -> int:
         _writable(args.json, "--json")
     if args.quality_cache and not args.quality_text:
         raise OrtleanError("--quality-cache keeps --quality-text's scores: give --quality-text too")
+    if not args.prompt:
+        for flag in ("prompt_repeats", "prompt_chunk", "prompt_text"):
+            if getattr(args, flag) is not None:
+                raise OrtleanError(f"--{flag.replace('_', '-')} sets the time to first token's runs: give --prompt too")
     res = evaluate.bench(args.model, args.ref, threads=args.threads, prefill=args.prefill, decode_past=decode_past,
                          repeats=args.repeats, nbits=args.nbits, profile=not args.no_profile, peers=args.peers,
                          llama=not args.no_llama, steps=args.steps, huge_pages=args.huge_pages == "on", also=also,
                          quality_text=args.quality_text, trace_dir=args.profile, tokenizer=args.tokenizer,
                          rows=args.rows, quality_cache=args.quality_cache, genai=not args.no_genai,
-                         past_cache=evaluate.past_cache_dir(args.past_cache))
+                         past_cache=evaluate.past_cache_dir(args.past_cache), prompts=args.prompt or (),
+                         prompt_repeats=args.prompt_repeats, prompt_chunk=args.prompt_chunk,
+                         prompt_text=args.prompt_text)
     print(evaluate.format_bench(res))
     if args.profile:
         n = sum(len(v) for v in (res.get("profile_traces") or {}).values())
@@ -495,22 +627,39 @@ def cmd_generate(args) -> int:
         raise OrtleanError("--system needs --chat (a system message goes in the chat template)")
     if args.temperature == 0 and (args.top_k or args.top_p < 1 or args.seed is not None):
         raise OrtleanError("--top-k, --top-p and --seed apply to sampling: pass --temperature > 0 (greedy by default)")
-    if args.prompt_file is not None:
+    if args.prompt_cache_refresh and args.prompt_cache is None:
+        raise OrtleanError("--prompt-cache-refresh needs --prompt-cache FILE (the file to rebuild)")
+    if args.document == "-" and args.prompt_file == "-":
+        raise OrtleanError("--document - and --prompt-file -: only one of them can read standard input")
+
+    def read_text(flag: str, name: str) -> str:
         try:
-            prompt = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
+            return sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise OrtleanError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from None
+            raise OrtleanError(f"{flag} {name}: cannot read it as UTF-8 text ({e})") from None
+
+    if args.prompt_file is not None:
+        prompt = read_text("--prompt-file", args.prompt_file)
         what = f"--prompt-file {args.prompt_file}"
     else:
         prompt, what = args.prompt, "--prompt"
     if not prompt.strip():
         raise OrtleanError(f"{what}: empty prompt")
+    document = None
+    if args.document is not None:
+        document = read_text("--document", args.document).rstrip()
+        if not document:
+            raise OrtleanError(f"--document {args.document}: empty document")
+        what = f"--document {args.document} and {what}"
+    cache = _prompt_cache_file(args) if args.prompt_cache is not None else None
     threads = options.one_thread_count(args.threads, "--threads")
     sess = generator_session(args.model, threads)   # the prompt's last position's logits only
     io = runtime.ModelIO.from_session(sess, args.model)
     if io.kind != "causal-lm" or not io.logits_name:
         raise OrtleanError(f"{args.model}: not a causal LM (no logits output)")
     tok = _tokenizer(args.model, args.tokenizer)
+    user = prompt if document is None else f"{document}\n\n{prompt}"
+    shared = document if document is not None else prompt   # what later prompts share: a cache holds it
     add_special = True
     if args.chat:
         found = chat_template(args.model, args.tokenizer)
@@ -520,13 +669,18 @@ def cmd_generate(args) -> int:
                                f"in {' or '.join(where)}")
         template, src = found
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
-            [{"role": "user", "content": prompt}]
+            [{"role": "user", "content": user}]
         try:
-            prompt = render_chat(template, messages, add_generation_prompt=True,
-                                     **special_tokens(args.model, args.tokenizer))
+            text = render_chat(template, messages, add_generation_prompt=True,
+                               **special_tokens(args.model, args.tokenizer))
         except ValueError as e:
             raise OrtleanError(f"--chat: {src}: {e}") from None
         add_special = False  # the template writes the special tokens itself (as transformers' apply_chat_template)
+        at = text.rfind(user)  # the shared part ends where the document (or the whole prompt) ends in the template
+        at = text.rfind(shared) if at < 0 else at
+        cache_prefix = text[:at + len(shared)] if at >= 0 else text
+    else:
+        text, cache_prefix = user, shared
     sampling = runtime.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     max_len = model_positions(args.model)
 
@@ -535,15 +689,38 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     try:
-        g = runtime.generate(sess, io, tok, prompt, args.max_new_tokens, eos=model_eos_ids(args.model, tok),
+        g = runtime.generate(sess, io, tok, text, args.max_new_tokens, eos=model_eos_ids(args.model, tok),
                              add_special_tokens=add_special, sampling=sampling, on_text=show,
-                             prefill_chunk=args.prefill_chunk, max_length=max_len, model_path=args.model)
+                             prefill_chunk=args.prefill_chunk, max_length=max_len, model_path=args.model,
+                             prompt_cache=None if cache is None else runtime.PromptCache(cache, args.prompt_cache_refresh),
+                             cache_prefix=cache_prefix)
+    except runtime.PromptCacheError as e:   # the file is as it was (a write goes to a temporary file first)
+        hint = e.refresh_helps and not args.prompt_cache_refresh
+        raise OrtleanError(f"--prompt-cache {args.prompt_cache}: {e.problem}"
+                           + ("; --prompt-cache-refresh rebuilds it" if hint else "")) from None
     except ValueError as e:  # the prompt does not fit the model's positions
         raise OrtleanError(f"{what}: {e}") from None
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"[ortlean generate] {g.summary()}, {threads} thread{'s' if threads != 1 else ''}", file=sys.stderr)
     return 0
+
+
+def _prompt_cache_file(args) -> Path:
+    """--prompt-cache FILE checked before any work: its directory exists and it is not a directory. A file
+    is written only where none exists or, with --prompt-cache-refresh, over a prompt cache (or an empty
+    file): never over another file (the model, the document, ...)."""
+    from custom_ops.runtime.prompt_cache import is_cache_file
+
+    f = Path(args.prompt_cache).expanduser()
+    flag = f"--prompt-cache {args.prompt_cache}"
+    _writable(str(f), "--prompt-cache")
+    if f.is_dir():
+        raise OrtleanError(f"{flag}: is a directory (give a file name)")
+    if args.prompt_cache_refresh and f.exists() and not is_cache_file(f):
+        raise OrtleanError(f"{flag}: exists and is not an ortlean prompt cache: not overwritten (give another "
+                           "file name, or delete it)")
+    return f
 
 
 # --------------------------------------------------------------------------- models / corpus / demo

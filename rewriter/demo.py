@@ -10,8 +10,10 @@ For a GGUF-packaged causal LM (SmolLM2, Qwen2.5-Coder) the recipes are
 Both are calibrated on one Austen novel and measured on another: Δppl against the source weights (the
 fp32 export) for every row — the peers' too (onnxruntime-genai's builder models, llama.cpp's GGUF scored
 by llama.cpp itself) — beside decode tokens/s after 128 / 4k / 8k cached tokens (capped by the model's
-positions), 1 and 2 threads, prefill of 128 tokens. Writes ``results.json`` (ortlean-results/1), a
-markdown table and ``speed-vs-context.png`` into the work directory.
+positions), 1 and 2 threads, prefill of 128 tokens, and the time to first token (TTFT) of prompts of
+4,096 tokens (qwen2.5-coder-1.5b: 4,096, 16,384 and 32,768, capped by its positions as the decode pasts
+are: 32,760; ``--prompt``). Writes ``results.json`` (ortlean-results/1), a markdown table,
+``speed-vs-context.png`` and ``ttft-vs-prompt.png`` into the work directory.
 
 Backend flags on the command line replace the two recipes by one rewrite with those flags. An encoder
 (MiniLM) gets int8 weights (its quality is the embedding cosine).
@@ -34,6 +36,18 @@ import time
 from pathlib import Path
 
 from .errors import OrtleanError
+
+
+# the demo's time-to-first-token prompts (--prompt), by packaged model; every other causal LM: DEMO_PROMPTS
+DEMO_PROMPTS = (4096,)
+PROMPTS_BY_MODEL = {"qwen2.5-coder-1.5b": (4096, 16384, 32768)}
+
+
+def demo_prompts(name: str, asked=None) -> list[int]:
+    """The TTFT prompt lengths of the demo of ``name``: ``asked`` (--prompt; [] = none) or its default."""
+    if asked is not None:
+        return sorted({int(n) for n in asked})
+    return list(PROMPTS_BY_MODEL.get(name, DEMO_PROMPTS))
 
 
 def _say(step: int, total: int, msg: str) -> None:
@@ -111,6 +125,75 @@ def plot(doc: dict, path: Path) -> Path | None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ttft_points(docs: list[dict]) -> tuple[list[int], dict[int, dict[str, dict]]]:
+    """The time to first token over results files: ({threads: {model: {"row": its TTFT row, "dppl": the
+    first Δppl a file gives for the model, "pts": {prompt length: seconds}}}}), a later file's cell
+    replacing an earlier one's; and the thread counts."""
+    out: dict[int, dict[str, dict]] = {}
+    dppl: dict[str, float] = {}
+    for d in docs:
+        for r in d.get("rows") or []:
+            if r.get("delta_ppl") is not None:
+                dppl.setdefault(r["model"], r["delta_ppl"])
+            for t, per in (r.get("ttft") or {}).items():
+                e = out.setdefault(int(t), {}).setdefault(r["model"], {"row": r, "pts": {}})
+                e["pts"].update({int(n): c["seconds"] for n, c in per.items() if c and c.get("seconds")})
+    for per_t in out.values():
+        for name, e in per_t.items():
+            e["dppl"] = dppl.get(name)
+    return sorted(out), out
+
+
+def plot_ttft(docs: list[dict], path: Path) -> Path | None:
+    """Time to first token against the prompt's length, log-log, one panel per thread count, one line
+    per model (the driver it generates with: ours solid, peers dashed, the reference dotted, Δppl in the
+    legend), from one or several results files. None without matplotlib or without TTFT in any file."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return None
+    from . import results
+
+    threads, by_t = ttft_points(docs)
+    if not threads:
+        return None
+    fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 5.2), squeeze=False)
+    rows = {n: e["row"] for per_t in by_t.values() for n, e in per_t.items()}
+    names = sorted(rows, key=lambda n: (results.SIDE_ORDER.get(rows[n]["side"], 1), n))
+    color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # a model keeps its colour in every panel
+    for ax, t in zip(axes[0], threads):
+        lengths: set[int] = set()
+        for name in (n for n in names if n in by_t[t]):
+            e = by_t[t][name]
+            xs = sorted(e["pts"])
+            if not xs:
+                continue
+            lengths.update(xs)
+            plot_line(ax, xs, [e["pts"][n] for n in xs], e["row"], e["dppl"], color=color[name])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(lengths))
+        ax.set_xticklabels([f"{n:,}" for n in sorted(lengths)], fontsize=8)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.tick_params(axis="y", which="both", labelsize=7)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(f"time to first token, s ({t} thread{'s' if t != 1 else ''}; lower is better)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    m = docs[-1].get("machine") or {}
+    runs = "; ".join(f"{(d.get('commit') or '?')[:7]} {d.get('date', '')[:16]}" for d in docs)
+    fig.suptitle(f"{docs[-1].get('model_name')}: time to first token, {m.get('cpu', '?')}, {m.get('isa', '?')}\n"
+                 f"{len(docs)} run{'s' if len(docs) > 1 else ''} (commit, date): {runs}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
@@ -198,24 +281,30 @@ def run(args, config, custom=None) -> int:
                                                                        threads=max(args.threads), peers="auto")))
         return 0
     pasts = [p for p in args.decode_past]
+    prompts = demo_prompts(args.name, getattr(args, "prompt", None))
     qcache = work / "quality-cache"   # each row's Δppl scores by stamp (files, text, code): a warm demo reuses them
     if args.fresh and qcache.is_dir():
         shutil.rmtree(qcache)
     _say(4, total, f"quality and speed: Δppl on held-out {corpus.EVAL_NOVEL} for every row, then decode after "
-                   f"{', '.join(map(str, pasts))} cached tokens with {', '.join(map(str, args.threads))} threads, "
-                   "ours against onnxruntime-genai and llama.cpp in one run")
+                   f"{', '.join(map(str, pasts))} cached tokens"
+                   + (f" and the time to first token of {', '.join(map(str, prompts))}-token prompts" if prompts else "")
+                   + f" with {', '.join(map(str, args.threads))} threads, ours against onnxruntime-genai and llama.cpp "
+                   "in one run")
     res = evaluate.bench(models[main], str(dense), threads=args.threads, decode_past=pasts, nbits=(), profile=False,
                          repeats=args.repeats, steps=args.steps, also={k: models[k] for k in rest},
                          quality_text=held, rows=args.rows, quality_cache=str(qcache),
-                         past_cache=evaluate.past_cache_dir())
+                         past_cache=evaluate.past_cache_dir(), prompts=prompts, prompt_room=args.steps)
     print(evaluate.format_bench(res))
-    _say(5, total, f"results: {work / 'results.json'}, {work / 'results.md'}, {work / 'speed-vs-context.png'}")
+    _say(5, total, f"results: {work / 'results.json'}, {work / 'results.md'}, {work / 'speed-vs-context.png'}"
+                   + (f", {work / 'ttft-vs-prompt.png'}" if prompts else ""))
     doc = results.from_bench(res, "ortlean " + " ".join(args.argv), labels={"lean": main})
     results.write_json(work / "results.json", doc)
     table = results.render(doc, str(work / "results.json"))
     (work / "results.md").write_text(table + "\n")
     print("\n" + table)
     png = plot(doc, work / "speed-vs-context.png")
+    if png is not None and doc.get("prompt_lengths"):
+        plot_ttft([doc], work / "ttft-vs-prompt.png")
     if png is None:
         print("note: no plot (matplotlib is not installed: pip install 'ortlean[plot]')", file=sys.stderr)
     print(f"\ndemo finished in {time.time() - t0:.0f} s; results in {work}", file=sys.stderr)

@@ -126,6 +126,99 @@ LLAMA_ROW = "llama.cpp | llama-bench"
 # of the table into res["weights_floor"]
 FLOOR_ROWS = {"weights floor | one pass": False, "weights floor | barrier per node": True}
 LLAMA_INTERLEAVE_MAX_PAST = 512
+# time to first token (--prompt): the reference rows — the fp32 export and ORT's MatMulNBits of it (an
+# unfused graph whose cache is concatenated anew every chunk) and genai's fp32 model — are timed at
+# prompts up to this length only: what they explain (the source's cost) is in the shorter prompts, and
+# at 16k / 32k an fp32 prompt would take longer than the rows a user chooses between
+REF_PROMPT_MAX = 4096
+# llama-bench runs each prompt once untimed before its timed run, in the same process; from this length
+# on that warm-up (minutes of a second prefill) is skipped (--no-warmup): the process's first-use costs
+# are then a negligible part of a prompt that long
+LLAMA_NO_WARMUP_FROM = 8192
+
+
+def _reference_like(row: str) -> bool:
+    """The rows :data:`REF_PROMPT_MAX` bounds: the dense export, its MatMulNBits rows, genai's fp32 model."""
+    return row == "dense" or row.startswith("MatMulNBits ") or row == "genai fp32"
+
+
+def fit_prompts(prompts, models, room: int | None = None) -> tuple[list[int], str | None]:
+    """Prompt lengths (--prompt) the models can take: an N-token prompt and its first new token need N + 1
+    positions (:func:`max_positions`, the smallest over ``models``). ``room`` None: a length beyond that
+    is an error naming --prompt; an int: such lengths run at the limit minus ``room`` (the demo passes
+    its decode steps, so that Qwen's 32k prompt is its 32,760-token past), with a note."""
+    prompts = sorted({int(n) for n in prompts})
+    caps = {str(m): max_positions(str(m)) for m in models}
+    known = {m: c for m, c in caps.items() if c}
+    if not prompts or not known:
+        return prompts, None
+    where, cap = min(known.items(), key=lambda kv: kv[1])
+    if prompts[-1] + 1 <= cap:
+        return prompts, None
+    if room is None:
+        bad = ",".join(str(n) for n in prompts if n + 1 > cap)
+        raise OrtleanError(f"--prompt {bad}: {where} takes {cap} positions, so a prompt and its first new token "
+                           f"fit in at most {cap - 1} prompt tokens")
+    lim = cap - max(1, int(room))
+    out = sorted({min(n, lim) for n in prompts})
+    return out, (f"--prompt {','.join(map(str, prompts))}: the models take {cap} positions, so prompts beyond {lim} "
+                 f"ran at {lim}")
+
+
+def prompt_ids(ref: str, model: str, tokenizer: str | None, text_path: str | None, longest: int,
+               vocab: int | None) -> tuple[np.ndarray, str]:
+    """The ids of the --prompt runs: the first ``longest`` tokens of ``text_path`` (default the held-out
+    novel, ``ortlean corpus --eval``) by the model's tokenizer (--tokenizer, else beside ``ref``, else beside
+    ``model``), no special tokens; and where they came from. Clear errors for a missing file, a text too
+    short, ids beyond the models' vocabulary."""
+    tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else model, tokenizer)
+    if text_path:
+        tp = Path(text_path)
+        if not tp.is_file():
+            raise OrtleanError(f"--prompt-text {tp}: no such file")
+        text, source, flag = tp.read_text(encoding="utf-8", errors="replace"), tp.name, f"--prompt-text {tp}"
+    else:
+        from models import corpus
+
+        text, source, flag = corpus.text(corpus.EVAL_NOVEL), corpus.EVAL_NOVEL, None
+    ids = runtime.tokenize(tok, text)[: int(longest)]
+    if ids.size < int(longest):
+        raise OrtleanError(f"--prompt {longest}: {source} has only {ids.size} tokens"
+                           + ("" if flag else " (--prompt-text: a longer text)"))
+    if vocab and ids.size and int(ids.max()) >= int(vocab):
+        raise OrtleanError(f"--prompt: the tokenizer gives ids up to {int(ids.max())}, beyond the models' vocabulary "
+                           f"of {vocab} (--tokenizer: the model's own)")
+    return ids, source
+
+
+class LlamaPromptRow:
+    """llama.cpp's time to first token as a row of :func:`runtime.bench.prompt_table`: per run one
+    ``llama-bench -m GGUF -t T -p N -n 0 -r 1`` (:class:`models.peers.LlamaBenchRow`), timed by llama-bench
+    itself (its sample: the prompt's decode calls, not the process start or the model's load), on tokens
+    llama-bench makes (a prompt's cost does not depend on its tokens). It takes its turn in the rounds like
+    the ONNX rows; it skips the untimed warm-up round (every llama-bench process warms itself: a whole run
+    of the prompt before the timed one, left out from :data:`LLAMA_NO_WARMUP_FROM` tokens)."""
+
+    def __init__(self, name: str, threads: int):
+        from models import peers as pm
+
+        self.row = pm.LlamaBenchRow(name, threads)
+        self.threads = int(threads)
+
+    def warm(self, ids) -> None:
+        return None
+
+    def ttft(self, ids) -> float | None:
+        n = int(np.asarray(ids).size)
+        self.row.timeout = 600.0 + 0.25 * n    # a 32k prompt on one core is tens of minutes
+        args = ["-p", str(n), "-n", "0"] + (["--no-warmup"] if n >= LLAMA_NO_WARMUP_FROM else [])
+        return self.row._run(f"pp{n}", args)
+
+    def info(self) -> dict:
+        r = self.row
+        return {"threads": self.threads, "build": r.build, "model_type": r.model_type, "how": r.how,
+                "peak_rss_mb": round(r.peak_kb / 1024) if r.peak_kb else None,
+                "commands": list(dict.fromkeys(r.commands.values())), "failed": r.failed}
 
 
 def default_pasts(model: str) -> list[int]:
@@ -161,6 +254,8 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
         ids = np.asarray(all_ids[: window * windows], dtype=np.int64)
         if ids.size < 2:
             raise OrtleanError(f"--text {tp}: {ids.size} tokens, perplexity needs at least 2")
+        pre = runtime.text_prefix(tok)      # every window starts as a prompt does (Gemma: <bos>)
+        res["prefix"] = [int(x) for x in pre]
         approx_from = runtime.approximate_from(model)
         if approx_from is not None or decode_context is not None:
             # the approximation only runs in decode: measure there (and wherever --decode-context asks:
@@ -168,7 +263,7 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
             cap = min([p for p in (max_positions(model), max_positions(ref)) if p] or [1 << 30])
             # by default at a context where the candidate path runs (min_context + 1 of the model's nodes)
             want = decode_context if decode_context is not None else max(1024, approx_from)
-            ctx_len = min(want, cap - decode_score - 1)
+            ctx_len = min(want, cap - decode_score - 1 - pre.size)
             if ctx_len < 1:
                 raise OrtleanError(f"--decode-context {want} + --decode-score {decode_score}: the model takes "
                                    f"{cap} positions")
@@ -180,25 +275,25 @@ def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int
                                 "path")
 
             def score(s, io_):
-                return runtime.decode_perplexity(s, io_, all_ids, **dm)
+                return runtime.decode_perplexity(s, io_, all_ids, prefix=pre, **dm)
         else:
             def score(s, io_):
-                return runtime.perplexity(s, io_, ids, window=window)
+                return runtime.perplexity(s, io_, ids, window=window, prefix=pre)
         d = score(s_ref, io)
         l = score(s_lean, io_l)
         res.update({"tokens": int(d["tokens"]), "window": window, "ppl_ref": float(d["ppl"]), "ppl": float(l["ppl"]),
                     "delta_ppl": float(l["ppl"] / d["ppl"] - 1.0)})
-        if "token_nll" in d and len(d["token_nll"]) == len(l["token_nll"]):  # decode mode: the same tokens, paired
+        if "token_nll" in d and len(d["token_nll"]) == len(l["token_nll"]):  # the same tokens, paired
             res["delta_ppl_upper"] = runtime.paired_delta(l["token_nll"], d["token_nll"])[1]
         rows, notes = {}, []
         for name, path in peer_models(ref, peers, notes).items():  # the peers a user compares, same text
             s = _session(path, threads)
             p = score(s, runtime.ModelIO.from_session(s, path))
             rows[name] = {"path": path, "ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
-            if d.get("token_nll") and len(d["token_nll"]) == len(p["token_nll"]):
+            if d.get("token_nll") is not None and len(d["token_nll"]) == len(p["token_nll"]):
                 rows[name]["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
             del s
-        lq = llama_quality(ref, peers, ids, window, threads, notes)
+        lq = llama_quality(ref, peers, ids, window, threads, notes, prefix=pre)
         if lq is not None:
             rows["llama.cpp"] = lq
         res.update({"peers": rows, "notes": notes})
@@ -230,6 +325,57 @@ def format_eval(r: dict) -> str:
         return out
     return (f"sentence-embedding cosine lean vs dense over {r['sentences']} sentences of {Path(r['text']).name}: "
             f"mean {r['cosine_mean']:.5f}, p5 {r['cosine_p5']:.5f}, min {r['cosine_min']:.5f}")
+
+
+NEEDLE_FLAGS = {"lengths": "--lengths", "depths": "--depths", "kinds": "--needle-kinds", "cases": "--cases",
+                "seed": "--seed"}
+
+
+def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: str | None = None, lengths=None,
+           depths=None, kinds=None, cases: int = 1, seed: int = 0, progress: bool = False) -> dict:
+    """`ortlean eval --task needle` (custom_ops.runtime.needle): the same cases through the reference and
+    the model, each run as `ortlean generate` runs a long prompt; every bad value is an OrtleanError
+    naming its flag, raised before either model runs. ``lengths`` None: those of needle.LENGTHS the
+    models take (their positions: config.json's, and a fused graph's rotary cache)."""
+    import os
+
+    from custom_ops.runtime import needle as nd
+    from custom_ops.runtime.generate import model_positions
+
+    tp = Path(text_path)
+    if not tp.is_file():
+        raise OrtleanError(f"--text {tp}: no such file")
+    text = tp.read_text(encoding="utf-8", errors="replace")
+    modelfile.load_model(model)  # both models named before any work
+    modelfile.load_model(ref)
+    caps = [p for m in (model, ref) for p in (max_positions(m), model_positions(m)) if p]
+    cap = min(caps) if caps else None
+    if lengths is None:
+        lengths = [n for n in nd.LENGTHS if cap is None or n <= cap] or [cap]
+    tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else model, tokenizer)
+    try:
+        cases_ = nd.make_cases(tok, text, lengths, nd.DEPTHS if depths is None else depths,
+                               nd.KINDS if kinds is None else kinds, cases, seed, positions=cap)
+    except nd.NeedleError as e:
+        flag = f"--text {tp}" if e.param == "text" else NEEDLE_FLAGS.get(e.param, e.param)
+        raise OrtleanError(f"{flag} {e.value}: {e.why}") from None
+    runs = {}
+    same = os.path.realpath(model) == os.path.realpath(ref)
+    for name, path in (("ref", ref), ("model", model)):
+        if name == "model" and same:
+            runs["model"] = runs["ref"]
+            break
+        sess = generator_session(path, threads)
+        io = runtime.ModelIO.from_session(sess, path)
+        if io.kind != "causal-lm" or not io.logits_name:
+            raise OrtleanError(f"--task needle: {path} is not a causal LM (no logits output)")
+        runs[name] = nd.run_cases(sess, io, tok, cases_, model_path=path, progress=progress)
+        del sess
+    res = nd.compare(runs["model"], runs["ref"])
+    res.update({"model": model, "ref": ref, "text": str(tp), "text_name": tp.name, "lengths": [int(x) for x in lengths],
+                "depths": list(dict.fromkeys(c.depth for c in cases_)), "kinds": list(dict.fromkeys(c.kind for c in cases_)),
+                "cases_per_cell": int(cases), "seed": int(seed), "new_tokens": nd.NEW_TOKENS, "positions": cap})
+    return res
 
 
 def nbits_model(dense: str, bits: int) -> str:
@@ -283,7 +429,8 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
           huge_pages: bool = True, also: dict[str, str] | None = None, quality_text: str | None = None,
           trace_dir: str | None = None, tokenizer: str | None = None, rows: str = "all",
           quality_cache: str | None = None, genai: bool = True, past_cache: str | None = None,
-          genai_extra: dict[str, str] | None = None) -> dict:
+          genai_extra: dict[str, str] | None = None, prompts=(), prompt_repeats: int | None = None,
+          prompt_chunk: int | None = None, prompt_text: str | None = None, prompt_room: int | None = None) -> dict:
     """Speed of ``model`` against its dense ``ref`` in one process. Causal LMs: the comparison table
     (``runtime.bench.decode_table``) — dense, lean, ORT's MatMulNBits of the dense model, the genai
     builder's fp32/int4 models of the same checkpoint (plain loop, shared-KV loop, og generator) —
@@ -302,7 +449,13 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
     (:func:`table_quality`). ``genai``: False leaves the onnxruntime-genai rows out; ``genai_extra``:
     more genai-built models ({"genai <label>": model.onnx}) timed and scored as those rows are. ``past_cache``: a
     directory where the caches of pasts above 512 tokens are kept and reused
-    (:class:`runtime.bench.PastStore`; None: built in memory for this run)."""
+    (:class:`runtime.bench.PastStore`; None: built in memory for this run). ``decode_past`` empty: no
+    decode table (nor its prefill column, weights floor or decode profile), for a run of ``prompts`` alone.
+    ``prompts`` (causal LMs): the time to first token of prompts of these lengths for every row at every
+    thread count (:func:`_prompt_phase`: ``prompt_repeats`` timed runs each, default
+    :func:`runtime.bench.prompt_repeats`; ``prompt_chunk`` tokens a run, default ``ortlean generate``'s;
+    the text ``prompt_text``, default the held-out novel); a length beyond the models' positions is an
+    error, or with ``prompt_room`` runs at the positions minus that (:func:`fit_prompts`)."""
     if rows not in ("all", "best"):
         raise OrtleanError(f"rows={rows!r}: 'all' or 'best'")
     from .results import git_commit
@@ -316,17 +469,26 @@ def bench(model: str, ref: str, threads=(1, 2), prefill: int = 128, decode_past=
             raise OrtleanError(f"--also {label}={path}: the label {label!r} names one of the bench's own rows")
         modelfile.load_model(path)
     pasts = [int(decode_past)] if isinstance(decode_past, int) else [int(p) for p in decode_past]
+    prompts = sorted({int(n) for n in prompts or ()})
     if runtime.ModelIO.from_model(ref).kind == "causal-lm":
+        if not pasts and not prompts:
+            raise OrtleanError("--decode-past none: nothing to time (give --prompt N for the time to first token)")
+        if prompts and prompt_room is None:   # our models' positions, before any peer is built or session made
+            fit_prompts(prompts, [ref, model, *also.values()])
         res = _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                             huge_pages, also=also, quality_text=quality_text, trace_dir=trace_dir,
                             tokenizer=tokenizer, best=rows == "best", quality_cache=quality_cache, genai=genai,
-                            past_cache=past_cache, genai_extra=genai_extra)
+                            past_cache=past_cache, genai_extra=genai_extra, prompts=prompts,
+                            prompt_repeats=prompt_repeats, prompt_chunk=prompt_chunk, prompt_text=prompt_text,
+                            prompt_room=prompt_room)
         res["git_start"] = list(start)
         return res
+    if prompts:
+        raise OrtleanError("--prompt: the time to first token is measured for causal LMs")
     if quality_text:
         raise OrtleanError("--quality-text: Δppl is measured for causal LMs; an encoder's quality is "
                            "`ortlean eval`'s embedding cosine")
-    decode_past = pasts[0]
+    decode_past = pasts[0] if pasts else 128   # an encoder has no decode steps: the value is not used
     variants = {"dense": ref, "lean": model, **also}
     for b in nbits:
         try:
@@ -387,7 +549,8 @@ def _encoder_traces(variants: dict, threads, trace_dir: str) -> dict:
 
 def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, peers, llama, steps,
                   huge_pages=True, also=None, quality_text=None, trace_dir=None, tokenizer=None,
-                  best=False, quality_cache=None, genai=True, past_cache=None, genai_extra=None) -> dict:
+                  best=False, quality_cache=None, genai=True, past_cache=None, genai_extra=None, prompts=(),
+                  prompt_repeats=None, prompt_chunk=None, prompt_text=None, prompt_room=None) -> dict:
     import sys
 
     from custom_ops.runtime import bench as rb
@@ -414,6 +577,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     pasts, note = fit_pasts(pasts, steps, variants.values())
     if note:
         notes.append(f"--{note}")
+    prompts, note = fit_prompts(prompts, variants.values(), room=prompt_room)   # the peers' positions too
+    if note:
+        notes.append(note)
     shared = [k for k, v in variants.items() if _has_gqa(v)]
     # long pasts: built once (chunked prefill, then kept for every thread count) by a fused model with a
     # float cache when there is one — ours, then a GQA peer (values do not change the cost); the unfused
@@ -427,8 +593,8 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         shared = [k for k in shared if not (k in genai and og_ok)]
         notes.append("rows: each model timed under its fastest driver only (the dense model: quality reference, "
                      "not timed; `ortlean bench` times every driver)")
-    res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill, "pasts": pasts, "steps": steps,
-           "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
+    res = {"model": model, "ref": ref, "kind": "causal-lm", "prefill": prefill if pasts else None, "pasts": pasts,
+           "steps": steps, "repeats": repeats, "threads": list(threads), "isa": _isa_line(), "notes": notes,
            "variants": variants, "weight_bytes": {k: runtime.weight_bytes(v) for k, v in variants.items()},
            "cache_bytes_per_token": {k: runtime.cache_bytes_per_token(v) for k, v in variants.items()},
            "table": {}, "ours": ["lean", *also], "model_name": peer_name(ref, peers) or Path(ref).parent.name}
@@ -440,12 +606,14 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     # test), so its figures come from the same minutes as ours; at long pasts each of its runs would
     # prefill the whole past again, so it runs after the table (below)
     llama_name = peer_name(ref, peers) if llama else None
-    interleaved = bool(llama_name) and max(pasts) <= LLAMA_INTERLEAVE_MAX_PAST
+    interleaved = bool(llama_name) and bool(pasts) and max(pasts) <= LLAMA_INTERLEAVE_MAX_PAST
     llama_runs: list = []
+    prompt = _prompt_setup(res, variants, ref, model, prompts, prompt_repeats, prompt_chunk, prompt_text, tokenizer,
+                           repeats, best, llama, llama_name) if prompts else None
     # the memory floor of lean's decode step: its weight bytes read once, in the same rounds as the rows
     from custom_ops.runtime import floor as fl
 
-    floor_reads = fl.weight_reads(model)
+    floor_reads = fl.weight_reads(model) if pasts else []
     floor = {"model": "lean", "nodes": len(floor_reads), "bytes": sum(b for _, b in floor_reads),
              "configs": [list(c) for c in fl.CONFIGS], "table": {}} if floor_reads else None  # patterns: the ones chosen
     # both forms read these; the process's peak RSS before them, as the table's peak is reported without them
@@ -454,7 +622,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     for t in threads:
         models = {}
         for k, v in variants.items():
-            if best and k == "dense" and src != "dense":   # neither timed nor building caches: no session
+            if best and k == "dense" and (src != "dense" or not pasts):   # neither timed nor building caches
                 continue
             s = generator_session(v, t)   # prompts: the last position's logits, as every generator reads them
             models[k] = (s, runtime.ModelIO.from_session(s, v))
@@ -468,10 +636,13 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
                 extra[LLAMA_ROW] = pm.LlamaBenchRow(llama_name, t)
             except pm.PeerError:   # no GGUF: llama_bench below says so, once
                 interleaved = False
-        res["table"][f"t{t}"] = rb.decode_table(
-            models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
-            og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
-            long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built, extra=extra)
+        if pasts:
+            res["table"][f"t{t}"] = rb.decode_table(
+                models, pasts, prefill_len=prefill, steps=steps, repeats=repeats, shared=tuple(shared),
+                og={k: str(Path(v).parent) for k, v in genai.items()} if og_ok else None, threads=t,
+                long_past_from=src, say=say, huge_pages=huge_pages, loop=loop, built=built, extra=extra)
+        if prompt:   # the time to first token, after the decode table, with the same sessions
+            _prompt_phase(prompt, models, variants, genai if og_ok else {}, t, llama_name, say, huge_pages)
         if floor:
             floor["table"][f"t{t}"] = {row: res["table"][f"t{t}"].pop(row, {}) for row in FLOOR_ROWS}
             floor.setdefault("patterns", {})[f"t{t}"] = {row: list(extra[row].config or ()) for row in FLOOR_ROWS}
@@ -499,7 +670,7 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
             res["llama_cpp"]["command"] = "llama.cpp rows skipped: " + ("; ".join(failed) or "no samples")
         if failed or not rows:
             notes.append(res["llama_cpp"]["command"] if not rows else f"llama.cpp: {'; '.join(failed)}")
-    elif llama:
+    elif llama and pasts:
         name = llama_name
         if name is None:
             notes.append("llama.cpp rows skipped: no packaged GGUF for this model (--peers)")
@@ -535,7 +706,9 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
         res["quality"] = table_quality(variants, ref, quality_text, max(threads), tokenizer=tokenizer, say=say,
                                        llama_peers=peers if llama else None, cache_dir=quality_cache)
     decodes = all(runtime.ModelIO.from_model(variants[k]).past_to_present for k in ("dense", "lean"))
-    if (profile or trace_dir) and decodes:
+    if (profile or trace_dir) and not pasts:
+        notes.append("no decode pasts (--decode-past none): no decode profile")
+    elif (profile or trace_dir) and decodes:
         res["decode_profile"] = _decode_profiles(variants, threads, max(pasts), huge_pages, say, trace_dir=trace_dir)
         if trace_dir:
             res["profile_traces"] = res["decode_profile"].pop("traces")
@@ -546,7 +719,84 @@ def _bench_causal(model, ref, threads, prefill, pasts, repeats, nbits, profile, 
     return res
 
 
-def llama_quality(ref: str, peers: str, ids, window: int, threads: int, notes: list) -> dict | None:
+def _prompt_setup(res: dict, variants: dict, ref: str, model: str, prompts: list[int], prompt_repeats, prompt_chunk,
+                  prompt_text, tokenizer, repeats: int, best: bool, llama: bool, llama_name) -> dict:
+    """What the --prompt phase of every thread count shares: the prompt's ids, the rows, and
+    ``res["prompt"]`` (what the JSON keeps: lengths, runs per length, chunk, text, per thread count
+    {row: {length: [seconds]}}, llama-bench's build and commands)."""
+    from custom_ops.runtime import bench as rb
+    from custom_ops.runtime.generate import PREFILL_CHUNK as GENERATE_CHUNK
+
+    vocab = min([v for v in (runtime.ModelIO.from_model(p).vocab_size for p in variants.values()) if v] or [0]) or None
+    ids, source = prompt_ids(ref, model, tokenizer, prompt_text, prompts[-1], vocab)
+    chunk = int(prompt_chunk or GENERATE_CHUNK)
+    rows = [k for k in variants if not (best and k == "dense")]
+    doc = {"lengths": list(prompts), "repeats": {str(n): rb.prompt_repeats(n, repeats, prompt_repeats) for n in prompts},
+           "chunk": chunk, "text": source, "warmup_tokens": min(prompts[0], 2 * chunk), "table": {}, "limits": {},
+           "llama_cpp": {}}
+    res["prompt"] = doc
+    notes = res["notes"]
+    held = "" if prompt_text else " (the held-out novel)"
+    notes.append(f"time to first token (--prompt): the first N tokens of {source}{held}, from an empty cache to the first new "
+                 f"token's logits, each row as it generates — ours and ONNX peers through `ortlean generate`'s decoder "
+                 f"({chunk}-token chunks, shared K/V buffers where the graph allows), genai's models in its own generator "
+                 f"(the same chunks), llama.cpp in `llama-bench -p N -n 0 -r 1` (its own tokens; its untimed warm-up "
+                 f"run left out from {LLAMA_NO_WARMUP_FROM} tokens); per thread count one untimed round of a "
+                 f"{doc['warmup_tokens']}-token prompt, then per length "
+                 + ", ".join(f"{n}: {r}" for n, r in doc["repeats"].items())
+                 + " timed round(s), rows rotated; medians")
+    if prompts[-1] > REF_PROMPT_MAX and any(_reference_like(k) for k in rows):
+        notes.append(f"time to first token: the reference rows ({', '.join(k for k in rows if _reference_like(k))}) "
+                     f"timed at prompts up to {REF_PROMPT_MAX} tokens only")
+    if llama and not llama_name:
+        notes.append("llama.cpp's time to first token skipped: no packaged GGUF for this model (--peers)")
+    return {"ids": ids, "rows": rows, "doc": doc, "chunk": chunk, "notes": notes}
+
+
+def _prompt_phase(state: dict, models: dict, variants: dict, og_models: dict, threads: int, llama_name, say,
+                  huge_pages: bool) -> None:
+    """The time to first token of every row at ``threads`` (``runtime.bench.prompt_table``) into
+    ``state["doc"]["table"]["t<threads>"]``: our models and ONNX peers on the table's sessions
+    (``runtime.bench.PromptRow``: the row "<model> | shared KV" or the plain "<model>", as the decode table
+    names them), genai's models in ``og_models`` in its generator ("<model> | og"), llama.cpp
+    (:data:`LLAMA_ROW`) in llama-bench."""
+    from custom_ops.runtime import bench as rb
+
+    doc, chunk = state["doc"], state["chunk"]
+    drivers, limits = {}, {}
+    for k in state["rows"]:
+        if k in og_models:
+            name, d = f"{k} | og", rb.OgPromptRow(str(Path(variants[k]).parent), threads, chunk)
+        elif k in models:
+            s, io = models[k]
+            d = rb.PromptRow(s, io, model_path=variants[k], chunk=chunk)
+            name = f"{k} | shared KV" if d.shared else k
+        else:
+            continue
+        drivers[name] = d
+        if _reference_like(k):
+            limits[name] = REF_PROMPT_MAX
+    llama_row = None
+    if llama_name:
+        from models import peers as pm
+
+        try:
+            llama_row = drivers[LLAMA_ROW] = LlamaPromptRow(llama_name, threads)
+        except pm.PeerError as e:
+            if not any(n.startswith("llama.cpp's time to first token") for n in state["notes"]):
+                state["notes"].append(f"llama.cpp's time to first token skipped: {e}")
+    say(f"threads {threads}: time to first token of {', '.join(map(str, doc['lengths']))}-token prompts: "
+        + ", ".join(drivers))
+    doc["table"][f"t{threads}"] = rb.prompt_table(
+        drivers, state["ids"], doc["lengths"], {int(n): r for n, r in doc["repeats"].items()}, threads=threads,
+        warmup_tokens=doc["warmup_tokens"], limits=limits, say=say, huge_pages=huge_pages)
+    doc["limits"].update(limits)
+    if llama_row is not None:
+        doc["llama_cpp"][f"t{threads}"] = llama_row.info()
+    del drivers
+
+
+def llama_quality(ref: str, peers: str, ids, window: int, threads: int, notes: list, prefix=None) -> dict | None:
     """llama.cpp's Δppl on ``ids`` (``window``-token windows) for the packaged model ``ref`` is an export
     of: its GGUF against the same weights dequantized to F32, both scored by llama.cpp itself
     (models.llamacpp.delta_ppl); None with a note when there is no GGUF or llama.cpp cannot run."""
@@ -560,7 +810,7 @@ def llama_quality(ref: str, peers: str, ids, window: int, threads: int, notes: l
         g = gguf_path(name)
         if g is None:
             return None
-        r = llamacpp.delta_ppl(g, ids, window=window, threads=threads)
+        r = llamacpp.delta_ppl(g, ids, window=window, threads=threads, prefix=prefix)
     except Exception as e:  # a comparison row we cannot measure is a note, not fatal
         notes.append(f"llama.cpp Δppl not measured: {str(e).splitlines()[0][:200]}")
         return None
@@ -588,15 +838,16 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
     tok = _tokenizer(ref if tokenizer or (Path(ref).parent / "tokenizer.json").exists() else next(iter(variants.values())),
                      tokenizer)
     all_ids = tok.encode(text, add_special_tokens=False).ids
+    pre = runtime.text_prefix(tok)      # every window starts as a prompt does (Gemma: <bos>)
     starts = [a for a in (runtime.approximate_from(v) for v in variants.values()) if a is not None]
     if starts:
         cap = min([p for p in (max_positions(str(v)) for v in [ref, *variants.values()]) if p] or [1 << 30])
-        ctx_len = min(max(1024, max(starts)), cap - decode_score - 1)
+        ctx_len = min(max(1024, max(starts)), cap - decode_score - 1 - pre.size)
         dm = dict(context=ctx_len, score=decode_score, windows=max(1, windows // 2))
         mode = f"decode-mode: {dm['windows']} windows of a {ctx_len}-token prefill and {decode_score} decode steps"
 
         def score(s, io_):
-            return runtime.decode_perplexity(s, io_, all_ids, **dm)
+            return runtime.decode_perplexity(s, io_, all_ids, prefix=pre, **dm)
     else:
         ids = np.asarray(all_ids[: window * windows], dtype=np.int64)
         if ids.size < 2:
@@ -604,7 +855,9 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
         mode = f"{window}-token windows"
 
         def score(s, io_):
-            return runtime.perplexity(s, io_, ids, window=window)
+            return runtime.perplexity(s, io_, ids, window=window, prefix=pre)
+    if pre.size:
+        mode += f", each after the tokenizer's {pre.size}-token prefix"
     from .kit import stamps
 
     cache = stamps.JsonCache(cache_dir) if cache_dir else None
@@ -648,7 +901,7 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
             out["rows"][name] = {"note": f"Δppl not measured: {str(e).splitlines()[0][:160]}"}
             continue
         row = {"ppl": float(p["ppl"]), "delta_ppl": float(p["ppl"] / d["ppl"] - 1.0)}
-        if d.get("token_nll") and len(d["token_nll"]) == len(p["token_nll"]):
+        if d.get("token_nll") is not None and len(d["token_nll"]) and len(d["token_nll"]) == len(p["token_nll"]):
             row["delta_ppl_upper"] = runtime.paired_delta(p["token_nll"], d["token_nll"])[1]
         out["rows"][name] = row
     if llama_peers is not None:   # llama.cpp's row, measured by llama.cpp on the same text
@@ -657,8 +910,9 @@ def table_quality(variants: dict, ref: str, text_path: str, threads: int = 2, to
         notes: list = []
         lids = all_ids[: window * windows]
         parts = {"llama.cpp": peer_name(ref, llama_peers), "ids": hashlib.sha256(np.asarray(lids, np.int64).tobytes())
-                 .hexdigest()[:16], "window": window, "threads": threads, "code": (common or {}).get("code")}
-        lq = cached(parts, lambda: llama_quality(ref, llama_peers, lids, window, threads, notes),
+                 .hexdigest()[:16], "window": window, "threads": threads, "code": (common or {}).get("code"),
+                 "prefix": [int(x) for x in pre]}
+        lq = cached(parts, lambda: llama_quality(ref, llama_peers, lids, window, threads, notes, prefix=pre),
                     "quality: llama.cpp: reused (same GGUF, tokens and window)")
         out["rows"]["llama.cpp"] = ({k: lq[k] for k in ("ppl", "delta_ppl", "delta_ppl_upper", "note")} if lq
                                     else {"note": notes[0] if notes else "no GGUF for this model"})
@@ -771,7 +1025,8 @@ def format_table(r: dict) -> str:
            [(f"prefill t{t}", "prefill", t) for t in threads]
     rows = list(next(iter(r["table"].values()), {}))
     w = max([len(x) for x in rows] + [20])
-    lines = [f"{'row':<{w}} {'MiB':>6} " + " ".join(f"{c:>12}" for c, _, _ in cols)]
+    # no decode pasts (--decode-past none): the time to first token alone
+    lines = [f"{'row':<{w}} {'MiB':>6} " + " ".join(f"{c:>12}" for c, _, _ in cols)] if pasts else []
     for row in rows:
         mib = r["weight_bytes"].get(row.partition(" | ")[0], 0) / 2**20
         vals = []
@@ -788,9 +1043,11 @@ def format_table(r: dict) -> str:
             lines.append(f"  {x['test']:>12} t{x['threads']}: {x['tok_s']:8.1f} ± {x['tok_s_std']:.1f}")
     lines += _speed_ratios(r)
     lines += _floor_lines(r)
-    lines.append(f"(tokens/s; decode: single-token steps after a past of P, {r['steps']} steps × {r['repeats']} rounds, "
-                 f"medians; prefill: {prefill} tokens; rows interleaved in one process. Drivers: (none) = plain "
-                 "InferenceSession loop, 'shared KV' = custom_ops.runtime.shared_kv, 'og' = onnxruntime_genai)")
+    if pasts:
+        lines.append(f"(tokens/s; decode: single-token steps after a past of P, {r['steps']} steps × {r['repeats']} "
+                     f"rounds, medians; prefill: {prefill} tokens; rows interleaved in one process. Drivers: (none) = "
+                     "plain InferenceSession loop, 'shared KV' = custom_ops.runtime.shared_kv, 'og' = onnxruntime_genai)")
+    lines += _ttft_lines(r)
     lines.append(r["isa"])
     for n in r["notes"]:
         lines.append(f"note: {n}")
@@ -799,6 +1056,61 @@ def format_table(r: dict) -> str:
     if r.get("decode_profile"):
         lines += _format_decode_profile(r["decode_profile"], r)
     return "\n".join(lines)
+
+
+def ttft_medians(r: dict) -> dict[str, dict[tuple[int, int], float]]:
+    """{row: {(prompt length, threads): median seconds}} of a bench result's time-to-first-token runs."""
+    import statistics
+
+    out: dict[str, dict[tuple[int, int], float]] = {}
+    for t, tab in ((r.get("prompt") or {}).get("table") or {}).items():
+        for row, per in tab.items():
+            for n, v in per.items():
+                if v:
+                    out.setdefault(row, {})[(int(n), int(t[1:]))] = float(statistics.median(v))
+    return out
+
+
+def _ttft_lines(r: dict) -> list[str]:
+    """The time-to-first-token table (row x prompt length x threads: seconds and tokens/s, medians) and each
+    of our rows' ratio against llama.cpp and genai's int4 model in the same run (their seconds / ours:
+    > 1, ours answers sooner)."""
+    P = r.get("prompt")
+    if not P:
+        return []
+    med = ttft_medians(r)
+    cols = [(n, t) for n in P["lengths"] for t in r["threads"]]
+    rows = [k for k in med] + [k for t in r["threads"] for k in (P["table"].get(f"t{t}") or {}) if k not in med]
+    rows = list(dict.fromkeys(rows))
+    w = max([len(x) for x in rows] + [20])
+    lines = [f"time to first token after an N-token prompt (N tN: N tokens, N threads), medians of "
+             f"{', '.join(f'{n}: {k}' for n, k in P['repeats'].items())} timed run(s) per length:",
+             f"{'row':<{w}} " + " ".join(f"{f'{n} t{t}':>24}" for n, t in cols)]
+    for row in rows:
+        cells = []
+        for n, t in cols:
+            s = med.get(row, {}).get((n, t))
+            took = f"{s:.2f} s" if s and s >= 1 else f"{s * 1e3:.1f} ms" if s else ""
+            cells.append(f"{f'{took} ({n / s:.0f} tok/s)':>24}" if s else f"{'-':>24}")
+        lines.append(f"{row:<{w}} " + " ".join(cells))
+
+    def model_rows(model: str) -> list[str]:
+        return [k for k in med if k == model or k.startswith(model + " | ")]
+
+    peers = [(LLAMA_ROW, "llama.cpp")] + [(k, k) for k in model_rows("genai int4")[:1]]
+    for ours in r.get("ours") or ["lean"]:
+        for a in model_rows(ours):
+            for b, label in peers:
+                if b not in med:
+                    continue
+                keys = [c for c in cols if c in med[a] and c in med[b]]
+                if keys:
+                    lines.append(f"ttft [{a}] vs [{label}] (its seconds / ours, > 1: ours answers sooner): " + ", ".join(
+                        f"{n} t{t} {med[b][(n, t)] / med[a][(n, t)]:.2f}x" for n, t in keys))
+    for t, info in sorted((P.get("llama_cpp") or {}).items()):
+        if info.get("failed"):
+            lines.append(f"llama.cpp, {t}: stopped: {info['failed']}")
+    return lines
 
 
 def _speed_ratios(r: dict) -> list[str]:

@@ -15,6 +15,7 @@ from .errors import OrtleanError
 from .kit import calib, candidates, modelfile, stream
 from .kit.backend import Context
 from .kit.options import RewriteConfig
+from .kit.progress import Progress
 from .kit.quality import BudgetRefused, largest_passing
 from .report import LayerRecord
 
@@ -94,7 +95,6 @@ def _enabled(cfg: RewriteConfig, registered: list) -> list:
 
 
 def run(cfg: RewriteConfig) -> dict:
-    from tqdm.auto import tqdm
 
     t0 = time.time()
     res = Resources(progress=cfg.progress)
@@ -135,14 +135,14 @@ def run(cfg: RewriteConfig) -> dict:
             todo = b.group_candidates(todo, weight)
         ctx.todo = todo
         res.mark("candidates")
-        grams = _calibrate(cfg, ctx, weight, todo)
+        grams = ctx.grams = _calibrate(cfg, ctx, weight, todo)   # (ctx.grams: a backend may plan layers ahead)
         if grams:
             res.mark("calibration")
 
         # plan every layer; the first weight backend that does not say "dense" takes it
-        bar = tqdm(todo, desc="plan", unit="layer", disable=None if cfg.progress else True, leave=False)
-        for c in bar:
-            bar.set_postfix_str(c.name[-40:])
+        bar = Progress("plan", total=len(todo), unit="layer", enabled=cfg.progress)   # a line every 15 s in a log
+        for c in todo:
+            bar.status(c.name)
             W = c.weight_array()
             G = grams[c.input.name].G if c.input.name in grams else None
             reasons = []
@@ -166,8 +166,10 @@ def run(cfg: RewriteConfig) -> dict:
             for m in getattr(c, "members", None) or [c]:   # its pages stay in the page cache, not in our RSS
                 modelfile.release_pages(m.weight.const_value)
             stream.trace_memory(f"planned {c.name}")
+            bar.update(1)
         bar.close()
         W = G = None  # a view of a memory-mapped external weight would block saving (BufferError)
+        grams = ctx.grams = None   # the Grams are planned with: not held through the mix and the guard
         for b in weight:  # a backend that plans the whole model at once revises its plans (the --weights mix)
             revised = b.finish_plans([(c, p) for c, bb, p in chosen if bb is b], ctx)
             if revised:
@@ -193,7 +195,7 @@ def run(cfg: RewriteConfig) -> dict:
                 try:
                     chosen, quality = _quality_guard(chosen, records, ctx.quality, cfg.quality_budget, cfg.progress,
                                                      fallback)
-                    ctx.weights_loss = max(0.0, quality["loss"])
+                    ctx.weights_loss = max(0.0, quality.get("mean", quality["loss"]))
                 except BudgetRefused as e:
                     refused = str(e)
                     quality, chosen = e.quality, []
@@ -334,21 +336,23 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
     pinned plans are always in the trials, and when they alone (every other plan at its fallback,
     k = 0) cost more than the budget, nothing is written (:class:`BudgetRefused`) — the user may lift
     the budget explicitly."""
-    from tqdm.auto import tqdm
-
     fallback = fallback or {}
     pinned = [t for t in chosen if _pinned(t[1])]
     chosen = [t for t in chosen if not _pinned(t[1])]
     order = sorted(chosen, key=lambda t: (t[2].gap if t[2].gap is not None else 0.0, -(t[0].params - t[2].params_after)))
     tried: dict[int, float] = {}
-    bar = tqdm(desc="quality guard", unit="trial", disable=None if progress else True, leave=False)
+    bar = Progress("quality guard", unit="trial", enabled=progress)
 
     def plans(k: int) -> list:
         return order[:k] + [fallback[t[0].name] for t in order[k:] if t[0].name in fallback] + pinned
 
-    def loss(k: int) -> float:
+    means: dict[int, float] = {}
+
+    def loss(k: int) -> float:   # the probe's bound (causal LMs), its mean in `means`
         if k not in tried:
             tried[k] = quality.loss(plans(k))
+            last = getattr(quality.probe, "last", None)
+            means[k] = last[0] if last is not None else tried[k]
             bar.update(1)
         return tried[k]
 
@@ -359,12 +363,13 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
     if alone is not None and alone > budget:
         bar.close()
         res = {"metric": probe.metric, "budget": budget, "kept": 0, "planned": len(order), "loss": alone,
-               "weights_alone": alone, "weights_by": weights_by, "refused": True,
-               "trials": {"0": alone}, "probe": probe.unit, "probe_size": probe.size}
+               "mean": means[0], "weights_alone": alone, "weights_by": weights_by, "refused": True,
+               "trials": {"0": alone}, "probe": probe.unit, "probe_size": probe.size, "bound": _BOUND}
         raise BudgetRefused(
-            f"the weights alone ({', '.join(weights_by)}) cost {probe.metric} {alone:+.4f} against the source "
-            f"weights on held-out calibration text ({probe.size} {probe.unit}), over --quality-budget {budget}: "
-            f"nothing written (to write them anyway, lift the budget: --quality-budget {_lift(alone)})", res)
+            f"the weights alone ({', '.join(weights_by)}) cost {probe.metric} {means[0]:+.4f} (one-sided 95 % bound "
+            f"{alone:+.4f}) against the source weights on held-out calibration text ({probe.size} {probe.unit}), over "
+            f"--quality-budget {budget}: nothing written (to write them anyway, lift the budget: --quality-budget "
+            f"{_lift(alone)})", res)
     n = len(order)  # loss grows with k: all of them, else the largest k by bisection
     k = n if loss(n) <= budget else largest_passing(lambda k: loss(k) <= budget, 0, n - 1)
     bar.close()
@@ -382,13 +387,18 @@ def _quality_guard(chosen: list, records: dict, quality, budget: float, progress
         r.decision = f"{why}; alone: {plan.reason}"
         r.backend = "dense"
         r.params_after = r.params_before
-    res = {"metric": probe.metric, "budget": budget, "kept": k, "planned": n, "loss": final,
-           "trials": {str(kk): v for kk, v in sorted(tried.items())}, "probe": probe.unit, "probe_size": probe.size}
+    res = {"metric": probe.metric, "budget": budget, "kept": k, "planned": n, "loss": final, "mean": means[k],
+           "trials": {str(kk): v for kk, v in sorted(tried.items())}, "probe": probe.unit, "probe_size": probe.size,
+           "bound": _BOUND}
     if alone is not None:
         res["pinned"] = len(pinned)
         res["weights_by"] = weights_by
         res["weights_alone"] = alone    # the model at the asked precision, no other backend, vs the source
     return plans(k), res
+
+
+_BOUND = ("causal LMs: the one-sided 95 % upper bound of Δppl (per-token NLL differences against the source "
+          "weights on the same held-out tokens); encoders: 1 − mean cosine")
 
 
 def _lift(loss: float) -> str:

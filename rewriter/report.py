@@ -103,8 +103,10 @@ def format_report(summary: dict) -> str:
         lines.append(f"end-to-end check skipped: {q['skipped']}")
     elif q:
         pin = f" and {q['pinned']} {'/'.join(q['weights_by'])} layers" if q.get("pinned") else ""
+        val = (f"{q['mean']:+.4f} (one-sided 95 % bound {q['loss']:+.4f}, held to the budget)"
+               if "mean" in q and q["mean"] != q["loss"] else f"{q['loss']:+.4f}")
         lines.append(f"end-to-end check on held-out calibration text ({q['probe_size']} {q['probe']}): {q['metric']} "
-                     f"{q['loss']:+.4f} against the source weights with {q['kept']} of {q['planned']} planned layers"
+                     f"{val} against the source weights with {q['kept']} of {q['planned']} planned layers"
                      f"{pin} (budget {q['budget']})"
                      + (f"; the weights alone ({', '.join(q['weights_by'])}): {q['weights_alone']:+.4f}"
                         if "weights_alone" in q else ""))

@@ -27,7 +27,13 @@ are all a reader of the file needs::
                "tok_s": {"1": {"128": 190.2, "4096": 157.6}, "2": {...}},  # decode tokens/s per thread count, per past
                "prefill_tok_s": {"1": 2400.0, "2": 4100.0},
                "cache_bytes_per_token": 15680,   # the model's cache states per cached token (llama.cpp: its f16 K/V)
+               "ttft": {"2": {"4096": {"seconds": 38.4, "tok_s": 106.7, "repeats": 2,    # with --prompt: time to
+                                       "seconds_all": [38.4, 38.38]}}},                  # first token per thread
+                                                                                         # count, per prompt length
                "peak_rss_mb": null}, ...],       # llama.cpp's row: llama-bench's own process
+     "prompt_lengths": [4096, 16384],            # with --prompt (else absent): the TTFT prompts' lengths,
+     "prompt_text": "Persuasion (the held-out novel)", "prompt_chunk": 512,   # their text and chunk,
+     "prompt_repeats": {"4096": 2, "16384": 1},  # timed runs per length (the row's "repeats": its samples)
      "peak_rss_mb": 9216}                        # the bench process after the timed rows (every ONNX row in it)
 
 ``render(doc)`` turns a file into the markdown table; ``update(text, root)`` rewrites every table
@@ -237,20 +243,42 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
                                     for p in res["pasts"] if cells.get(f"decode{p}")}
                 if cells.get("prefill"):
                     row["prefill_tok_s"][tn] = round(prefill * 1e3 / cells["prefill"], 1)
+        prompt = res.get("prompt") or {}
+        llama_ttft: dict[str, dict] = {}
+        for t, table in (prompt.get("table") or {}).items():   # --prompt: the time to first token
+            for key, per in table.items():
+                cells = {n: _ttft_cell(int(n), v) for n, v in per.items() if v}
+                if key == "llama.cpp | llama-bench":   # evaluate.LLAMA_ROW
+                    if cells:
+                        llama_ttft[t[1:]] = cells
+                    continue
+                model, _, drv = key.partition(" | ")
+                row = by_key.get(key) or by_key.setdefault(key, base_row(model, _DRIVERS.get(drv, drv)))
+                if cells:
+                    row.setdefault("ttft", {})[t[1:]] = cells
         rows += by_key.values()
         lc = res.get("llama_cpp") or {}
         lrows = lc.get("rows") or []
-        if lrows or (qrows.get("llama.cpp") or {}).get("delta_ppl") is not None:  # Δppl without speed kept
+        linfo = [x for x in (prompt.get("llama_cpp") or {}).values() if x]
+        if lrows or llama_ttft or linfo or (qrows.get("llama.cpp") or {}).get("delta_ppl") is not None:
+            # (Δppl without speed kept)
             row = base_row("llama.cpp", "llama-bench")
-            build = next((x.get("build") for x in lrows if x.get("build")), "")
-            mtype = next((x.get("model_type") for x in lrows if x.get("model_type")), "")
+            build = next((x.get("build") for x in lrows + linfo if x.get("build")), "")
+            mtype = next((x.get("model_type") for x in lrows + linfo if x.get("model_type")), "")
+            peaks = [x for x in [lc.get("peak_rss_mb"), *(i.get("peak_rss_mb") for i in linfo)] if x]
             row.update(side="peer", path=None, weight_bytes=None, cache_bytes_per_token=lc.get("cache_bytes_per_token"),
-                       peak_rss_mb=lc.get("peak_rss_mb"),
+                       peak_rss_mb=max(peaks) if peaks else None,
                        what=f"llama.cpp ({build.strip()}) on the package's GGUF ({mtype})".replace(" ()", ""),
                        quality_note=(qrows.get("llama.cpp") or {}).get("note") or lc.get("quality_note")
                        or "not measured here (llama.cpp's own runtime)")
-            if not lrows:
+            if not lrows and not llama_ttft:
                 row["speed_note"] = lc.get("command") or "llama.cpp rows skipped"
+            if llama_ttft:
+                row["ttft"] = llama_ttft
+                row["ttft_commands"] = list(dict.fromkeys(c for i in linfo for c in i.get("commands") or []))
+            stops = [i["failed"] for i in linfo if i.get("failed")]
+            if stops:
+                row["ttft_note"] = "; ".join(stops)
             for x in lrows:
                 tn = str(x["threads"])
                 if x["test"].startswith("tg"):
@@ -280,7 +308,20 @@ def from_bench(res: dict, command: str | None = None, labels: dict[str, str] | N
                 "contexts": contexts, "threads": threads, "prefill_tokens": res.get("prefill"),
                 "quality": ({k: v for k, v in quality.items() if k != "rows"} if quality else None),
                 "peak_rss_mb": res.get("peak_rss_mb"), "rows": rows})
+    prompt = res.get("prompt") or {}
+    if prompt.get("lengths"):
+        out.update({"prompt_lengths": list(prompt["lengths"]), "prompt_text": prompt.get("text"),
+                    "prompt_chunk": prompt.get("chunk"), "prompt_repeats": dict(prompt.get("repeats") or {})})
     return out
+
+
+def _ttft_cell(n: int, seconds: list[float]) -> dict:
+    """A row's time to first token at one prompt length and thread count: the median of its timed runs."""
+    import statistics
+
+    med = float(statistics.median(seconds))
+    return {"seconds": round(med, 6), "tok_s": round(n / med, 1), "repeats": len(seconds),
+            "seconds_all": [round(float(x), 6) for x in seconds]}
 
 
 # --------------------------------------------------------------------------------------------- markdown
@@ -289,6 +330,11 @@ MARKER_RE = re.compile(r"(<!-- results-table src=(?P<src>\S+) -->\n)(?P<body>.*?
 
 def _fmt_tok(x) -> str:
     return "–" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _fmt_s(x) -> str:
+    """Seconds in a table cell: three significant figures or so."""
+    return "–" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
 
 def _fmt_delta(row) -> str:
@@ -314,8 +360,10 @@ def pick_rows(doc: dict) -> list[dict]:
     tmax = str(max(doc["threads"])) if doc.get("threads") else None
 
     def score(r):
-        if ctx is None:
-            return (r.get("prefill_tok_s") or {}).get(tmax) or 0.0
+        if ctx is None:   # no decode contexts: the prefill, else the time to first token at the longest prompt
+            per = (r.get("ttft") or {}).get(tmax) or {}
+            longest = per.get(max(per, key=int)) if per else None
+            return (r.get("prefill_tok_s") or {}).get(tmax) or (longest or {}).get("tok_s") or 0.0
         return ((r.get("tok_s") or {}).get(tmax) or {}).get(ctx) or 0.0
 
     best: dict[str, dict] = {}
@@ -330,14 +378,29 @@ def render(doc: dict, src: str = "") -> str:
     decode tokens/s after each context at each thread count, and a line saying where and how it ran."""
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"{src or 'results'}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    if doc.get("task") == "needle":
+        return render_needle(doc)
     ctxs, threads = doc.get("contexts") or [], [str(t) for t in doc.get("threads") or []]
+    picked = pick_rows(doc)
+    # the time to first token (--prompt): a column group per thread count, each model's TTFT row (the
+    # driver it generates with) whichever row the decode columns picked
+    prompts = [int(n) for n in doc.get("prompt_lengths") or []]
+    ttft_of: dict[str, dict] = {}
+    for r in doc["rows"]:
+        if r.get("ttft") and (r["model"] not in ttft_of or r in picked):
+            ttft_of[r["model"]] = r["ttft"]
+    with_ttft = bool(prompts and ttft_of)
+    with_prefill = any(r.get("prefill_tok_s") for r in picked) or not with_ttft
     head = ["", "what it is", "Δppl"]
     if ctxs:
         head += [f"decode tok/s, {t} thread{'s' if t != '1' else ''}: after {' / '.join(f'{c:,}' for c in ctxs)}"
                  for t in threads]
-    head += [f"prefill tok/s ({doc.get('prefill_tokens')} tokens), {' / '.join(threads)} "
-             f"thread{'s' if threads != ['1'] else ''}"]
-    picked = pick_rows(doc)
+    if with_prefill:
+        head += [f"prefill tok/s ({doc.get('prefill_tokens')} tokens), {' / '.join(threads)} "
+                 f"thread{'s' if threads != ['1'] else ''}"]
+    if with_ttft:
+        head += [f"TTFT s, {t} thread{'s' if t != '1' else ''}: {' / '.join(f'{n:,}' for n in prompts)}"
+                 for t in threads]
     # the cache a token costs, against the reference's (fp32 K/V): in files that have it
     fp32 = next((r.get("cache_bytes_per_token") for r in picked if r["side"] == "reference"), None)
     with_cache = any(r.get("cache_bytes_per_token") for r in picked)
@@ -357,7 +420,11 @@ def render(doc: dict, src: str = "") -> str:
         for t in threads if ctxs else []:
             per = (r.get("tok_s") or {}).get(t) or {}
             cells.append(" / ".join(_fmt_tok(per.get(str(c))) for c in ctxs))
-        cells.append(" / ".join(_fmt_tok((r.get("prefill_tok_s") or {}).get(t)) for t in threads))
+        if with_prefill:
+            cells.append(" / ".join(_fmt_tok((r.get("prefill_tok_s") or {}).get(t)) for t in threads))
+        for t in threads if with_ttft else []:
+            per = (ttft_of.get(r["model"]) or {}).get(t) or {}
+            cells.append(" / ".join(_fmt_s((per.get(str(n)) or {}).get("seconds")) for n in prompts))
         if with_cache:
             cb = r.get("cache_bytes_per_token")
             cells.append("–" if not cb else f"{cb:,}" + (f" ({cb / fp32:.2f}x)" if fp32 else ""))
@@ -373,8 +440,17 @@ def render(doc: dict, src: str = "") -> str:
                 "against the reference row; ≤: its one-sided 95 % upper bound. ")
     else:
         cap += "Δppl not measured in this run (`--quality-text`). "
-    cap += ("Decode: tokens/s of single-token steps after the given number of cached tokens; rows interleaved "
-            "in one process; each row with its fastest driver.")
+    if ctxs or not with_ttft:
+        cap += ("Decode: tokens/s of single-token steps after the given number of cached tokens; rows interleaved "
+                "in one process; each row with its fastest driver.")
+    if with_ttft:
+        reps = doc.get("prompt_repeats") or {}
+        runs = ", ".join(f"{int(n):,}: {k}" for n, k in reps.items())
+        cap += ((" " if ctxs else "") + f"TTFT: seconds from an empty cache to the first new token's logits after a "
+                f"prompt of the given number of tokens (the first tokens of {doc.get('prompt_text') or 'a text'}; llama.cpp: "
+                "`llama-bench -p N -n 0` on its own tokens), each row as it generates (ours: `ortlean generate`'s chunked prefill; genai: "
+                "its generator), rows interleaved in one process"
+                + (f"; medians of the timed runs per length ({runs})" if runs else "") + ".")
     if doc.get("peak_rss_mb"):
         llama_rss = next((r.get("peak_rss_mb") for r in picked if r.get("driver") == "llama-bench"), None)
         cap += (f" Peak RSS {doc['peak_rss_mb'] / 1024:.1f} GiB for every ONNX row together (one process, each "
@@ -385,6 +461,45 @@ def render(doc: dict, src: str = "") -> str:
         lines += ["", f"`{doc['command']}`"]
     for i, n in enumerate(notes, 1):
         lines += ["", f"{i}. {n}" if len(notes) > 1 else f"¹ {n}"]
+    return "\n".join(lines) + "\n"
+
+
+def _where(doc: dict) -> str:
+    m = doc.get("machine") or {}
+    load = m.get("load_average")
+    return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('isa', '?')} (kernels {m.get('kernels', '?')})"
+            + (f", load {load[0]:.1f} at the start" if load else "")
+            + f"; commit {str(doc.get('commit') or '?')[:10]}{' + local changes' if doc.get('commit_dirty') else ''}"
+            f", {doc.get('date', '?')}, onnxruntime {doc.get('onnxruntime', '?')}")
+
+
+def render_needle(doc: dict) -> str:
+    """The table of an ``ortlean eval --task needle --json`` file: per kind and length, the model's hits
+    / the reference's at each depth, then the needles the reference found and the model lost."""
+    depths, cells = doc.get("depths") or [], doc.get("cells") or []
+    at = {(c["kind"], c["length"], c["depth"]): c for c in cells}
+    head = ["kind", "length"] + [f"depth {d:g}" for d in depths] + ["hits / ref", "lost"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "--:|" * (len(depths) + 2)]
+    for kind in doc.get("kinds") or []:
+        for n in doc.get("lengths") or []:
+            row = [at.get((kind, n, d)) for d in depths]
+            got = [c for c in row if c]
+            if not got:
+                continue
+            hits, ref, lost = (sum(c[k] for c in got) for k in ("hits", "ref_hits", "lost"))
+            lines.append("| " + " | ".join([kind, f"{n:,}"] + [f"{c['hits']}/{c['ref_hits']}" if c else "–"
+                                                                  for c in row]
+                                            + [f"{hits}/{ref}", f"**{lost}**" if lost else "0"]) + " |")
+    s = doc.get("summary") or {}
+    model, ref = Path(str(doc.get("model", "?"))), Path(str(doc.get("ref", "?")))
+    cap = (f"Cells: the model's hits / the reference's ({doc.get('cases_per_cell', 1)} case a cell); "
+           f"{s.get('cases', '?')} cases, hits {s.get('hits', '?')} (reference {s.get('ref_hits', '?')}), "
+           f"**lost {s.get('lost', '?')}** (needles the reference found and the model did not), gained "
+           f"{s.get('gained', '?')}. Model {model.parent.name}/{model.name}, reference {ref.parent.name}/{ref.name}, "
+           f"haystack {doc.get('text_name', '?')}. {_where(doc)}.")
+    lines += ["", cap]
+    if doc.get("command"):
+        lines += ["", f"`{doc['command']}`"]
     return "\n".join(lines) + "\n"
 
 

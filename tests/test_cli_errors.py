@@ -141,6 +141,20 @@ BAD_FLAGS = [
     (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--threads", "abc"], ["--threads", "abc"]),
     (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--tokenizer", "{out}/tok.json"], ["tok.json"]),
     (["eval", "{good}", "--ref", "{good}", "--text", "{out}/empty.txt"], ["empty.txt"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--depths", "0.5,1.5"], ["--depths", "1.5"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--depths", "abc"], ["--depths", "abc"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--needle-kinds", ""], ["--needle-kinds"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--needle-kinds", "passkey,foo"],
+     ["--needle-kinds", "foo"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--lengths", "0"], ["--lengths", "0"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--lengths", "16"], ["--lengths", "16"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--lengths", "4096"],
+     ["--text", "calib.txt", "4,096"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--cases", "0"], ["--cases", "0"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--seed", "-1"], ["--seed", "-1"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--task", "needle", "--lengths", "1024"],
+     ["--text", "calib.txt", "no sentence"]),
+    (["eval", "{good}", "--ref", "{good}", "--text", "{calib}", "--depths", "0.5"], ["--depths", "--task needle"]),
     (["bench", "{good}", "--ref", "{good}", "--nbits", "abc"], ["--nbits", "abc"]),
     (["bench", "{good}", "--ref", "{good}", "--nbits", "3"], ["--nbits", "3"]),
     (["bench", "{good}", "--ref", "{good}", "--prefill", "0"], ["--prefill", "0"]),
@@ -153,6 +167,16 @@ BAD_FLAGS = [
     (["generate", "{good}", "--prompt", "the", "--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
     (["generate", "{good}", "--prompt", ""], ["--prompt"]),
     (["generate", "{good}", "--prompt", "the", "--tokenizer", "{out}/tok.json"], ["tok.json"]),
+    (["generate", "{good}", "--prompt", "the", "--prompt-cache-refresh"], ["--prompt-cache-refresh", "--prompt-cache FILE"]),
+    (["generate", "{good}", "--prompt", "the", "--prompt-cache", "{out}"], ["--prompt-cache", "is a directory"]),
+    (["generate", "{good}", "--prompt", "the", "--prompt-cache", "{out}/nodir/c.cache"], ["--prompt-cache", "nodir"]),
+    (["generate", "{good}", "--prompt", "the", "--prompt-cache", "{out}/c.cache"], ["c.cache", "no state to cache"]),
+    (["generate", "{good}", "--prompt-file", "-", "--document", "-"], ["--document -", "--prompt-file -"]),
+    (["generate", "{good}", "--prompt", "the", "--document", "{out}/nope.txt"], ["--document", "nope.txt"]),
+    (["generate", "{good}", "--prompt", "the", "--document", "{out}/empty.txt"], ["--document", "empty document"]),
+    (["import", "{out}/nope.gguf", "-o", "{out}/m/model.onnx"], ["nope.gguf"]),
+    (["import", "{good}", "-o", "{out}/m/model.onnx"], ["model.onnx", "GGUF"]),
+    (["import", "{out}/empty.txt", "-o", "{out}/m/model.onnx"], ["empty.txt"]),
     (["models", "prepare", "nosuch"], ["nosuch"]),
     (["models", "path", "nosuch"], ["nosuch"]),
     (["demo", "nosuch"], ["nosuch"]),
@@ -171,6 +195,67 @@ def test_bad_flags_and_names(files, tmp_path, capsys, argv, names):
     rc, _, err = run(capsys, argv)
     assert_user_error(rc, err, *names, argv=argv)
     assert {d: files_under(d) for d in watch} == before
+
+
+@pytest.fixture(scope="module")
+def cached_toy(tmp_path_factory) -> dict[str, Path]:
+    """A toy decoder with a KV cache, a second one with other weights, a document and its prompt cache."""
+    d = tmp_path_factory.mktemp("pcache")
+    out = {}
+    for name, seed in (("model", 0), ("other", 1)):
+        m = d / name / "model.onnx"
+        m.parent.mkdir()
+        onnx.save(toy.cached(seed=seed), str(m))
+        toy.write_tokenizer(m.parent / "tokenizer.json")
+        out[name] = m
+    out["doc"] = d / "doc.txt"
+    out["doc"].write_text(toy.text(80, seed=3))
+    out["cache"] = d / "doc.cache"
+    assert cli.main(["generate", str(out["model"]), "--document", str(out["doc"]), "--prompt", "the sister",
+                     "--max-new-tokens", "2", "--prompt-cache", str(out["cache"])]) == 0
+    return out
+
+
+def _bad_cache(cached_toy, how: str, d: Path) -> tuple[Path, Path, str]:
+    """(the model to run, a damaged copy of the cache, the words the error must say)."""
+    from custom_ops.runtime import prompt_cache
+
+    c = d / "bad.cache"
+    raw = bytearray(cached_toy["cache"].read_bytes())
+    meta = prompt_cache.read_header(cached_toy["cache"])
+    model, words = cached_toy["model"], None
+    if how == "corrupt":
+        raw[meta["states"][1]["offset"] + 100] ^= 0x04
+        words = "corrupt (state"
+    elif how == "truncated":
+        raw = raw[: len(raw) // 2]
+        words = "truncated"
+    elif how == "wrong_version":
+        raw[8] = 7
+        words = "format version 7"
+    elif how == "other_model":
+        model, words = cached_toy["other"], "written for another model"
+    elif how == "not_a_cache":
+        raw, words = bytearray(b"plain text\n" * 10), "not an ortlean prompt cache"
+    c.write_bytes(raw)
+    return model, c, words
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "wrong_version", "other_model", "other_prompt", "not_a_cache"])
+def test_generate_bad_prompt_cache(cached_toy, how, tmp_path, capsys):
+    """generate --prompt-cache on every class of bad cache file: exit 2, one line naming the file and the
+    problem, the file's bytes unchanged, nothing else written."""
+    model, c, words = _bad_cache(cached_toy, how, tmp_path) if how != "other_prompt" else \
+        (cached_toy["model"], tmp_path / "bad.cache", "written for another prompt")
+    if how == "other_prompt":
+        c.write_bytes(cached_toy["cache"].read_bytes())
+    doc = tmp_path / "other.txt"
+    doc.write_text(toy.text(80, seed=4) if how == "other_prompt" else cached_toy["doc"].read_text())
+    before, files_before = c.read_bytes(), files_under(tmp_path)
+    argv = ["generate", model, "--document", doc, "--prompt", "mr darcy", "--max-new-tokens", "2", "--prompt-cache", c]
+    rc, out, err = run(capsys, argv)
+    assert_user_error(rc, err, f"--prompt-cache {c}", words, argv=argv)
+    assert not out and c.read_bytes() == before and files_under(tmp_path) == files_before
 
 
 def _hide(monkeypatch, module: str) -> None:

@@ -9,7 +9,7 @@ import struct
 import pytest
 import tiny_hf
 from rewriter import cli, demo
-from test_results_table import _doc
+from test_results_table import _doc, _ttft_doc
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,30 @@ def test_plot_legend_carries_quality(tmp_path, monkeypatch):
     assert labels == ["dense (Δppl +0.00 %)", "lean (shared KV) (Δppl +1.23 %)"]
 
 
+def test_plot_ttft_draws_every_models_line_per_thread_count(tmp_path, monkeypatch):
+    """The demo's ttft-vs-prompt.png: one panel per thread count, one line per model that has times to
+    first token (its generating driver), Δppl in the legend; nothing without them."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    labels = []
+    orig = matplotlib.axes.Axes.plot
+
+    def spy(self, *a, **kw):
+        labels.append((kw.get("label"), list(a[0])))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    png = demo.plot_ttft([_ttft_doc()], tmp_path / "ttft.png")
+    assert png == tmp_path / "ttft.png" and _png_size(png)[0] > _png_size(png)[1]
+    assert labels == [("dense (Δppl +0.00 %)", [4096]), ("llama.cpp (Δppl —)", [4096, 16384]),
+                      ("lean (shared KV) (Δppl +1.23 %)", [4096, 16384]),      # 1 thread
+                      ("lean (shared KV) (Δppl +1.23 %)", [4096, 16384])]      # 2 threads
+    threads, by_t = demo.ttft_points([_ttft_doc()])
+    assert threads == [1, 2] and by_t[1]["llama.cpp"]["pts"] == {4096: 56.9, 16384: 301.0}
+    assert demo.plot_ttft([_doc()], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
 def test_rewrite_is_cached_by_stamp(tiny, tmp_path, capsys, monkeypatch):
     src = tiny["llama"] / "model.onnx"
     out = tmp_path / "r" / "model.onnx"
@@ -86,3 +110,11 @@ def test_demo_cli_flags():
     assert a.decode_past == [128] and a.threads == [1] and a.repeats == 5 and a.fresh
     with pytest.raises(SystemExit):
         p.parse_args(["demo", "no-such-model"])
+    # the time to first token: 4k by default, 4k / 16k / 32k for the 1.5B model (capped by its positions
+    # in the bench), --prompt to choose, none for no TTFT
+    assert p.parse_args(["demo", "smollm2"]).prompt is None
+    assert demo.demo_prompts("smollm2") == [4096] and demo.demo_prompts("qwen2.5-coder-1.5b") == [4096, 16384, 32768]
+    assert demo.demo_prompts("smollm2", p.parse_args(["demo", "smollm2", "--prompt", "2k,512"]).prompt) == [512, 2048]
+    assert demo.demo_prompts("qwen2.5-coder-1.5b", p.parse_args(["demo", "smollm2", "--prompt", "none"]).prompt) == []
+    with pytest.raises(SystemExit):
+        p.parse_args(["demo", "smollm2", "--prompt", "many"])

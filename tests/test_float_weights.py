@@ -200,6 +200,287 @@ def test_quantizer_errors():
     assert np.array_equal(z.dequantize(), np.zeros((3, 256), np.float32))
 
 
+# --------------------------------------------------------------------------- the fast paths give the same bits
+# (issue 59 item 4: the float-weights plan made several times faster without changing its result). The reference
+# implementations below are the column-by-column code the fast one replaced, kept verbatim as the definition.
+def _fit_affine_ref(x, w, nmax, *, offset_le_zero=True, rmin=-0.9, rdelta=0.05, nstep=36):
+    x = np.asarray(x, np.float32)
+    w = np.asarray(w, np.float32)
+    lo = x.min(axis=1)
+    hi = x.max(axis=1)
+    if offset_le_zero:
+        lo = np.minimum(lo, 0.0)
+    rng = hi - lo
+    flat = ~(rng > 0)
+    rng = np.where(flat, 1.0, rng).astype(np.float32)
+    xs = x - lo[:, None]
+    sw = w.sum(axis=1, dtype=np.float64)
+    wx = w * x
+    sx = wx.sum(axis=1, dtype=np.float64)
+    sxx = np.einsum("ij,ij->i", wx, x, dtype=np.float64)
+
+    def err(s, m, sl, sl2, sxl):
+        return s * s * sl2 + 2 * s * m * sl - 2 * s * sxl + m * m * sw - 2 * m * sx + sxx
+
+    wl = np.empty_like(x)
+
+    def sums(L):
+        np.multiply(w, L, out=wl)
+        return (wl.sum(axis=1).astype(np.float64), np.einsum("ij,ij->i", wl, L).astype(np.float64),
+                np.einsum("ij,ij->i", wl, x).astype(np.float64))
+
+    L = np.clip(np.rint(xs * (nmax / rng)[:, None]), 0, nmax).astype(np.float32)
+    scale = (rng / nmax).astype(np.float64)
+    off = lo.astype(np.float64)
+    best = err(scale, off, *sums(L))
+    La = np.empty_like(x)
+    for i in range(nstep + 1):
+        iscale = ((nmax + rmin + rdelta * i) / rng).astype(np.float32)
+        np.multiply(xs, iscale[:, None], out=La)
+        np.rint(La, out=La)
+        np.clip(La, 0, nmax, out=La)
+        sl, sl2, sxl = sums(La)
+        D = sw * sl2 - sl * sl
+        ok = D > 1e-12 * sw * sl2
+        Ds = np.where(ok, D, 1.0)
+        s_ = (sw * sxl - sx * sl) / Ds
+        m_ = (sl2 * sx - sl * sxl) / Ds
+        if offset_le_zero:
+            pos = m_ > 0
+            m_ = np.where(pos, 0.0, m_)
+            s_ = np.where(pos, sxl / np.where(sl2 > 0, sl2, 1.0), s_)
+        ok &= s_ > 0
+        e = err(s_, m_, sl, sl2, sxl)
+        take = ok & (e < best)
+        if take.any():
+            best = np.where(take, e, best)
+            scale = np.where(take, s_, scale)
+            off = np.where(take, m_, off)
+            L[take] = La[take]
+    scale = scale.astype(np.float32)
+    off = off.astype(np.float32)
+    scale = np.where(flat, 0.0, scale).astype(np.float32)
+    off = np.where(flat, np.where(offset_le_zero, np.minimum(x[:, 0], 0.0), x[:, 0]), off).astype(np.float32)
+    L[flat] = 0
+    if offset_le_zero:
+        fp = flat & (x[:, 0] > 0)
+        scale[fp] = x[fp, 0] / nmax
+        L[fp] = nmax
+    return scale, off, L.astype(np.uint8)
+
+
+def _ref_quantize(grid, col, j):
+    s, o, lo, hi = grid._col(j)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s != 0, np.rint((col - o) / np.where(s != 0, s, 1.0)), 0.0)
+    return np.clip(q, lo, hi).astype(np.int16)
+
+
+def _ref_value(grid, q, j):
+    qf = q.astype(np.float32)
+    if isinstance(grid, Q.SymGrid):
+        return (grid.d[:, j // 32] * qf).astype(np.float32)
+    if isinstance(grid, Q.KGrid):
+        return (grid.S[:, j // 32] * qf - grid.M[:, j // 32]).astype(np.float32)
+    if isinstance(grid, Q.Q6KGrid):
+        return (grid.S[:, j // 16] * qf).astype(np.float32)
+    if isinstance(grid, Q.Q80Grid):
+        return (qf * grid.d[:, j // 32]).astype(np.float32)
+    s, o, _, _ = grid._col(j)
+    return (s * qf + o).astype(np.float32)
+
+
+def _gptq_ref(Wt, G, fmt, block, rows=None, percdamp=0.01, lazy=128):
+    """The column-by-column sweep (every column's error on every later column of its lazy batch at once),
+    with the grids fitted by the reference fit_affine."""
+    Wt, B = Q._check(Wt, fmt, block)
+    N, K = Wt.shape
+    qb = B if fmt == "q4_f" else None
+    u = Q.unit(fmt, qb)
+    lazy = -(-max(int(lazy), u) // u) * u
+    Wp, valid = Q._pad(Wt, u)
+    Lk = Wp.shape[1]
+    U = np.ascontiguousarray(Q.hessian_factor(G, percdamp, Lk)[:Lk, :Lk], np.float32)
+    imp = np.clip(np.diag(G).astype(np.float64), 0.0, None) / max(int(rows or 1), 1)
+    W = Wp.copy()
+    group = 256 if fmt in ("q4_K", "q5_K", "q6_K") else B
+    grids = []
+    for i1 in range(0, Lk, lazy):
+        i2 = min(i1 + lazy, Lk)
+        W1 = W[:, i1:i2].copy()
+        E1 = np.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            if i % u == 0:
+                x = W1[:, i:i + u].copy()
+                c0 = i1 + i
+                ii = np.zeros(u)
+                ii[:max(0, min(K, c0 + u) - c0)] = imp[c0:c0 + u]
+                grid = Q.fit_grid(fmt, x, Q._weights(x, ii, valid[c0:c0 + u], group), qb)
+                grids.append(grid)
+            j = i % u
+            q = _ref_quantize(grid, W1[:, i], j)
+            grid.codes[:, j] = q
+            e = (W1[:, i] - _ref_value(grid, q, j)) / U1[i, i]
+            W1[:, i:] -= np.outer(e, U1[i, i:])
+            E1[:, i] = e
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return Q._result(fmt, B, K, grids, "gptq").W
+
+
+def _adversarial(S, n, seed):
+    """Rows of every kind a fit meets: Gaussian, heavy-tailed, flat (zero, positive, negative), a lone
+    outlier, values on rounding midpoints, signed zeros, tiny and huge magnitudes; importance with zeros
+    (padding) and rows of zero importance."""
+    r = np.random.default_rng(seed)
+    x = (r.standard_normal((S, n)) * 0.02).astype(np.float32)
+    k = S // 12
+    x[0:k] *= np.exp(r.standard_normal((k, n)) * 2).astype(np.float32)
+    x[k] = 0.0
+    x[k + 1] = 0.37
+    x[k + 2] = -0.25
+    x[k + 3, :] = 0.0
+    x[k + 3, n // 2] = 5.0
+    x[2 * k:3 * k] = (r.integers(-8, 8, (k, n)) * 0.5 / 15).astype(np.float32)
+    x[3 * k:4 * k] = np.where(r.random((k, n)) < 0.5, -0.0, 0.0).astype(np.float32)
+    x[3 * k:4 * k, 0] = r.standard_normal(k).astype(np.float32) * 1e-3
+    x[4 * k:5 * k] *= np.float32(1e-30)
+    x[5 * k:6 * k] = (x[5 * k:6 * k] * 3e6).clip(-6e4, 6e4)
+    x[6 * k:7 * k] = np.abs(x[6 * k:7 * k])
+    w = np.abs(r.standard_normal((S, n))).astype(np.float32) * np.exp(r.standard_normal((S, 1)) * 3).astype(np.float32)
+    w[:, -(n // 5):][r.random(S) < 0.3] = 0.0
+    w[7 * k] = 0.0
+    w[7 * k + 1:8 * k] = 1.0
+    return x, w
+
+
+@pytest.mark.parametrize("n", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("nmax,off0", [(15, False), (31, False), (15, True), (31, True)])
+def test_fit_affine_equals_reference(n, nmax, off0):
+    """The fit (with or without its codes) gives the reference's scale, offset and codes bit for bit on
+    adversarial rows."""
+    x, w = _adversarial(600, n, seed=n + nmax)
+    ref = _fit_affine_ref(x, w, nmax, offset_le_zero=off0)
+    got = Q.fit_affine(x, w, nmax, offset_le_zero=off0)
+    nocodes = Q.fit_affine(x, w, nmax, offset_le_zero=off0, codes=False)
+    for a, b in zip(ref, got):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert nocodes[2] is None
+    for a, b in zip(ref[:2], nocodes[:2]):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt,B", [("q4_f", 32), ("q4_f", 64), ("q4_f", 128), ("q4_f", 256), ("q4_0", None),
+                                   ("q5_0", None), ("q5_1", None), ("q4_K", None), ("q5_K", None), ("q6_K", None)])
+def test_gptq_fast_equals_reference(fmt, B, monkeypatch):
+    """GPTQ's fast sweep (rows in chunks, on threads or not, a column's error only on the later columns,
+    grids without their round-to-nearest codes) writes the reference sweep's bytes, bit for bit: on
+    adversarial weights (flat, zero, signed-zero, tiny, huge, midpoint rows; K not a multiple of the
+    block) and a Gram with a dead channel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    N, K = 90, 300 if fmt.startswith("q4_f") or fmt in ("q4_0", "q5_0", "q5_1") else 512
+    Wt, _ = _adversarial(N, K, seed=3)
+    Wt = np.clip(Wt, -6e4, 6e4)
+    G, rows = _gram(K, seed=4)
+    G[7, :] = G[:, 7] = 0.0                          # a channel the calibration never excited
+    with monkeypatch.context() as m:                 # the reference: the replaced fit as well
+        m.setattr(Q, "fit_affine", lambda x, w, nmax, **kw: _fit_affine_ref(
+            x, w, nmax, **{k: v for k, v in kw.items() if k != "codes"}))
+        ref = _gptq_ref(Wt, G, fmt, B, rows=rows)
+    with ThreadPoolExecutor(2) as pool:
+        for chunk, p in ((None, None), (32, None), (40, pool)):
+            got = Q.gptq(Wt, G, fmt, B, rows=rows, chunk_rows=chunk, pool=p)
+            assert np.array_equal(got.W, ref), (chunk, np.mean(got.W != ref))
+    assert np.array_equal(Wt, _adversarial(N, K, seed=3)[0].clip(-6e4, 6e4))      # the input is not changed
+
+
+def test_kquant_unchanged_by_the_fast_fit(monkeypatch):
+    """kquant (fit_grid with its codes) writes the same bytes with the reference fit_affine."""
+    Wt = _gauss(50, 512, seed=9)
+    G, rows = _gram(512, seed=2)
+    imp = Q.importance(G, rows)
+    fast = {f: Q.kquant(Wt, f, B, imp).W for f, B in (("q4_f", 64), ("q5_1", None), ("q4_K", None), ("q5_K", None))}
+    monkeypatch.setattr(Q, "fit_affine", lambda x, w, nmax, **kw: _fit_affine_ref(
+        x, w, nmax, **{k: v for k, v in kw.items() if k != "codes"}))
+    for (f, B), W in zip((("q4_f", 64), ("q5_1", None), ("q4_K", None), ("q5_K", None)), fast.values()):
+        assert np.array_equal(Q.kquant(Wt, f, B, imp).W, W), f
+
+
+def test_large_layer_options_in_row_chunks(monkeypatch):
+    """A layer over floatweights._LARGE is quantized one format at a time, GPTQ's rows in chunks on the
+    threads, its gaps from a block of dequantized columns at a time: the same options, bits and gaps as
+    the small-layer path."""
+    from rewriter.builders import floatweights as FW
+
+    class C:   # what options() reads of a candidate
+        name, role, target, K, params = "/lm_head/MatMul", "head", "head", 320, 320 * 700
+        input = type("V", (), {"name": "h"})()
+
+    W = _gauss(700, 320, seed=21).T.copy()
+    G, _ = _gram(320, seed=5)
+    small = FW.FloatWeights("auto", None, "shared").options(C, W, G)
+    monkeypatch.setattr(FW, "_LARGE", 1000)
+    monkeypatch.setattr(FW, "_CHUNK_ROWS", 128)
+    large = FW.FloatWeights("auto", None, "shared").options(C, W, G)
+    assert [o.name for o in small.options] == [o.name for o in large.options]
+    for a, b in zip(small.options, large.options):
+        assert a.gap == b.gap and a.bits == b.bits and np.array_equal(a.blocks.W, b.blocks.W)
+
+
+def test_prefetch_workers_give_the_same_layers():
+    """A ladder quantized in a worker process (spawned, one BLAS thread: FloatWeights.prefetch) is the one
+    this process computes, bit for bit: codes, scales, bits and gaps."""
+    from rewriter.builders import floatweights as FW
+
+    r = []
+    for N, K in ((300, 576), (160, 1024)):
+        W = _gauss(N, K, seed=N).T.copy()
+        G, _ = _gram(K, seed=K)
+        f = Q.hessian_factor(G, pad_to=-(-K // 256) * 256)
+        r.append(("l", "down", K * N, K, "gptq", W, G, f))
+    pool = FW._process_pool(2)
+    try:
+        remote = [pool.submit(FW._ladder_job, a) for a in r]
+        for a, fut in zip(r, remote):
+            here, there = FW._ladder(*a), fut.result()
+            assert [o.name for o in here.options] == [o.name for o in there.options]
+            for x, y in zip(here.options, there.options):
+                assert x.gap == y.gap and np.array_equal(x.blocks.W, y.blocks.W)
+    finally:
+        pool.shutdown()
+
+
+# --------------------------------------------------------------------------- progress in a log
+def test_progress_lines_without_a_terminal():
+    """Not a terminal: a plain line at least every interval, from the ticker even while one step runs,
+    with what kit.progress.status last said; a terminal gets a tqdm bar; disabled says nothing."""
+    import io
+    import time
+
+    from rewriter.kit import progress as P
+
+    buf = io.StringIO()
+    with P.Progress("plan", total=3, unit="layer", stream=buf, tty=False, interval=0.05) as p:
+        P.status("/lm_head/MatMul: gptq q4_f/64 (2/5)")
+        time.sleep(0.3)                      # one long step: the ticker prints
+        p.update(1)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) >= 3 and all(ln.startswith("[ortlean] plan: ") for ln in lines)
+    assert "0/3 layers" in lines[0] and "(/lm_head/MatMul: gptq q4_f/64 (2/5))" in lines[0]
+    n = len(lines)
+    time.sleep(0.2)
+    assert len(buf.getvalue().splitlines()) == n           # closed: no more lines
+    quiet = io.StringIO()
+    with P.Progress("x", stream=quiet, enabled=False, interval=0.01):
+        time.sleep(0.05)
+    assert quiet.getvalue() == ""
+    term = io.StringIO()
+    with P.Progress("mix", unit="trial", stream=term, tty=True, interval=0.01) as p:
+        p.update(1, "4.5 b/w")
+    assert "mix" in term.getvalue() and "[ortlean]" not in term.getvalue()
+
+
 # --------------------------------------------------------------------------- the planner (weightplan)
 def _layer(name, role, params, opts):
     from rewriter.builders import weightplan as WP
@@ -394,3 +675,29 @@ def test_budget_refusal_and_nbits(tiny, tok, tmp_path, monkeypatch):
     assert rc == 0
     ops = {n.op_type for n in _graph(out).node}
     assert "MatMulNBits" in ops and "BlockQuantMatMul" not in ops
+
+
+@requires_native
+def test_rewrite_prints_progress_lines_in_a_log(tiny, tok, tmp_path, monkeypatch, capfd):
+    """A rewrite whose stderr is not a terminal (pytest captures it) prints the plan's and the mix's
+    progress as plain lines (here every 0.01 s: ORTLEAN_PROGRESS_SECONDS), not a tqdm bar."""
+    from rewriter import cli
+    from rewriter.kit import quality as kq
+    from test_packed_gqa_cli import _calib_text
+
+    import time
+
+    def loss(self, chosen):        # the planner's own model of the loss, a trial taking 30 ms
+        time.sleep(0.03)
+        return 4.0 * sum(p.gap ** 2 for _, _, p in chosen)
+
+    monkeypatch.setenv("ORTLEAN_PROGRESS_SECONDS", "0.01")
+    monkeypatch.setattr(kq.Quality, "loss", loss)
+    rc = cli.main(["rewrite", str(tiny["llama"] / "model.onnx"), "-o", str(tmp_path / "p.onnx"), "--weights", "int4",
+                   "--calib-text", str(_calib_text(tmp_path / "c.txt")), "--tokenizer", tok, "--quality-budget", "0.001",
+                   "--weights-bits", "5"])
+    err = capfd.readouterr().err
+    assert rc in (0, 3), err
+    assert "[ortlean] plan: " in err and " layers, " in err
+    assert "[ortlean] weights mix: " in err and " trials, " in err
+    assert "\r" not in err                                   # no bar redrawn in a log

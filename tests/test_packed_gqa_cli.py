@@ -959,3 +959,47 @@ def test_tune_prefill_chooses_a_sparse_budget(forms, tmp_path, monkeypatch):
     m = onnx.load(str(tmp_path / "o.onnx"), load_external_data=False)
     pas = [n for n in m.graph.node if n.op_type == "PackedAttention"]
     assert pas and all(abs({x.name: x for x in n.attribute}["prefill_budget"].f - 0.2) < 1e-7 for n in pas)
+
+
+def test_needle_gate_steps_back_to_a_budget_that_keeps_every_needle(forms, tmp_path, monkeypatch):
+    """--attn-needles (default auto): the decode budget the tuner picks is run on needle cases; one that
+    loses a needle the exact model finds is replaced by the next larger passing budget that keeps them
+    all (here a fake gate loses them below budget 0.5), and the report lists the checks."""
+    import rewriter.backends.packed_attention as pa
+
+    seen = []
+
+    class FakeGate:
+        def lost(self, model):
+            b = next(a.value for n in model.graph if n.op_type == "PackedAttention" for k, a in n.attributes.items()
+                     if k == "budget")
+            seen.append(b)
+            return ["passkey/300/0.5"] if b < 0.5 else []
+
+        def record(self, setting, lost):
+            return {"setting": setting, "lost": lost}
+
+    monkeypatch.setattr(pa, "needle_gate", lambda *a, **k: (FakeGate(), None))
+    # the smaller the budget, the faster (so the tuner picks the smallest passing one)
+    monkeypatch.setattr(pa.timing, "attention_crossover",
+                        lambda *a, **k: {"budget": next(x for x in a if isinstance(x, dict))["budget"], "crossover": 64,
+                                         "pasts": {}})
+    monkeypatch.setattr(pa.timing, "speedup_at", lambda x, C: 1.0 / x["budget"])
+    src = forms["genai-fp32"] / "model.onnx"
+    calib = _calib_text(tmp_path / "calib.txt")
+    rc, rep = _rewrite(src, tmp_path / "t.onnx", "--state-pack", "binary", "--calib-text", str(calib),
+                       "--attn-tune-context", "300", "--attn-tune-score", "32", "--quality-budget", "0.5",
+                       "--attn-prefill-budget", "0")
+    assert rc == 0, rep
+    t = next(r for r in rep["graph_passes"] if "tune" in r)["tune"]
+    checks = t["needles"]
+    assert checks and all(c["lost"] for c in checks[:-1]) and not checks[-1]["lost"]
+    assert t["budget"] >= 0.5 and min(seen) < 0.5          # a smaller budget was checked and refused
+    # a text that cannot hold needles: the tuner says so and goes on without the gate
+    monkeypatch.setattr(pa, "needle_gate", lambda *a, **k: (None, "needle cases not made: no sentence ends"))
+    rc, rep = _rewrite(src, tmp_path / "u.onnx", "--state-pack", "binary", "--calib-text", str(calib),
+                       "--attn-tune-context", "300", "--attn-tune-score", "32", "--quality-budget", "0.5",
+                       "--attn-prefill-budget", "0")
+    assert rc == 0
+    t = next(r for r in rep["graph_passes"] if "tune" in r)["tune"]
+    assert "needles" not in t or isinstance(t["needles"], str)

@@ -327,6 +327,33 @@ def test_plot_script_merges_runs_by_thread_count(tmp_path):
     assert mod.main([str(fa), str(fb), str(tmp_path / "q.png")]) == 2 and not (tmp_path / "q.png").exists()
 
 
+def test_plot_script_draws_ttft_against_prompt_length(tmp_path):
+    """tests/bench/plot_results.py on files with times to first token: the decode plot as before and the
+    TTFT plot beside it (speed-vs-context -> ttft-vs-prompt, or --ttft); a file of TTFT alone: its plot
+    at the PNG given."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("plot_results", root / "tests/bench/plot_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_ttft_doc()))
+    png = tmp_path / "m-speed-vs-context.png"
+    assert mod.main([str(f), str(png)]) == 0
+    for p in (png, tmp_path / "m-ttft-vs-prompt.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
+    assert mod.ttft_path(Path("a/b.png")) == Path("a/b-ttft.png")
+    assert mod.main([str(f), str(f), str(tmp_path / "two.png"), "--ttft", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "two.png").is_file() and (tmp_path / "t.png").is_file()
+    alone = _ttft_doc(contexts=[])
+    f.write_text(json.dumps(alone))
+    assert mod.main([str(f), str(tmp_path / "only.png")]) == 0
+    assert (tmp_path / "only.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "only-ttft.png").exists()
+
+
 def test_llama_cpp_delta_ppl_is_kept_when_llama_bench_gave_no_speed():
     """A llama.cpp row whose llama-bench run failed still carries the Δppl llama.cpp measured, with the
     reason for the missing speed; a bench without llama.cpp at all has no such row."""
@@ -346,38 +373,205 @@ def test_llama_cpp_delta_ppl_is_kept_when_llama_bench_gave_no_speed():
     assert "llama.cpp" not in {r["model"] for r in results.from_bench(res)["rows"]}
 
 
-def test_long_prompt_script_times_each_row_and_writes_results(tmp_path, capsys):
-    """tests/bench/bench_long_prompt.py on a tiny GroupQueryAttention model (genai's builder form): the
-    prompt prefilled in chunks through shared K/V buffers, each row timed after an untimed run, the JSON
-    with provenance; without llama.cpp there is no ratio column."""
-    import importlib.util
+def _ttft(cells: dict) -> dict:
+    """A row's "ttft" from {threads: {length: seconds}} (one run each)."""
+    return {t: {n: {"seconds": s, "tok_s": round(int(n) / s, 1), "repeats": 1, "seconds_all": [s]}
+                for n, s in per.items()} for t, per in cells.items()}
 
+
+def _ttft_doc(**over) -> dict:
+    """_doc() with the time to first token of 4,096- and 16,384-token prompts (ortlean bench --prompt)."""
+    d = _doc(prompt_lengths=[4096, 16384], prompt_text="Persuasion", prompt_chunk=512,
+             prompt_repeats={"4096": 2, "16384": 1})
+    rows = {r["name"]: r for r in d["rows"]}
+    rows["lean (shared KV)"]["ttft"] = _ttft({"1": {"4096": 38.4, "16384": 150.2}, "2": {"4096": 20.5, "16384": 80.0}})
+    rows["llama.cpp"]["ttft"] = _ttft({"1": {"4096": 56.9, "16384": 301.0}})
+    rows["dense"]["ttft"] = _ttft({"1": {"4096": 0.512}})
+    d.update(over)
+    return d
+
+
+def test_render_ttft_columns_from_a_synthetic_results_file(tmp_path):
+    """A results file with times to first token gets a column group per thread count (each model's TTFT
+    row, whichever row its decode columns come from; – where not measured) and a caption saying what was
+    timed; a file of TTFT alone (--decode-past none) has neither decode nor prefill columns; a file without
+    them renders as before. tests/bench/results_table.py puts the same table between the markers."""
+    from rewriter import results
+
+    md = results.render(_ttft_doc())
+    head = md.splitlines()[0]
+    assert head.endswith("| prefill tok/s (128 tokens), 1 / 2 threads | TTFT s, 1 thread: 4,096 / 16,384 | "
+                         "TTFT s, 2 threads: 4,096 / 16,384 |")
+    body = {ln.split(" | ")[0]: ln for ln in md.splitlines() if ln.startswith("| ") and "---" not in ln}
+    assert body["| **lean (shared KV)**"].endswith("| 38.4 / 150 | 20.5 / 80.0 |")
+    assert body["| llama.cpp"].endswith("| 56.9 / 301 | – / – |")
+    assert body["| dense"].endswith("| 0.512 / – | – / – |")
+    assert "TTFT: seconds from an empty cache to the first new token's logits" in md and "Persuasion" in md
+    assert "(4,096: 2, 16,384: 1)" in md
+    # the model's TTFT row is shown even when its decode columns come from another driver
+    d = _ttft_doc()
+    lean_rows = [r for r in d["rows"] if r["model"] == "lean"]
+    lean_rows[0]["tok_s"]["2"]["4096"] = 999.0                        # the plain loop now decodes fastest
+    body = {ln.split(" | ")[0]: ln for ln in results.render(d).splitlines() if ln.startswith("| ")}
+    assert "| **lean**" in body and body["| **lean**"].endswith("| 38.4 / 150 | 20.5 / 80.0 |")
+    # TTFT alone: no decode, no prefill columns, the rows still one per model
+    alone = _ttft_doc(contexts=[], prefill_tokens=None)
+    for r in alone["rows"]:
+        r["tok_s"], r["prefill_tok_s"] = {}, {}
+    md = results.render(alone)
+    assert md.splitlines()[0] == ("|  | what it is | Δppl | TTFT s, 1 thread: 4,096 / 16,384 | "
+                                  "TTFT s, 2 threads: 4,096 / 16,384 |")
+    assert "decode" not in md.split("\n\n")[0] and "Decode:" not in md
+    assert [ln.split(" | ")[0] for ln in md.splitlines()[2:5]] == ["| dense", "| llama.cpp", "| **lean (shared KV)**"]
+    assert "TTFT" not in results.render(_doc())                         # no TTFT measured: as before
+    # the script renders the same table from the file
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "t.json").write_text(json.dumps(_ttft_doc()))
+    (tmp_path / "README.md").write_text("<!-- results-table src=res/t.json -->\n<!-- /results-table -->\n")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--root", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert results.render(_ttft_doc()).splitlines()[0] in (tmp_path / "README.md").read_text()
+
+
+def test_prompt_table_interleaves_rows_and_keeps_every_run():
+    """runtime.bench.prompt_table: an untimed warm-up round (a driver's own warm() when it has one), then
+    each length's rounds with every row once, order rotated from round to round; a row's limit keeps it
+    out of longer prompts; a run without a sample (None) leaves no entry."""
+    import numpy as np
+
+    from custom_ops.runtime import bench as rb
+
+    calls = []
+
+    class Row:
+        def __init__(self, name, result=0.5):
+            self.name, self.result = name, result
+
+        def ttft(self, ids):
+            calls.append((self.name, int(ids.size)))
+            return self.result
+
+    class Peer(Row):
+        def warm(self, ids):
+            calls.append((self.name, "warm"))
+
+    drivers = {"a": Row("a"), "b": Row("b"), "ref": Row("ref"), "peer": Peer("peer", None)}
+    out = rb.prompt_table(drivers, np.arange(100), [40, 10], {10: 2, 40: 1}, threads=1, warmup_tokens=8,
+                          limits={"ref": 10}, huge_pages=False)
+    assert calls[:4] == [("a", 8), ("b", 8), ("ref", 8), ("peer", "warm")]
+    runs = calls[4:]
+    assert [n for _, n in runs] == [10] * 8 + [40] * 3                 # shortest first; ref not at 40
+    assert [r for r, _ in runs[:4]] == ["a", "b", "ref", "peer"] and [r for r, _ in runs[4:8]] == ["b", "ref", "peer", "a"]
+    assert [r for r, _ in runs[8:]] == ["peer", "a", "b"]                # the third round, of 3 rows: from the third
+    assert out == {"a": {"10": [0.5, 0.5], "40": [0.5]}, "b": {"10": [0.5, 0.5], "40": [0.5]},
+                   "ref": {"10": [0.5, 0.5]}, "peer": {}}
+    assert [rb.prompt_repeats(n, 15) for n in (128, 4096, 8191, 8192, 32760)] == [3, 3, 3, 1, 1]
+    assert rb.prompt_repeats(4096, 2) == 2 and rb.prompt_repeats(32760, 15, override=4) == 4
+    with pytest.raises(ValueError):
+        rb.prompt_table(drivers, np.arange(10), [40], 1)
+
+
+@pytest.fixture(scope="module")
+def fused_tiny(tmp_path_factory):
+    """The tiny llama export and its rewrite (fused: PackedAttention, shared K/V buffers; 512 positions), a
+    word-level tokenizer over its 256 ids and a text of its words."""
     import tiny_hf
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
 
-    forms = tiny_hf.forms()
-    if "genai-fp32" not in forms:
-        pytest.skip("onnxruntime-genai is not installed")
-    d = forms["genai-fp32"]
-    text = tmp_path / "t.txt"
-    text.write_text(" ".join(f"w{i % 50}" for i in range(400)))
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_long_prompt", root / "tests/bench/bench_long_prompt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "r.json"
-    args = ["tiny", "--model", f"a={d / 'model.onnx'}", "--model", f"b={d / 'model.onnx'}", "--tokens", "40",
-            "--chunk", "16", "--threads", "1", "--repeats", "2", "--tokenizer", str(d / "tokenizer.json"),
-            "--text", str(text), "--no-genai", "--no-llama", "--json", str(out)]
-    assert mod.main(args) == 0
-    doc = json.loads(out.read_text())
-    assert doc["tokens"] == 40 and doc["chunk"] == 16 and doc["machine"]["isa"] and doc["prompt"].endswith("t.txt")
-    assert [r["name"] for r in doc["rows"]] == ["a", "b"]
-    assert all(len(r["seconds_all"]) == 2 and r["tok_s"] > 0 and "vs_llama_cpp" not in r for r in doc["rows"])
-    assert "40-token prompt" in capsys.readouterr().out
+    from rewriter import cli
+
+    d = tmp_path_factory.mktemp("ttft")
+    src = tiny_hf.models()["llama"] / "model.onnx"
+    out = d / "lean" / "model.onnx"
+    assert cli.main(["rewrite", str(src), "-o", str(out), "--weights", "int8", "--quality-budget", "off", "-q"]) == 0
+    tok = Tokenizer(tm.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "text.txt").write_text(" ".join(f"w{(7 * i) % 251}" for i in range(600)))
+    return {"ref": src, "lean": out, "tok": d / "tokenizer.json", "text": d / "text.txt", "dir": d}
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native library")
+def test_bench_prompt_flags_refuse_bad_values(fused_tiny, capsys):
+    """--prompt N[,N…] (4k = 4096) and --decode-past none parse; bad values exit 2 naming the flag: not a
+    length, a length beyond the models' positions, a text too short, --prompt-* without --prompt, nothing
+    to time."""
+    from rewriter import cli, evaluate
+
+    p = cli.build_parser()
+    a = p.parse_args(["bench", "m.onnx", "--ref", "d.onnx", "--prompt", "4096,16k", "--decode-past", "none"])
+    assert a.prompt == [4096, 16384] and a.decode_past == [] and a.prompt_repeats is None and a.prompt_chunk is None
+    a = p.parse_args(["bench", "m.onnx", "--ref", "d.onnx"])
+    assert a.prompt is None and a.decode_past is None                 # no --prompt: the bench as before
+    base = ["bench", str(fused_tiny["lean"]), "--ref", str(fused_tiny["ref"]), "--threads", "1", "--repeats", "1",
+            "--nbits", "none", "--peers", "none", "--no-llama", "--huge-pages", "off", "--no-profile",
+            "--tokenizer", str(fused_tiny["tok"]), "--prompt-text", str(fused_tiny["text"])]
+    for bad in ("x", "0", "64,-1", "1.5k", ""):
+        assert cli.main(base + ["--prompt", bad]) == 2, bad
+        assert "argument --prompt:" in capsys.readouterr().err
+    assert cli.main(base + ["--prompt", "64", "--prompt-repeats", "0"]) == 2
+    assert "--prompt-repeats" in capsys.readouterr().err
+    assert cli.main(base + ["--prompt", "64,600"]) == 2                # 512 positions
+    assert "--prompt 600: " in capsys.readouterr().err
+    assert cli.main(base + ["--prompt", "511", "--decode-past", "none", "--prompt-repeats", "1"]) == 0  # 511 + 1 fit
     capsys.readouterr()
-    with pytest.raises(SystemExit):   # fewer tokens in the text than asked for
-        mod.main(args[:5] + ["--tokens", "100000"] + args[7:])
-    assert re.search(r"t\.txt has only \d+ tokens", capsys.readouterr().err)
+    short = fused_tiny["dir"] / "short.txt"
+    short.write_text("w5 w6 w7")
+    assert cli.main(base[:-1] + [str(short), "--prompt", "64"]) == 2
+    assert re.search(r"--prompt 64: short\.txt has only 3 tokens", capsys.readouterr().err)
+    assert cli.main(base[:-2] + ["--prompt-chunk", "64"]) == 2
+    assert "--prompt-chunk sets the time to first token's runs: give --prompt too" in capsys.readouterr().err
+    assert cli.main(base[:-2] + ["--decode-past", "none"]) == 2
+    assert "--decode-past none: nothing to time" in capsys.readouterr().err
+    # the demo's way: lengths beyond the positions run at the positions minus its decode steps, with a note
+    assert evaluate.fit_prompts([64, 4096, 32768], [fused_tiny["lean"]], room=8) == (
+        [64, 504], "--prompt 64,4096,32768: the models take 512 positions, so prompts beyond 504 ran at 504")
+    assert evaluate.fit_prompts([64, 511], [fused_tiny["lean"], fused_tiny["ref"]]) == ([64, 511], None)
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native library")
+def test_bench_prompt_times_to_first_token_for_every_row(fused_tiny, tmp_path, capsys):
+    """`ortlean bench --prompt 64,128` with the decode table: every row's time to first token (ours through
+    generate's decoder with shared K/V buffers, the unfused reference in its growing loop) per length and
+    thread count in --json (seconds, tok/s, repeats) and the printed table; with --decode-past none the
+    time to first token alone."""
+    from rewriter import cli, results
+
+    out = tmp_path / "r.json"
+    base = ["bench", str(fused_tiny["lean"]), "--ref", str(fused_tiny["ref"]), "--threads", "1", "--repeats", "1",
+            "--steps", "2", "--prefill", "8", "--nbits", "none", "--peers", "none", "--no-llama", "--no-genai",
+            "--huge-pages", "off", "--no-profile", "--tokenizer", str(fused_tiny["tok"]),
+            "--prompt-text", str(fused_tiny["text"]), "--json", str(out)]
+    assert cli.main(base + ["--decode-past", "16", "--prompt", "64,128"]) == 0
+    printed = capsys.readouterr().out
+    assert "dec P16 t1" in printed and "time to first token after an N-token prompt" in printed
+    ttft = printed.split("time to first token after an N-token prompt")[1].splitlines()
+    assert ttft[1].split() == ["row", "64", "t1", "128", "t1"]
+    rows = {ln.split("  ")[0]: ln for ln in ttft[2:4]}
+    assert set(rows) == {"dense", "lean | shared KV"} and all(ln.count("tok/s") == 2 for ln in rows.values())
+    d = json.loads(out.read_text())
+    assert d["prompt_lengths"] == [64, 128] and d["prompt_text"] == "text.txt" and d["prompt_chunk"] == 512
+    assert d["prompt_repeats"] == {"64": 1, "128": 1} and d["contexts"] == [16]
+    rows = {r["name"]: r for r in d["rows"]}
+    assert "ttft" not in rows["lean"]                                 # the plain loop: decode only
+    for name in ("lean (shared KV)", "dense"):
+        cells = rows[name]["ttft"]["1"]
+        assert set(cells) == {"64", "128"}
+        for n, c in cells.items():
+            assert c["repeats"] == 1 and len(c["seconds_all"]) == 1 and c["seconds"] > 0
+            assert c["tok_s"] == pytest.approx(int(n) / c["seconds"], rel=0.01)
+    md = results.render(d)
+    assert "TTFT s, 1 thread: 64 / 128" in md and "decode tok/s, 1 thread: after 16" in md
+    # the time to first token alone, one row per model (--rows best: the reference is not timed)
+    assert cli.main(base + ["--decode-past", "none", "--prompt", "40", "--prompt-chunk", "16", "--prompt-repeats", "2",
+                            "--rows", "best"]) == 0
+    printed = capsys.readouterr().out
+    assert "dec P" not in printed and "lean | shared KV" in printed
+    d = json.loads(out.read_text())
+    assert d["contexts"] == [] and d["table"] == {} and d["prompt_chunk"] == 16 and d["prompt"]["warmup_tokens"] == 32
+    assert [r["name"] for r in d["rows"]] == ["lean (shared KV)"]
+    assert d["rows"][0]["ttft"]["1"]["40"]["repeats"] == 2
+    assert results.render(d).splitlines()[0].endswith("| Δppl | TTFT s, 1 thread: 40 | cache bytes / token |")
 
 
 def test_provenance_names_the_code_that_ran_when_the_checkout_moved(monkeypatch):

@@ -643,3 +643,125 @@ def fix_malloc_threshold(nbytes: int = 32 << 20) -> str:
     except (OSError, AttributeError):
         return ""
     return f"glibc mmap threshold fixed at {nbytes >> 20} MiB (mallopt)" if ok else ""
+
+
+# --------------------------------------------------------------------------- time to first token
+# A prompt of this many tokens or more gets one timed run per thread count by default (each is minutes
+# for a 1.5B model on two cores); shorter ones min(--repeats, PROMPT_SHORT_REPEATS)
+PROMPT_LONG_FROM = 8192
+PROMPT_SHORT_REPEATS = 3
+
+
+def prompt_repeats(n: int, repeats: int, override: int | None = None) -> int:
+    """Timed rounds of an ``n``-token prompt: ``override`` when given, else min(``repeats``,
+    :data:`PROMPT_SHORT_REPEATS`) below :data:`PROMPT_LONG_FROM` tokens and 1 from there on."""
+    if override is not None:
+        return max(1, int(override))
+    return 1 if n >= PROMPT_LONG_FROM else max(1, min(int(repeats), PROMPT_SHORT_REPEATS))
+
+
+class PromptRow:
+    """Time to first token as ``ortlean generate`` runs a prompt: a fresh
+    :class:`runtime.generate.Decoder` (its loop from the graph: shared K/V buffers where every state is a
+    GroupQueryAttention / cache-mode PackedAttention cache, else the growing cache), fed the prompt
+    ``chunk`` tokens at a time (the whole prompt in one run when the model keeps a gate's state, as
+    generate does), timed from the first chunk to the last chunk's logits — the first new token's.
+    The decoder's buffers are allocated before the clock starts; their first touch is in the run, as in
+    generate."""
+
+    def __init__(self, sess, io: ModelIO, model_path=None, chunk: int | None = None):
+        from .generate import PREFILL_CHUNK as GENERATE_CHUNK, Decoder
+
+        self.sess, self.io, self.path = sess, io, model_path
+        self.chunk = int(chunk or GENERATE_CHUNK)
+        probe = Decoder(sess, io, max_len=1, model_path=model_path)
+        self.loop, self.shared = probe.loop, probe.kv is not None
+        del probe
+
+    def ttft(self, ids) -> float:
+        from .generate import Decoder
+
+        ids = np.asarray(ids).reshape(-1)
+        dec = Decoder(self.sess, self.io, max_len=ids.size + 1, model_path=self.path, shared=self.shared)
+        chunk = self.chunk if dec.chunkable else ids.size
+        t0 = time.perf_counter()
+        for c0 in range(0, ids.size, chunk):
+            dec.feed(ids[c0:c0 + chunk])   # the last chunk returns the first new token's logits
+        dt = time.perf_counter() - t0
+        del dec
+        return dt
+
+
+class OgPromptRow:
+    """Time to first token in onnxruntime_genai's own generator: a new generator (its buffers made
+    before the clock starts), the prompt appended ``chunk`` tokens at a time (``OgRow.append``: og keeps
+    the logits of every appended position, which at a 152k vocabulary and 32k tokens would be 20 GB),
+    timed to the end of the last ``append_tokens`` — the first new token's logits."""
+
+    def __init__(self, model_dir, threads: int, chunk: int | None = None):
+        from .generate import PREFILL_CHUNK as GENERATE_CHUNK
+
+        self.og = OgRow(model_dir, threads, {}, 0, 0)
+        self.chunk = int(chunk or GENERATE_CHUNK)
+        self.loop = "og"
+
+    def ttft(self, ids) -> float:
+        ids = np.asarray(ids).reshape(-1)
+        cap = ids.size + 4
+        g = self.og._gen(min(cap, self.og.max_len) if self.og.max_len else cap)
+        t0 = time.perf_counter()
+        OgRow.append(g, ids, self.chunk)
+        dt = time.perf_counter() - t0
+        del g
+        return dt
+
+
+def prompt_table(drivers: Mapping[str, Any], ids, lengths, repeats: Mapping[int, int] | int = 1,
+                 threads: int = 1, warmup_tokens: int | None = None, limits: Mapping[str, int] | None = None,
+                 say=None, huge_pages: bool = True) -> dict[str, dict[str, list[float]]]:
+    """Time to first token of prompts of each length in ``lengths`` (the first n of ``ids``) for every
+    row of ``drivers`` = {row: driver}, in one process, interleaved: a driver has ``ttft(ids)`` (seconds,
+    or None: no sample, e.g. a peer process that failed) and may have ``warm(ids)`` for the warm-up round
+    (default ``ttft``). One untimed warm-up round of a ``warmup_tokens``-token prompt (default the
+    shortest length, at most 1,024 tokens: every row's session, first and later chunks), then per length
+    (shortest first) ``repeats[n]`` timed rounds, each running every row once, order rotated from round
+    to round (across lengths too), the previous row's pool let stop first (:func:`settle`). ``limits``:
+    {row: the longest prompt it is timed at}. ``huge_pages``: after the warm-up round the process's
+    memory on 2 MiB pages (:func:`memory.huge_pages_for_process`). Returns {row: {str(n): [seconds of
+    each timed run]}} (a row with no sample at a length has no key for it)."""
+    ids = np.asarray(ids).reshape(-1)
+    lengths = sorted({int(n) for n in lengths})
+    if not lengths or ids.size < lengths[-1]:
+        raise ValueError(f"prompt_table: {ids.size} ids for prompts of {lengths}")
+    limits = dict(limits or {})
+    rows = list(drivers)
+    out: dict[str, dict[str, list[float]]] = {r: {} for r in rows}
+    w = int(warmup_tokens or min(lengths[0], 1024))
+    for r in rows:
+        if len(rows) > 1:
+            settle(threads)
+        warm = getattr(drivers[r], "warm", None) or drivers[r].ttft
+        warm(ids[:w])
+    if say:
+        say(f"threads {threads}: time to first token: warm-up round ({w}-token prompt) done")
+    if huge_pages:
+        from .memory import huge_pages_for_process
+
+        huge_pages_for_process()
+    rnd = 0
+    for n in lengths:
+        reps = repeats if isinstance(repeats, int) else repeats.get(n, 1)
+        todo = [r for r in rows if n <= limits.get(r, n)]
+        for i in range(int(reps)):
+            k = rnd % len(todo) if todo else 0
+            for r in todo[k:] + todo[:k]:
+                if len(todo) > 1:
+                    settle(threads)
+                dt = drivers[r].ttft(ids[:n])
+                if dt is not None:
+                    out[r].setdefault(str(n), []).append(float(dt))
+                if say:
+                    say(f"threads {threads}: {n}-token prompt, round {i + 1}/{reps}: {r} "
+                        + ("no sample" if dt is None else f"{dt:.2f} s" if dt >= 1 else f"{dt * 1e3:.1f} ms"))
+            rnd += 1
+    return out

@@ -23,6 +23,11 @@ prompt in one run of the unfused export holds 9 heads x 4,096² float scores per
 graph with a gate's state (EventGatedMatMul's duty cycle and event steps count runs) takes the
 prompt in one run, as it was calibrated.
 
+A prompt cache (``prompt_cache=``, :mod:`runtime.prompt_cache`) keeps the state of the prompt's shared
+beginning (a document) in a file: a later prompt that starts with the same tokens restores it
+(:meth:`Decoder.restore`) and prefills only the rest; either loop's state goes there (every state a KV
+cache). :attr:`Generation.ttft_seconds` is the time to the first token.
+
 Text is streamed as it is decoded (:class:`TextStream`): the delta of the decoded text over a short
 window of tokens, held back while it ends in an incomplete UTF-8 sequence (byte-level BPE and
 byte-fallback tokenizers split one character over several tokens), so the streamed pieces add up to
@@ -355,6 +360,42 @@ class Decoder:
             except SharedKVError:
                 self.kv = None
 
+    # -- the state as a prompt cache sees it (runtime.prompt_cache) ------------------------------------
+    def cache_problem(self) -> str | None:
+        """Why this model's state cannot go in a prompt cache; None when it can (every state a KV cache)."""
+        if self.loop == "rerun":
+            return ("the model has no state to cache (no past_key_values inputs: it runs the whole sequence "
+                    "again for every token)")
+        if not self.chunkable:
+            other = next(n for n in self.io.past_to_present if not n.startswith("past_key_values."))
+            return (f"the model's state {other} is not a KV cache (a gate's state counts runs, so the prompt "
+                    "must go in one run): only KV caches can be cached")
+        return None
+
+    def state_rows(self, n: int) -> dict[str, np.ndarray]:
+        """Views of every state's first ``n`` positions (``n`` ≤ the tokens fed so far; no copy)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"{n} rows asked, {self.length} tokens fed")
+        if self.kv is not None:
+            return self.kv.rows(n)
+        if self.past is None:
+            return {k: v[self.io.seq_index(k, v.ndim, 0, 0)] for k, v in self.io.empty_state(1).items()}
+        return {k: v[self.io.seq_index(k, v.ndim, 0, n)] for k, v in self.past.items()}
+
+    def restore(self, n: int, read: Callable[[dict[str, np.ndarray]], None]) -> None:
+        """Start after ``n`` tokens whose state comes from elsewhere: ``read(dest)`` fills ``dest``, every
+        state's first ``n`` positions (views of the shared buffers, or new arrays for the growing loop)."""
+        if self.length or self.cache_problem():
+            raise ValueError("restore: a fresh decoder over KV caches only")
+        if self.kv is not None:
+            read(self.kv.rows(n))
+            self.kv.length = int(n)
+        else:
+            dest = {k: np.empty(self.io.state_dims(k, 1, n), dtype=self.io.state_types[k]) for k in self.io.past_to_present}
+            read(dest)
+            self.past = dest if n else None
+        self.length = int(n)
+
     def feed(self, ids) -> np.ndarray:
         """Run ``ids`` (a list or 1-D array) after the tokens fed so far; the last row's logits [V]."""
         from .shared_kv import PREFILL_CHUNK, SharedKVError
@@ -372,9 +413,12 @@ class Decoder:
                 self.length = self.kv.length
                 return logits[0, -1]
             except SharedKVError:
-                if self.length:
+                if self.kv._ran:
                     raise
-                self.kv, self.loop = None, "growing"  # the graph concatenates: run it the plain way
+                # the graph concatenates: run it the plain way (rows restored from a prompt cache move along)
+                self.past = ({n: np.ascontiguousarray(a) for n, a in self.kv.rows(self.length).items()}
+                             if self.length else None)
+                self.kv, self.loop = None, "growing"
         out = run(self.sess, self.io, feeds(self.io, ids, self.past, self.length))
         self.past = self.io.next_state(out)
         self.length += ids.shape[1]
@@ -395,31 +439,88 @@ class Generation:
     stop: str = ""                  # "eos" | "max_new_tokens" | "context"
     sampling: str = "greedy"
     extra: dict = field(default_factory=dict)
+    ttft_seconds: float = 0.0       # time to first token: tokenization, prompt cache load, prefill, first token
+    cached_tokens: int = 0          # prompt tokens whose state came from the prompt cache (not prefilled)
+    cache: "CacheInfo | None" = None  # what was done with the prompt cache (runtime.prompt_cache.CacheInfo)
 
     def __iter__(self):
         return iter((self.text, self.ids))
 
     @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens run through the model (those not loaded from a prompt cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
     @property
     def decode_tok_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
     def summary(self) -> str:
-        """The closing line: prompt tokens, prefill time and rate, decode tokens and rate."""
+        """The closing line: time to first token, prompt tokens, prefill time and rate, decode tokens and
+        rate, and what the prompt cache did."""
         dec = (f"decode {self.decode_tokens:,} tokens in {self.decode_seconds:.2f} s ({self.decode_tok_s:.1f} tok/s)"
                if self.decode_tokens else "decode 0 tokens")
-        return (f"prompt {self.prompt_tokens:,} tokens, prefill {self.prefill_seconds:.2f} s "
-                f"({self.prefill_tok_s:.1f} tok/s); {dec}; {len(self.ids)} new tokens, stop: {self.stop}; "
-                f"{self.sampling}; {self.loop} loop")
+        if self.cached_tokens:
+            pre = (f"prompt {self.prompt_tokens:,} tokens: {self.cached_tokens:,} from the prompt cache, "
+                   f"{self.prefilled_tokens:,} prefilled in {self.prefill_seconds:.2f} s ({self.prefill_tok_s:.1f} tok/s)")
+        else:
+            pre = (f"prompt {self.prompt_tokens:,} tokens, prefill {self.prefill_seconds:.2f} s "
+                   f"({self.prefill_tok_s:.1f} tok/s)")
+        cache = f"; {self.cache.describe()}" if self.cache is not None else ""
+        return (f"time to first token {self.ttft_seconds:.2f} s; {pre}; {dec}; {len(self.ids)} new tokens, "
+                f"stop: {self.stop}{cache}; {self.sampling}; {self.loop} loop")
+
+
+def _prompt_ids(tokenizer, prompt, add_special_tokens: bool, cache_prefix) -> tuple[list[int], int]:
+    """The prompt's ids and how many of its first tokens a prompt cache holds (module prompt_cache)."""
+    from .prompt_cache import prefix_tokens
+
+    if isinstance(prompt, str):
+        enc = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        ids = list(enc.ids)
+        if cache_prefix is None or isinstance(cache_prefix, str):
+            if isinstance(cache_prefix, str) and not prompt.startswith(cache_prefix):
+                raise ValueError("cache_prefix: the prompt does not start with it")
+            boundary = len(prompt) if cache_prefix is None else len(cache_prefix)
+            return ids, prefix_tokens(enc, boundary) if hasattr(enc, "offsets") else max(len(ids) - 1, 0)
+    else:
+        ids = [int(x) for x in prompt]
+        if isinstance(cache_prefix, str):
+            raise ValueError("cache_prefix: text needs a text prompt (give a token count with token ids)")
+        if cache_prefix is None:
+            return ids, max(len(ids) - 1, 0)
+    n = int(cache_prefix)
+    if not 0 <= n <= len(ids):
+        raise ValueError(f"cache_prefix: {n} tokens, the prompt has {len(ids)}")
+    return ids, n
+
+
+def _load_cache(pc, dec: Decoder, io: ModelIO, ids: list[int], model_path):
+    """Restore the decoder from the prompt cache file: the tokens it starts with (CacheInfo)."""
+    from .prompt_cache import TAIL_SLACK, CacheInfo, PromptCacheError, open_cache
+
+    t0 = time.perf_counter()
+    with open_cache(pc.path, model_path, io) as f:
+        cached = f.tokens()
+        m = len(cached)
+        agree = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(m, len(ids)))
+        if agree < min(m, len(ids)) and agree < m - min(TAIL_SLACK, m // 4):
+            raise PromptCacheError(pc.path, f"written for another prompt: this one does not start with its {m:,} "
+                                            f"tokens (they differ from token {agree:,})")
+        use = min(agree, len(ids) - 1)
+        dec.restore(use, lambda dest: f.read_states(dest, use))
+    return CacheInfo(pc.path, "loaded", use, m, f.bytes, time.perf_counter() - t0)
 
 
 def generate(sess, io: ModelIO, tokenizer, prompt, max_new_tokens: int = 32, eos="auto",
              add_special_tokens: bool = True, *, sampling: Sampling | None = None,
              on_text: Callable[[str], None] | None = None, prefill_chunk: int = PREFILL_CHUNK,
-             max_length: int | None = None, model_path=None, shared: bool | None = None) -> Generation:
+             max_length: int | None = None, model_path=None, shared: bool | None = None,
+             prompt_cache=None, cache_prefix: str | int | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt`` (text, encoded with ``add_special_tokens``,
     or a list of ids). ``eos``: "auto" (the usual end tokens the tokenizer knows), an id, a token
     string, a list of ids (:func:`model_eos_ids` gives the model's own), or None; generation stops
@@ -427,13 +528,22 @@ def generate(sess, io: ModelIO, tokenizer, prompt, max_new_tokens: int = 32, eos
     the text as it is decoded (pieces that add up to ``text``). ``max_length``: the model's positions
     (prompt + new tokens stop there; a longer prompt is an error). ``model_path`` (the model file)
     lets the loop see the graph (shared K/V buffers where it allows: module docstring); ``shared``
-    forces it on or off."""
+    forces it on or off.
+
+    ``prompt_cache``: a file path or a :class:`runtime.prompt_cache.PromptCache` (``refresh=True``:
+    rebuild it). When the file exists, the prompt must start with the tokens it holds (only the last
+    ``TAIL_SLACK`` of them, at most a quarter, may differ): their state is loaded and only the rest is
+    prefilled; otherwise the prompt's first tokens — ``cache_prefix``: the shared beginning of a text
+    prompt (a document; the tokens ending by its end, less the last), or a token count; by default the
+    whole prompt less its last token — are saved to it after the first token (atomically).
+    A file that cannot be used raises :class:`runtime.prompt_cache.PromptCacheError` (nothing
+    changed). ``model_path`` is needed then: the file is bound to the model."""
+    from .prompt_cache import PromptCache, PromptCacheError, save
+
+    t_start = time.perf_counter()
     if io.kind != "causal-lm" or not io.logits_name:
         raise ValueError("generate needs a causal LM with a logits output")
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
-    else:
-        ids = [int(x) for x in prompt]
+    ids, n_save = _prompt_ids(tokenizer, prompt, add_special_tokens, cache_prefix)
     if not ids:
         raise ValueError("empty prompt")
     if max_length is not None and len(ids) >= max_length:
@@ -449,19 +559,51 @@ def generate(sess, io: ModelIO, tokenizer, prompt, max_new_tokens: int = 32, eos
     stream = TextStream(tokenizer)
     dec = Decoder(sess, io, max_len=len(ids) + room, model_path=model_path, shared=shared)
 
-    t0 = time.perf_counter()
+    pc = None if prompt_cache is None else (prompt_cache if isinstance(prompt_cache, PromptCache)
+                                            else PromptCache(prompt_cache))
+    info, pending = None, False
+    if pc is not None:
+        if model_path is None:
+            model_path = getattr(sess, "_model_path", None)
+        if model_path is None or isinstance(model_path, (bytes, bytearray)):
+            raise ValueError("prompt_cache: pass model_path (the model file the cache is bound to)")
+        problem = dec.cache_problem()
+        if problem:
+            raise PromptCacheError(pc.path, problem, refresh_helps=False)
+        if pc.path.exists() and not pc.refresh:
+            info = _load_cache(pc, dec, io, ids, model_path)
+        else:
+            pending = True
+
+    start = dec.length
     chunk = prefill_chunk if dec.chunkable else len(ids)
-    for c0 in range(0, len(ids), chunk):
-        logits = dec.feed(ids[c0:c0 + chunk])
+    # chunks end at multiples of the chunk size, counted from the sequence's start: a run that starts
+    # from a prompt cache makes the runs a run without one makes, past the cached tokens
+    ends = list(range((start // chunk + 1) * chunk, len(ids), chunk)) + [len(ids)]
+    t0 = time.perf_counter()
+    for c0, c1 in zip([start] + ends[:-1], ends):
+        logits = dec.feed(ids[c0:c1])
     prefill = time.perf_counter() - t0
 
     new: list[int] = []
     why = "max_new_tokens"
     t1 = time.perf_counter()
     steps = 0
+    ttft = None
+    saved = 0.0
+
+    def write_cache():
+        nonlocal info, pending, saved
+        pending = False
+        t = time.perf_counter()
+        info = save(pc.path, model_path, io, ids[:n_save], dec.state_rows(n_save))
+        saved += time.perf_counter() - t
+
     while True:
         nxt = sampler(logits)
         new.append(nxt)
+        if ttft is None:
+            ttft = time.perf_counter() - t_start
         if nxt in stop:
             why = "eos"
             break
@@ -469,12 +611,16 @@ def generate(sess, io: ModelIO, tokenizer, prompt, max_new_tokens: int = 32, eos
             piece = stream.push(nxt)
             if piece:
                 on_text(piece)
+        if pending:  # after the first token is out; decode steps write only rows past the prompt
+            write_cache()
         if len(new) >= room:
             why = "context" if room < max_new_tokens else "max_new_tokens"
             break
         logits = dec.feed([nxt])
         steps += 1
-    decode = time.perf_counter() - t1 if steps else 0.0
+    if pending:
+        write_cache()
+    decode = time.perf_counter() - t1 - saved if steps else 0.0
     if on_text is not None:
         rest = stream.flush()
         if rest:
@@ -482,4 +628,5 @@ def generate(sess, io: ModelIO, tokenizer, prompt, max_new_tokens: int = 32, eos
     text_ids = [i for i in new if i not in stop]
     return Generation(text=tokenizer.decode(text_ids, skip_special_tokens=True), ids=new, prompt_tokens=len(ids),
                       prefill_seconds=prefill, decode_tokens=steps, decode_seconds=decode, loop=dec.loop,
-                      stop=why, sampling=(sampling or Sampling()).describe())
+                      stop=why, sampling=(sampling or Sampling()).describe(), ttft_seconds=ttft,
+                      cached_tokens=start, cache=info)

@@ -337,6 +337,20 @@ def load_tokenizer(model_path, tokenizer=None):
     return Tokenizer.from_file(str(p))
 
 
+def text_prefix(tokenizer) -> np.ndarray:
+    """The token ids the tokenizer puts before any text (its beginning-of-sequence token: Gemma's
+    <bos>, SmolLM2's GGUF tokenizer's <|im_start|>; none for Qwen2's): what a prompt starts with, so
+    what every perplexity window of running text starts with (the windows are cut from the middle of
+    a text tokenized without special tokens). Measured on Gemma 3 270M, 512-token windows of Persuasion:
+    3.71 nats a token with <bos> first, 4.70 without — the model's attention sink is missing."""
+    with_sp = list(tokenizer.encode("a", add_special_tokens=True).ids)
+    bare = list(tokenizer.encode("a", add_special_tokens=False).ids)
+    n = len(with_sp) - len(bare)
+    if n <= 0 or with_sp[n:n + len(bare)] != bare:
+        return np.zeros(0, np.int64)
+    return np.asarray(with_sp[:n], np.int64)
+
+
 def tokenize(tokenizer, text: str, add_special_tokens: bool = False) -> np.ndarray:
     """Token ids of ``text`` as int64 (no special tokens by default: for perplexity)."""
     return np.asarray(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int64)

@@ -32,24 +32,29 @@ def _target_logprobs(logits: np.ndarray, targets: np.ndarray, rows: int = 16) ->
 
 
 def perplexity(sess, io: ModelIO, ids, window: int = 512, stride: int | None = None,
-               max_windows: int | None = None, progress: bool = False) -> dict:
+               max_windows: int | None = None, progress: bool = False, prefix=None) -> dict:
     """Perplexity of a causal LM on the token sequence ``ids``.
 
     Windows of ``window`` tokens start every ``stride`` tokens (default ``stride = window``:
-    non-overlapping). Each window is one forward pass from an empty cache; the tokens of a
-    window that an earlier window already scored are context only (with overlap), so every
-    token after the first is scored once. Returns ``ppl = exp(nll)``, ``nll`` (mean negative
-    log-likelihood per scored token, nats), ``tokens`` (scored), ``windows``."""
+    non-overlapping). Each window is one forward pass from an empty cache, ``prefix`` (the
+    tokenizer's :func:`text_prefix`, context only) first; the tokens of a window that an earlier
+    window already scored are context only (with overlap), so every token after the first is scored
+    once (a window's first token is context, as without a prefix). Returns ``ppl = exp(nll)``,
+    ``nll`` (mean negative log-likelihood per scored token, nats), ``tokens`` (scored), ``windows``,
+    ``token_nll`` (each scored token's NLL, in order: ``paired_delta`` against another model's)."""
     if io.kind != "causal-lm" or not io.logits_name:
         raise ValueError("perplexity needs a causal LM with a logits output")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     stride = int(stride or window)
     if not 0 < stride <= window:
         raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
+    pre = np.asarray(prefix if prefix is not None else (), np.int64).reshape(-1)
+    p = pre.size
     n = ids.size
     total_nll = 0.0
     count = 0
     windows = 0
+    parts = []
     scored_to = 1  # positions < scored_to are already scored (position 0 never is)
     starts = range(0, max(n - 1, 0), stride)
     it = starts
@@ -65,13 +70,15 @@ def perplexity(sess, io: ModelIO, ids, window: int = 512, stride: int | None = N
         chunk = ids[begin:end]
         if chunk.size < 2:
             break
-        out = run(sess, io, feeds(io, chunk[None, :]))
-        logits = out[io.logits_name][0]                   # [T, V]
+        out = run(sess, io, feeds(io, np.concatenate([pre, chunk])[None, :] if p else chunk[None, :]))
+        logits = out[io.logits_name][0]                   # [p + T, V]
         first = max(scored_to, begin + 1)                 # first absolute position to score
         if first < end:
-            rows = logits[first - begin - 1: end - begin - 1]
+            rows = logits[p + first - begin - 1: p + end - begin - 1]
             tgt = ids[first:end]
-            total_nll -= float(_target_logprobs(rows, tgt).sum())
+            lp = _target_logprobs(rows, tgt)
+            parts.append(-lp)
+            total_nll -= float(lp.sum())
             count += int(tgt.size)
             scored_to = end
         windows += 1
@@ -81,7 +88,8 @@ def perplexity(sess, io: ModelIO, ids, window: int = 512, stride: int | None = N
         raise ValueError("perplexity: fewer than 2 tokens to score")
     nll = total_nll / count
     return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": windows,
-            "window": window, "stride": stride}
+            "window": window, "stride": stride, "prefix": [int(x) for x in pre],
+            "token_nll": np.concatenate(parts)}
 
 
 def embeddings(sess, io: ModelIO, tokenizer, sentences: list[str], max_len: int = 128,
@@ -182,7 +190,7 @@ def paired_delta(nll, nll_ref) -> tuple[float, float]:
 
 
 def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 128, windows: int = 2,
-                      shared: bool = True, progress: bool = False) -> dict:
+                      shared: bool = True, progress: bool = False, prefix=None) -> dict:
     """Teacher-forced decode-mode perplexity: per window, the first ``context`` tokens are one
     prefill, then the next ``score`` tokens are fed one at a time through the KV cache (the decode
     path), each step's logits scoring the following token — so every scored token is predicted by
@@ -190,12 +198,15 @@ def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 
     ``context + score + 1`` tokens apart. ``shared``: one K/V buffer per state (runtime.shared_kv,
     as onnxruntime-genai runs fused graphs) when the graph allows it, else the growing-state loop.
     Returns ``ppl``, ``nll``, ``tokens``, ``windows``, ``context``, ``loop`` (shared | growing),
-    ``token_nll`` (each scored token's NLL, in order: paired_delta against another model's)."""
+    ``token_nll`` (each scored token's NLL, in order: paired_delta against another model's).
+    ``prefix`` (the tokenizer's :func:`text_prefix`) goes before every window's prefill, which is then
+    ``len(prefix) + context`` tokens (the caller leaves room for it within the positions)."""
     from .shared_kv import PREFILL_CHUNK, SharedKV, SharedKVError
 
     if io.kind != "causal-lm" or not io.logits_name:
         raise ValueError("decode_perplexity needs a causal LM with a logits output")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    pre = np.asarray(prefix if prefix is not None else (), np.int64).reshape(-1)
     span = context + score + 1
     n_win = min(windows, ids.size // span)
     if n_win < 1:
@@ -203,7 +214,7 @@ def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 
     kv = None
     if shared and io.has_past:
         try:
-            kv = SharedKV(sess, io, max_len=context + score)
+            kv = SharedKV(sess, io, max_len=pre.size + context + score)
         except SharedKVError:
             kv = None
     total, count, token_nll = 0.0, 0, []
@@ -215,14 +226,15 @@ def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 
         it = tqdm(it, desc="decode-mode ppl", unit="win", leave=False)
     for w in it:
         chunk = ids[w * span:(w + 1) * span]
+        head = np.concatenate([pre, chunk[:context]])[None, :]
         if kv is not None:
             try:
-                kv.prefill(chunk[None, :context], chunk=PREFILL_CHUNK)
+                kv.prefill(head, chunk=PREFILL_CHUNK)
             except SharedKVError:
                 kv, loop = None, "growing"
         if kv is None:
-            out = run(sess, io, feeds(io, chunk[None, :context]))
-            past, plen = io.next_state(out), context
+            out = run(sess, io, feeds(io, head))
+            past, plen = io.next_state(out), head.shape[1]
         for i in range(score):
             tok = chunk[context + i: context + i + 1][None, :]
             if kv is not None:
@@ -237,4 +249,4 @@ def decode_perplexity(sess, io: ModelIO, ids, context: int = 1024, score: int = 
             count += 1
     nll = total / count
     return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": n_win, "context": context,
-            "score": score, "loop": loop, "token_nll": np.asarray(token_nll)}
+            "score": score, "loop": loop, "token_nll": np.asarray(token_nll), "prefix": [int(x) for x in pre]}

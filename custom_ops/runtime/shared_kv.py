@@ -223,6 +223,13 @@ class SharedKV:
         """Append tokens (usually one per row) after the cached ones; returns their logits."""
         return self._run(ids)[self.io.logits_name]
 
+    def rows(self, n: int) -> dict[str, np.ndarray]:
+        """Views of every buffer's first ``n`` positions (no copy): the rows a prompt of ``n`` tokens
+        wrote, to save them; or where a saved cache is read in, after which ``length`` is set to ``n``."""
+        if not 0 <= int(n) <= self.max_len:
+            raise SharedKVError(f"shared KV: {n} rows outside 0..{self.max_len}")
+        return {name: arr[self.io.seq_index(name, arr.ndim, 0, int(n))] for name, arr in self.arrays.items()}
+
     def fill(self, length: int, past: dict[str, np.ndarray]) -> None:
         """Load a cache computed elsewhere (``past_key_values.*`` arrays of ``length`` tokens)."""
         for name, arr in self.arrays.items():

@@ -27,7 +27,9 @@ from ..builders.attention import find_attention
 from ..errors import OrtleanError
 from ..kit import modelfile, options, stream, surgery, timing
 from ..kit.backend import GraphPassBase
+from ..kit import progress
 from ..kit.options import Options, flag
+from ..kit.progress import Progress
 from ..kit.quality import BudgetRefused, remaining_budget
 
 OP_TYPE = "PackedAttention"
@@ -112,6 +114,13 @@ class AttnConfig(Options):
     prefill_context: int = flag("--attn-prefill-context", 16384, "--attn-tune: the prompt length whose rows past "
                                 "--attn-prefill-min-context the sparse prefill is scored on (default 16384, capped by "
                                 "the model's positions and the calibration text)", type=int)
+    needles: str = flag("--attn-needles", "auto", "--attn-tune: retrieval as a gate — the tuned decode and prefill "
+                        "budgets are also run on needle-in-a-haystack cases hidden in the calibration text (5 depths "
+                        "at the tuning context; custom_ops.runtime.needle), and a setting that loses a needle the "
+                        "exact-attention model finds is not shipped (the next larger budget is checked instead). "
+                        "auto (default) | off", choices=("auto", "off"))
+    needle_kinds: str = flag("--attn-needle-kinds", "passkey,kv", "--attn-needles: the case kinds (passkey, kv, "
+                             "multi; default passkey,kv)")
     mix: float = flag("--attn-mix", 0.0, "seed behaviour: mix this fraction of the approximate score into the exact "
                       "logits (default 0)", type=float)
     # from the shared --state-pack* group (kit.options.StatePack) and --attn-pack-bits
@@ -167,7 +176,9 @@ def calibrate_eps(source, calib, cfg: AttnConfig, io_hint=None, max_pos: int | N
     components has |k| > eps, and the per-channel mean |k| (kscale), on the first
     cfg.calib_tokens tokens of the calibration text (at most the model's ``max_pos`` positions;
     the dense model's present.N.key outputs)."""
-    ids = np.asarray(calib.ids[: min(cfg.calib_tokens, max_pos or cfg.calib_tokens)], np.int64)
+    pre = runtime.text_prefix(calib.tok)       # as a prompt starts (Gemma: <bos>)
+    ids = np.concatenate([pre, np.asarray(calib.ids[: min(cfg.calib_tokens, max_pos or cfg.calib_tokens) - pre.size],
+                                          np.int64)])
     sess = stream.session(source, threads=2)   # a large model: segment by segment (kit.stream)
     io = runtime.ModelIO.from_session(sess)
     if io_hint is not None:   # symbolic KV dims (genai builder) from the rewrite's resolved I/O
@@ -695,11 +706,14 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
     else:
         span = C + score + 1   # spans spread over the text (none at its start: title pages)
         n_sp = max(1, min(cfg.tune_windows, ids.size // span))
-        spans = [ids[o: o + span] for o in
+        pre = runtime.text_prefix(ctx.calib.tok)   # each span starts as a prompt does (Gemma: <bos>)
+        spans = [np.concatenate([pre, ids[o: o + span - pre.size]]) for o in
                  (min(ids.size - span, max(0, (k + 1) * ids.size // (n_sp + 1) - span // 2)) for k in range(n_sp))]
         # what the weights left of the budget (the budget covers every change, issue 34)
         qb = remaining_budget(float(ctx.opts.quality_budget), ctx.weights_loss)
         threads = max(2, ctx.threads)
+        bar = Progress("attention tuner", unit="trial", enabled=ctx.opts.progress)   # a line every 15 s in a log
+        progress.status("attention tuner: the exact reference")
         s_ref = stream.session(ref, threads, stream=False, last_logits=True)   # decode loops read no prefill logits
         nll_ref, ref_state = _decode_nll_spans(s_ref, spans, C, score, io_hint=ctx.io)
         search = cfg.tune == "auto"      # --attn-tune off: only the flags' values, measured
@@ -716,11 +730,13 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
                 out.setdefault("untested", []).append(b)
                 continue
             for w in ws:
+                progress.status(f"attention tuner: budget {b:g}, window {w}")
                 _set_attrs(model, {"budget": float(b), "window": int(w), "min_context": 0})
                 sess = stream.session(model, threads, stream=False, last_logits=True)   # the model's arrays, not a copy
                 nll, state = _decode_nll_spans(sess, spans, C, score, state)
                 d, up = runtime.paired_delta(nll, nll_ref)
                 trials.append({"budget": b, "window": w, "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
+                bar.update(1, f"b{b:g}/w{w}: {100 * d:+.2f} % (≤ {100 * up:+.2f})")
                 del sess
                 if up <= qb:
                     # the first passing window (largest first) is this budget's: the window is part of the
@@ -755,6 +771,25 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
             raise BudgetRefused(f"PackedAttention: {what}{got} against exact attention on the calibration text, over "
                                 f"what the weights leave of --quality-budget {ctx.opts.quality_budget} ({qb:+.4f}): "
                                 "nothing written (--attn-kv fp32, or lift --quality-budget)", {"tune": out})
+        if cfg.needles == "auto" and 0 < best[0] < 1:
+            # retrieval as a gate: the chosen setting, else the next larger passing budget, must find every
+            # needle the exact model finds at the calibration context
+            gate, why = needle_gate(ref, ctx, cfg, C + score, threads, max_pos)
+            checks = []
+            for b, w in sorted({bw for bw in passed if 0 < bw[0] < 1 and bw[0] >= best[0]} if gate else (),
+                               key=lambda bw: (bw[0], -bw[1])):
+                _set_attrs(model, {"budget": float(b), "window": int(w), "min_context": 0})
+                lost = gate.lost(model)
+                checks.append(gate.record(f"budget {b:g}, window {w}", lost))
+                if not lost:
+                    best = (b, w)
+                    break
+            else:
+                if gate is not None:
+                    best = (1.0, cfg.window)
+            out["needles"] = checks if gate is not None else why
+            if checks and checks[-1]["lost"]:
+                out["needle_note"] = "every budget lost a needle the exact model finds: exact attention kept"
         chosen = {"budget": best[0], "window": best[1]}
         if 0 < best[0] < 1:
             # the approximate path runs from min_context on: the chosen setting at 1/4, 1/2 and 3/4 of
@@ -769,6 +804,7 @@ def tune_gqa(model: ir.Model, ref: "ir.Model | bytes", cfg: AttnConfig, ctx, max
             out["quality"]["shorter"] = checks
             out["quality_floor"] = quality_floor(C, checks, qb)
         del s_ref, ref_state
+        bar.close()
     attrs = {"budget": float(chosen["budget"]), "window": int(chosen["window"])}
     if "min_context" in cfg.given or cfg.tune != "auto":
         attrs["min_context"] = int(cfg.min_context)
@@ -879,9 +915,12 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
                                                   f"min context {floor})"}
     qb = remaining_budget(float(ctx.opts.quality_budget), spent)
     n_sp = max(1, min(2, ids.size // (L + 1)))
-    spans = [ids[o: o + L + 1] for o in
+    pre = runtime.text_prefix(ctx.calib.tok)   # each span starts as a prompt does (Gemma: <bos>)
+    spans = [np.concatenate([pre, ids[o: o + L + 1 - pre.size]]) for o in
              (min(ids.size - L - 1, max(0, (k + 1) * ids.size // (n_sp + 1) - (L + 1) // 2)) for k in range(n_sp))]
     threads = max(2, ctx.threads)
+    bar = Progress("prefill tuner", unit="trial", enabled=ctx.opts.progress)   # a line every 15 s in a log
+    progress.status(f"prefill tuner: the exact reference, {len(spans)} spans of {L} tokens")
     set_budget(0.0)
     sess = stream.session(model, threads, stream=False)
     nll_ref = _prefill_nll_spans(sess, spans, floor, ctx.io)
@@ -895,9 +934,11 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
         if not given and not testable(b):
             out.setdefault("untested", []).append(b)
             continue
+        progress.status(f"prefill tuner: budget {b:g}")
         set_budget(b)
         sess = stream.session(model, threads, stream=False)
         nll = _prefill_nll_spans(sess, spans, floor, ctx.io)
+        bar.update(1)
         del sess
         d, up = runtime.paired_delta(nll, nll_ref)
         trials.append({"prefill_budget": b, "delta_ppl": round(d, 5), "delta_ppl_upper": round(up, 5)})
@@ -912,6 +953,27 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
                                     {"prefill_tune": {"trials": trials}})
             break
         best = b
+    if cfg.needles == "auto" and 0 < best < 1 and not given:
+        # retrieval as a gate: the chosen prefill budget, else the next larger passing one, must find every
+        # needle the same model with exact prompts finds at the span length
+        set_budget(0.0)
+        exact = model.clone()            # its tensors shared: the same model with exact prompts
+        gate, why = needle_gate(exact, ctx, cfg, L, threads, max_pos)
+        del exact
+        checks = []
+        for b in sorted(t["prefill_budget"] for t in trials
+                        if gate and t["delta_ppl_upper"] <= qb and t["prefill_budget"] >= best):
+            set_budget(b)
+            lost = gate.lost(model)
+            checks.append(gate.record(f"prefill budget {b:g}", lost))
+            if not lost:
+                best = b
+                break
+        else:
+            if gate is not None:
+                best = 0.0
+        out["needles"] = checks if gate is not None else why
+    bar.close()
     set_budget(best)
     out.update({"prefill_budget": float(best), "quality": {
         "metric": "prefill-mode Δppl vs the same model with exact prompt attention", "budget": qb,
@@ -925,6 +987,53 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
     else:
         out["summary"] = "exact prompts (no sparse prefill budget passed)" if trials else "exact prompts"
     return out
+
+
+def needle_gate(ref, ctx, cfg: AttnConfig, length: int, threads: int, max_pos: int | None):
+    """A :class:`NeedleGate`, or (None, why) when the calibration text cannot hold needle cases (no
+    sentence ends in it, too short): the tuner then records why and goes on without the gate."""
+    from custom_ops.runtime import needle
+
+    try:
+        return NeedleGate(ref, ctx, cfg, length, threads, max_pos), None
+    except needle.NeedleError as e:
+        return None, f"needle cases not made from the calibration text: {e}"
+
+
+class NeedleGate:
+    """Retrieval as a gate (--attn-needles): needle cases at one prompt length (5 depths, the kinds of
+    --attn-needle-kinds) hidden in the calibration text, the exact reference's hits found once; a trial
+    model passes when it finds every needle the reference finds (custom_ops.runtime.needle, which runs
+    a case as `ortlean generate` runs a prompt: chunked prefill, then greedy decode steps)."""
+
+    def __init__(self, ref, ctx, cfg: AttnConfig, length: int, threads: int, max_pos: int | None):
+        from custom_ops.runtime import needle
+
+        self.length, self.threads, self.io_hint = int(length), threads, ctx.io
+        self.suite = needle.NeedleSuite.build(ctx.calib.tok, ctx.calib.text, lengths=[int(length)],
+                                              depths=needle.DEPTHS, kinds=needle.parse_kinds(cfg.needle_kinds),
+                                              cases=1, seed=0, positions=max_pos)
+        progress.status(f"needle gate: the reference on {len(self.suite.cases)} cases at {length} tokens")
+        s = stream.session(ref, threads, stream=False, last_logits=True)
+        self.suite.prepare(s, self._io(s))
+        del s
+        self.found = len(self.suite.found)
+        self.total = len(self.suite.cases)
+
+    def _io(self, s):
+        return runtime.ModelIO.from_session(s).fill_from(self.io_hint)
+
+    def lost(self, model) -> list[str]:
+        """The names of the cases ``model`` loses (it stops at the first: empty = it passes)."""
+        progress.status(f"needle gate: {len(self.suite.found)} cases at {self.length} tokens")
+        s = stream.session(model, self.threads, stream=False, last_logits=True)
+        lost = self.suite.lost(s, self._io(s), fail_fast=True)
+        del s
+        return [r.name for r in lost]
+
+    def record(self, setting: str, lost: list[str]) -> dict:
+        return {"setting": setting, "length": self.length, "found_by_reference": self.found, "cases": self.total,
+                "lost": lost}
 
 
 def _chosen_delta(tune: dict) -> float:
@@ -1065,7 +1174,8 @@ def measure_decode(ref: "ir.Model | bytes | None", model: ir.Model, cfg: AttnCon
                            "--quality-budget off to write it unmeasured)")
     ids = np.asarray(ctx.calib.ids, np.int64)
     score = cfg.tune_score
-    C = min(cfg.tune_context, (max_pos or 1 << 30) - score - 1, ids.size - score - 1)
+    pre = runtime.text_prefix(ctx.calib.tok)
+    C = min(cfg.tune_context, (max_pos or 1 << 30) - score - 1 - pre.size, ids.size - score - 1)
     if C < 16:
         raise OrtleanError(f"--calib-text: too short to measure PackedAttention in decode mode ({ids.size} tokens, "
                            f"{max_pos} positions): give a longer text, or --quality-budget off")
@@ -1075,7 +1185,8 @@ def measure_decode(ref: "ir.Model | bytes | None", model: ir.Model, cfg: AttnCon
     def nll_of(model_or_bytes) -> np.ndarray:   # the growing-state loop where the graph has no shared KV
         sess = stream.session(model_or_bytes, threads, stream=False, last_logits=True)
         io = runtime.ModelIO.from_session(sess).fill_from(ctx.io)
-        return np.asarray(runtime.decode_perplexity(sess, io, ids, context=C, score=score, windows=n_sp)["token_nll"])
+        return np.asarray(runtime.decode_perplexity(sess, io, ids, context=C, score=score, windows=n_sp,
+                                                    prefix=pre)["token_nll"])
 
     nll_ref = nll_of(ref)
     nll = nll_of(model)

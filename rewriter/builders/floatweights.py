@@ -30,7 +30,7 @@ from . import blockgraph as BG
 from . import quantizers as Q
 from . import weightplan as WP
 from ..errors import OrtleanError
-from ..kit import gaps, surgery
+from ..kit import gaps, progress, surgery
 from ..kit.backend import Plan
 from ..kit.candidates import Candidate
 from .. import quantize
@@ -40,8 +40,15 @@ QUANTIZERS = ("auto", "gptq", "kquant", "hqq", "rtn", "nbits")
 # enough: GPTQ buys nothing measurable there); on SmolLM2's head GPTQ gives q4_f/32 a lower gap (0.022) than
 # the imatrix search gives q5_1 (0.019 → pruned against GPTQ's q4_f/32 at 6 bits: the 6-bit options need it too)
 GPTQ_MAX_BITS = 7.0
-# threads quantizing one layer's formats at once
+# threads quantizing one layer's formats at once (a large layer: one format at a time, its rows on them)
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
+# a layer with more weights than this (a large vocabulary's head: Gemma 3's 640 x 262,144) is quantized one
+# format at a time, GPTQ's rows in chunks of _CHUNK_ROWS on the threads: formats side by side would each hold
+# a float32 copy of it (and the dequantized options for the gaps, another each)
+_LARGE = 1 << 24
+_CHUNK_ROWS = 4096
+# worker processes quantizing the layers ahead of the pipeline (FloatWeights.prefetch): one per core
+_PROCESSES = int(os.environ.get("ORTLEAN_PLAN_PROCESSES", os.cpu_count() or 1))
 # which formats a quantizer writes (kquant and gptq: all of the ladder; hqq / rtn: q4_f; q8_0 is absmax for all)
 _WRITES = {"hqq": ("q4_f",), "rtn": ("q4_f",)}
 
@@ -62,6 +69,11 @@ class FloatWeights:
         self.cands: dict[str, Candidate] = {}
         self.tied: dict[str, str | None] = {}          # head layer -> its tied embedding Gather's name
         self._factor: dict[str, np.ndarray] = {}      # input value name -> GPTQ's inverse-Hessian factor
+        self._pending: dict = {}                      # layer key -> a worker's future (prefetch)
+        self._procs = None
+        self._prefetched = False
+        self._queue: list = []                        # (candidate, Gram) of the layers not yet submitted
+        self._memo = None                             # (input name, factor) of the layers being submitted
         self.mix: WP.MixResult | None = None
         self.planned: list[str] = []                  # the layers planned with the defaults (finish sets these)
 
@@ -76,44 +88,80 @@ class FloatWeights:
 
     def options(self, cand: Candidate, W: np.ndarray, G) -> WP.Layer:
         """The layer's ladder, each option quantized (the formats on a small thread pool: numpy works
-        outside the GIL) and its gap measured (cached per layer)."""
+        outside the GIL; a layer the prefetch sent to a worker process: its result) and its gap measured
+        (cached per layer)."""
         key = f"{cand.name}|{G is not None}"
         if key in self.layers:
             return self.layers[key]
-        qz = self.which(G)
-        Wt = np.ascontiguousarray(W.T)
-        imp = Q.importance(G)
-        if qz == "gptq":
-            f = self._factor.get(cand.input.name)
-            need = -(-cand.K // 256) * 256
-            if f is None or f.shape[0] < need:
-                f = self._factor[cand.input.name] = Q.hessian_factor(G, pad_to=need)
-
-        def one(fmt, B):
-            if fmt == "q8_0":    # at 8 bits the grid is fine enough: absmax per 32 (GPTQ buys nothing measurable)
-                return Q.kquant(Wt, fmt)
-            if qz == "gptq" and Q.layer_bits(fmt, cand.K, B) <= GPTQ_MAX_BITS:
-                return Q.gptq(Wt, G, fmt, B, factor=f)
-            if qz == "rtn":
-                return Q.rtn(Wt, fmt, B)
-            if qz == "hqq":
-                return Q.hqq(Wt, B)
-            return Q.kquant(Wt, fmt, B, imp)
-
-        todo = [(fmt, B) for fmt, B in WP.ladder(cand.K) if not (qz in _WRITES and fmt not in _WRITES[qz]
-                                                                   and fmt != "q8_0")]
-        with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
-            blocks = list(pool.map(lambda fb: one(*fb), todo))
-        gs = gaps.layer_gaps(W, [b.dequantize().T for b in blocks], G)
-        opts = [WP.Option(b.fmt, b.block, b.bits_per_weight, g, b) for b, g in zip(blocks, gs)]
-        layer = WP.Layer(cand.name, cand.role or cand.target, cand.params, WP.prune(opts))
-        layer.default = WP.default_index(layer)
+        fut = self._pending.pop(key, None)
+        self._queue = [(c, g) for c, g in self._queue if c.name != cand.name]
+        if fut is not None:
+            progress.status(f"{cand.name}: waiting for its worker")
+            layer = fut.result()
+            self._top_up()
+        else:
+            qz = self.which(G)
+            layer = _ladder(cand.name, cand.role or cand.target, cand.params, cand.K, qz, W, G,
+                            self._factor_of(cand, G) if qz == "gptq" else None)
         self.layers[key] = layer
         self.cands[cand.name] = cand
+        if not self._pending and not self._queue and self._procs is not None:
+            self._procs.shutdown()
+            self._procs = None
         return layer
+
+    def _factor_of(self, cand: Candidate, G) -> np.ndarray:
+        """GPTQ's inverse-Hessian factor of the layer's input (one per input, every format and layer)."""
+        f = self._factor.get(cand.input.name)
+        need = -(-cand.K // 256) * 256
+        if f is None or f.shape[0] < need:
+            f = self._factor[cand.input.name] = Q.hessian_factor(G, pad_to=need)
+        return f
+
+    def prefetch(self, todo: list, grams: dict, first: Candidate) -> None:
+        """Quantize the ladders of the layers still to plan (``todo``: the pipeline's candidates, Grams by input)
+        in worker processes, a few layers ahead of the pipeline (each layer's options are computed exactly as
+        in this process, its factor computed here; a layer is waited for when the pipeline reaches it). Not
+        the large layers (computed here, on threads) nor groups. Nothing without a second core
+        (ORTLEAN_PLAN_PROCESSES=1 turns it off)."""
+        if self._prefetched or _PROCESSES < 2 or not grams:
+            return
+        self._prefetched = True
+        queue = []
+        for c in todo:
+            if c is first or isinstance(getattr(c, "members", None), list) or c.K * c.N > _LARGE:
+                continue
+            g = grams.get(c.input.name)
+            if g is None or g.G is None or f"{c.name}|True" in self.layers:
+                continue
+            queue.append((c, g.G))
+        if len(queue) < 2:
+            return
+        self._queue = queue
+        self._procs = _process_pool(_PROCESSES)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Keep 2 layers per worker submitted (their weights, Gram and factor held only until then)."""
+        memo = self._memo
+        while self._queue and len(self._pending) < 2 * _PROCESSES:
+            c, G = self._queue.pop(0)
+            qz = self.which(G)
+            f = None
+            if qz == "gptq":     # one factor per input (the layers reading it are consecutive), not all of them
+                need = -(-c.K // 256) * 256
+                if memo is None or memo[0] != c.input.name or memo[1].shape[0] < need:
+                    memo = (c.input.name, Q.hessian_factor(G, pad_to=need))
+                f = memo[1]
+            self._pending[f"{c.name}|True"] = self._procs.submit(
+                _ladder_job, (c.name, c.role or c.target, c.params, c.K, qz, c.weight_array(), G, f))
+        self._memo = memo if self._queue else None
 
     def plan(self, backend, cand: Candidate, W: np.ndarray, G, ctx) -> Plan:
         """The layer's default (4-bit) plan; the mix (``finish``) may replace it."""
+        if ctx is not None and getattr(ctx, "grams", None) and [b.name for b in ctx.weight_backends] == [backend.name]:
+            # the only weight backend: every candidate of its targets is ours, quantize them ahead
+            self.prefetch([c for c in ctx.todo if c.target in backend.cfg.targets], ctx.grams, cand)
         layer = self.options(cand, W, G)
         if cand.target == "head" and cand.name not in self.tied:
             g = quantize.tied_embedding(ctx.model.graph, W) if (self.embed == "shared" and ctx is not None
@@ -151,6 +199,7 @@ class FloatWeights:
         self.planned = [c.name for c, _ in mine]
         budget = ctx.opts.quality_budget if ctx is not None else None
         if not mine or budget is None or not ctx.opts.calib_text:
+            self._release({n: self._layer_of(self.cands[n]).default for n in self.planned})
             return {}
         layers = [self._layer_of(c) for c, _ in mine]
         cands = {c.name: c for c, _ in mine}
@@ -164,22 +213,25 @@ class FloatWeights:
         def loss(choice):
             return ctx.quality.loss(plans(choice))
 
-        from tqdm.auto import tqdm
+        # a line per 15 s in a log (a trial of a large-vocabulary model takes tens of seconds), tqdm on a terminal
+        with progress.Progress("weights mix", unit="trial", enabled=ctx.opts.progress) as bar:
+            def step(t):
+                bar.update(1, f"last: {t['what']}: {t['bits']:.3f} b/w {t['loss']:+.4f}")
 
-        bar = tqdm(desc="weights mix", unit="trial", disable=None if ctx.opts.progress else True, leave=False)
-
-        def progress(t):
-            bar.update(1)
-            bar.set_postfix_str(f"{t['bits']:.3f} b/w: {t['loss']:+.4f}")
-
-        try:
-            self.mix = WP.plan_mix(layers, loss, budget, max_bits=self.max_bits, progress=progress)
-        finally:
-            bar.close()
+            self.mix = WP.plan_mix(layers, loss, budget, max_bits=self.max_bits, progress=step)
         m = self.mix
         why = (f"mix: {'meets' if m.feasible else 'misses'} {m.target:+.4f} on the probe "
                f"({WP.MARGIN:g} × --quality-budget) at {m.bits:.3f} bits/weight")
+        self._release(m.choice)
         return {l.name: self.plan_for(backend, cands[l.name], l, m.choice[l.name], cal[l.name], why) for l in layers}
+
+    def _release(self, choice: dict[str, int]) -> None:
+        """Drop the bytes of every option not chosen (the report keeps their bits and gaps): ~3x the chosen
+        model's bytes, not needed once the mix is decided (the guard, emission and saving run without them)."""
+        for name, i in choice.items():
+            for k, o in enumerate(self._layer_of(self.cands[name]).options):
+                if k != i:
+                    o.blocks = None
 
     def _layer_of(self, c: Candidate) -> WP.Layer:
         return self.layers.get(f"{c.name}|True") or self.layers[f"{c.name}|False"]
@@ -203,10 +255,96 @@ class FloatWeights:
                 f"{WP.describe(layers, {l.name: l.default for l in layers})} (model), the 4-bit defaults"]
 
 
+def _ladder(name: str, role: str, params: int, K: int, qz: str, W: np.ndarray, G, f) -> WP.Layer:
+    """One layer's ladder (``WP.ladder``), each format quantized by ``qz`` (GPTQ with the factor ``f``)
+    and its gap measured: the formats side by side on threads, or, for a layer over _LARGE, one format at
+    a time with GPTQ's rows in chunks on the threads (the same bytes either way)."""
+    large = W.size > _LARGE
+    # a large layer: each format makes its own [N, K] copy (GPTQ sweeps one anyway), none is kept beside them
+    Wt = W.T if large else np.ascontiguousarray(W.T)
+    imp = Q.importance(G)
+    todo = [(fmt, B) for fmt, B in WP.ladder(K) if not (qz in _WRITES and fmt not in _WRITES[qz] and fmt != "q8_0")]
+    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+        def one(fmt, B):
+            if large:
+                progress.status(f"{name}: {qz if fmt != 'q8_0' else 'kquant'} {fmt}"
+                                + (f"/{B}" if fmt == "q4_f" else "") + f" ({todo.index((fmt, B)) + 1}/{len(todo)})")
+            if fmt == "q8_0":    # at 8 bits the grid is fine enough: absmax per 32 (GPTQ buys nothing measurable)
+                return Q.kquant(Wt, fmt)
+            if qz == "gptq" and Q.layer_bits(fmt, K, B) <= GPTQ_MAX_BITS:
+                if large:        # the rows in chunks on the threads (the same result: quantizers.gptq)
+                    return Q.gptq(Wt, G, fmt, B, factor=f, chunk_rows=_CHUNK_ROWS, pool=pool)
+                return Q.gptq(Wt, G, fmt, B, factor=f)
+            if qz == "rtn":
+                return Q.rtn(Wt, fmt, B)
+            if qz == "hqq":
+                return Q.hqq(Wt, B)
+            return Q.kquant(Wt, fmt, B, imp)
+
+        blocks = [one(*fb) for fb in todo] if large else list(pool.map(lambda fb: one(*fb), todo))
+    if large:
+        progress.status(f"{name}: gaps of {len(blocks)} options")
+    # the options' weights a block of columns at a time (never each dequantized whole: 640 MB per option
+    # of a 262k-token head); the same values, so the same gaps
+    gs = gaps.layer_gaps(W, [_Dequantized(b) for b in blocks], G)
+    opts = [WP.Option(b.fmt, b.block, b.bits_per_weight, g, b) for b, g in zip(blocks, gs)]
+    layer = WP.Layer(name, role, params, WP.prune(opts))
+    layer.default = WP.default_index(layer)
+    return layer
+
+
+def _ladder_job(args) -> WP.Layer:
+    """:func:`_ladder` in a worker process (its formats one after the other: the other workers have the cores)."""
+    global _WORKERS
+    _WORKERS = 1
+    return _ladder(*args)
+
+
+def _process_pool(n: int):
+    """``n`` worker processes for :meth:`FloatWeights.prefetch`: started fresh (spawn: nothing of this
+    process's memory or threads is inherited), numpy's BLAS at one thread each (the workers are the
+    parallelism; its products give the same bits at any thread count — tests/test_float_weights.py —,
+    its Cholesky does not, which is why the factors are computed here)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+
+
+def _worker_init() -> None:
+    try:                                   # one BLAS thread per worker: the workers are the parallelism
+        import ctypes
+        for path in {ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower() and ".so" in ln}:
+            lib = ctypes.CDLL(path)
+            for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+                if hasattr(lib, sym):
+                    getattr(lib, sym)(1)
+    except Exception:
+        pass
+
+
+class _Dequantized:
+    """Ŵ [K, N] of a :class:`quantizers.Blocks` as ``kit.gaps.layer_gap(s)`` reads it, ``[:, j0:j1]`` at a
+    time: outputs j0:j1's rows dequantized (the op's reference), transposed."""
+
+    def __init__(self, b: Q.Blocks):
+        self.b = b
+        self.shape = (b.K, b.N)
+
+    def __getitem__(self, idx):
+        rows, cols = idx
+        if rows != slice(None) or not isinstance(cols, slice) or cols.step not in (None, 1):
+            raise IndexError("a dequantized view gives [:, j0:j1]")
+        b = self.b
+        return bq.dequantize(b.W[cols], b.fmt, b.K, b.block).T
+
+
 # ------------------------------------------------------------------ emission
-def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8, layout_choice: str = "blocks") -> None:
+def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8, layout_choice: str = "blocks",
+         prefill_act_bits: int = 0) -> None:
     """Replace the MatMul by BlockQuantMatMul over the plan's blocks (a constant bias Add after it folded
-    into the op's bias; ``act_bits``: the op's activation integers; ``layout_choice``: --weights-layout, W's
+    into the op's bias; ``act_bits``: the op's activation integers; ``prefill_act_bits``: those of its calls
+    with M > 1 rows, 0 = act_bits (the attribute left out); ``layout_choice``: --weights-layout, W's
     row layout where the format takes it), and the tied embedding's Gather by BlockQuantGather over the
     same initializer (and layout)."""
 
@@ -221,6 +359,8 @@ def emit(graph: ir.Graph, cand: Candidate, plan: Plan, act_bits: int = 8, layout
             if add is not None else None)
     attrs = _attrs(b, cand.K, cand.N, cand.label, cand.target, plan.gap)
     attrs["act_bits"] = int(act_bits)
+    if prefill_act_bits:
+        attrs["prefill_act_bits"] = int(prefill_act_bits)
     if layout != "blocks":
         attrs["layout"] = layout
     node = surgery.op_node("BlockQuantMatMul", [cand.input, w, bias], attrs, name=f"{cand.name}_BQ")

@@ -127,12 +127,14 @@ def _weights(Wp: np.ndarray, imp: np.ndarray | None, valid: np.ndarray, group: i
 
 
 def fit_affine(x: np.ndarray, w: np.ndarray, nmax: int, *, offset_le_zero: bool = True, rmin: float = -0.9,
-               rdelta: float = 0.05, nstep: int = 36) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               rdelta: float = 0.05, nstep: int = 36, codes: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Weighted affine fit of each row of ``x`` [S, n] on the grid ``scale · L + offset``, L ∈ 0..nmax:
     the min/max grid, then ``nstep + 1`` rescalings ``(nmax + rmin + rdelta·i) / (max − min)`` each with
     its weighted least-squares scale and offset, the lowest weighted squared error kept (the search of
     llama.cpp's make_qkx3_quants). ``offset_le_zero`` keeps offset ≤ 0 (the K formats store −offset
-    unsigned). Returns (scale [S], offset [S], L [S, n] uint8), scale ≥ 0."""
+    unsigned). Returns (scale [S], offset [S], L [S, n] uint8), scale ≥ 0; ``codes=False`` (the callers that
+    round again on the fp16 grid) returns L None and skips keeping the best codes per candidate (the scale and
+    offset are the same bit for bit: the same float operations in the same order)."""
     x = np.asarray(x, np.float32)
     w = np.asarray(w, np.float32)
     lo = x.min(axis=1)
@@ -159,11 +161,14 @@ def fit_affine(x: np.ndarray, w: np.ndarray, nmax: int, *, offset_le_zero: bool 
         return (wl.sum(axis=1).astype(np.float64), np.einsum("ij,ij->i", wl, L).astype(np.float64),
                 np.einsum("ij,ij->i", wl, x).astype(np.float64))
 
-    L = np.clip(np.rint(xs * (nmax / rng)[:, None]), 0, nmax).astype(np.float32)
+    La = np.empty_like(x)
+    np.multiply(xs, (nmax / rng)[:, None], out=La)
+    np.rint(La, out=La)
+    np.clip(La, 0, nmax, out=La)
+    L = La.copy() if codes else None
     scale = (rng / nmax).astype(np.float64)
     off = lo.astype(np.float64)
-    best = err(scale, off, *sums(L))
-    La = np.empty_like(x)
+    best = err(scale, off, *sums(La))
     for i in range(nstep + 1):
         iscale = ((nmax + rmin + rdelta * i) / rng).astype(np.float32)
         np.multiply(xs, iscale[:, None], out=La)
@@ -183,18 +188,22 @@ def fit_affine(x: np.ndarray, w: np.ndarray, nmax: int, *, offset_le_zero: bool 
         e = err(s_, m_, sl, sl2, sxl)
         take = ok & (e < best)
         if take.any():
-            best = np.where(take, e, best)
-            scale = np.where(take, s_, scale)
-            off = np.where(take, m_, off)
-            L[take] = La[take]
+            np.copyto(best, e, where=take)
+            np.copyto(scale, s_, where=take)
+            np.copyto(off, m_, where=take)
+            if codes:
+                L[take] = La[take]
     scale = scale.astype(np.float32)
     off = off.astype(np.float32)
     scale = np.where(flat, 0.0, scale).astype(np.float32)
     off = np.where(flat, np.where(offset_le_zero, np.minimum(x[:, 0], 0.0), x[:, 0]), off).astype(np.float32)
-    L[flat] = 0
     if offset_le_zero:  # a flat positive block: L·scale cannot reach it with offset ≤ 0 and scale 0
         fp = flat & (x[:, 0] > 0)
         scale[fp] = x[fp, 0] / nmax
+    if not codes:
+        return scale, off, None
+    L[flat] = 0
+    if offset_le_zero:
         L[fp] = nmax
     return scale, off, L.astype(np.uint8)
 
@@ -278,20 +287,47 @@ class Grid:
     rounds column j (of the run) to its block's grid, ``value(L, j)`` is the weight of code L there.
     ``pack()`` gives the run's bytes once every column's code is set."""
 
+    # columns sharing one scale (and offset): a column's parameters are gathered once per group (_params)
+    group = 32
+
     def __init__(self, fmt: str, block: int | None, N: int, width: int):
         self.fmt, self.block, self.N, self.width = fmt, block, N, width
         self.codes = np.zeros((N, width), np.int16)
+        self._cache = None
+
+    def _params(self, j: int):
+        """(s, o, lo, hi, s != 0, s with 1 where 0) of column j, contiguous, kept for its group's columns
+        (the same values as ``_col``: GPTQ asks them once per column)."""
+        k = j // self.group
+        if self._cache is None or self._cache[0] != k:
+            s, o, lo, hi = self._col(j)
+            s = np.ascontiguousarray(s)
+            o = o if np.ndim(o) == 0 else np.ascontiguousarray(o)
+            nz = s != 0
+            self._cache = (k, s, o, lo, hi, nz, np.where(nz, s, 1.0))
+        return self._cache[1:]
 
     def quantize(self, col: np.ndarray, j: int) -> np.ndarray:
         """Codes of column j for the weights ``col`` [N] (round to nearest on the block's grid)."""
-        s, o, lo, hi = self._col(j)
+        s, o, lo, hi, nz, sd = self._params(j)
         with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(s != 0, np.rint((col - o) / np.where(s != 0, s, 1.0)), 0.0)
+            q = np.where(nz, np.rint((col - o) / sd), 0.0)
         return np.clip(q, lo, hi).astype(np.int16)
 
     def value(self, q: np.ndarray, j: int) -> np.ndarray:
-        s, o, _, _ = self._col(j)
+        s, o = self._params(j)[:2]
         return (s * q.astype(np.float32) + o).astype(np.float32)
+
+    def round_all(self, x: np.ndarray) -> None:
+        """``codes[:, j] = quantize(x[:, j], j)`` for every column, a group of columns at a time (the same
+        float operations per weight; a column at a time is a strided pass over N rows per column)."""
+        g = self.group
+        for g0 in range(0, self.width, g):
+            s, o, lo, hi, nz, sd = self._params(g0)
+            o = o if np.ndim(o) == 0 else o[:, None]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.where(nz[:, None], np.rint((x[:, g0:g0 + g] - o) / sd[:, None]), 0.0)
+            self.codes[:, g0:g0 + g] = np.clip(q, lo, hi).astype(np.int16)
 
     def dequantized(self) -> np.ndarray:
         """The run's weights [N, width] as its codes and parameters give them (float32, as the op)."""
@@ -311,6 +347,7 @@ class AffineGrid(Grid):
         super().__init__(fmt, B, N, width)
         self.d, self.m = d, m                       # [N, width // B] float32 (fp16 values)
         self.nmax = _AFFINE[fmt]
+        self.group = B
 
     def _col(self, j):
         b = j // self.block
@@ -334,7 +371,7 @@ class SymGrid(Grid):
         return self.d[:, j // 32], np.float32(0.0), -self.nmax, self.nmax - 1
 
     def value(self, q, j):
-        return (self.d[:, j // 32] * q.astype(np.float32)).astype(np.float32)
+        return (self._params(j)[0] * q.astype(np.float32)).astype(np.float32)
 
     def pack(self) -> np.ndarray:
         return _pack32(self.fmt, (self.codes + self.nmax).astype(np.uint8), self.d, None)
@@ -372,8 +409,8 @@ class KGrid(Grid):
         return self.S[:, s], -self.M[:, s], 0, self.nmax
 
     def value(self, q, j):  # (d·sc)·q − (dmin·m), the op's float32 order
-        s = j // 32
-        return (self.S[:, s] * q.astype(np.float32) - self.M[:, s]).astype(np.float32)
+        s, o = self._params(j)[:2]
+        return (s * q.astype(np.float32) - (-o)).astype(np.float32)     # o = −M: −o is M bit for bit
 
     def pack(self) -> np.ndarray:
         N, ns = self.d.shape
@@ -406,8 +443,10 @@ class Q6KGrid(Grid):
     def _col(self, j):
         return self.S[:, j // 16], np.float32(0.0), -32, 31
 
+    group = 16
+
     def value(self, q, j):
-        return (self.S[:, j // 16] * q.astype(np.float32)).astype(np.float32)
+        return (self._params(j)[0] * q.astype(np.float32)).astype(np.float32)
 
     def pack(self) -> np.ndarray:
         N, ns = self.d.shape
@@ -435,7 +474,7 @@ class Q80Grid(Grid):
         return self.d[:, j // 32], np.float32(0.0), -127, 127
 
     def value(self, q, j):
-        return (q.astype(np.float32) * self.d[:, j // 32]).astype(np.float32)
+        return (q.astype(np.float32) * self._params(j)[0]).astype(np.float32)
 
     def pack(self) -> np.ndarray:
         N, nb = self.d.shape
@@ -461,11 +500,13 @@ def unit(fmt: str, block: int | None = None) -> int:
     return bq.block_of(fmt, block)
 
 
-def fit_grid(fmt: str, x: np.ndarray, w: np.ndarray, block: int | None = None, *, rounds: int = 2) -> Grid:
+def fit_grid(fmt: str, x: np.ndarray, w: np.ndarray, block: int | None = None, *, rounds: int = 2,
+             codes: bool = True) -> Grid:
     """The grid of ``fmt`` for weights ``x`` [N, width] (width a multiple of the format's unit) under
-    importance ``w`` [N, width], with the codes of ``x`` on it set (round to nearest)."""
+    importance ``w`` [N, width], with the codes of ``x`` on it set (round to nearest; ``codes=False``:
+    left for the caller, as GPTQ, which rounds each column itself)."""
     x = np.ascontiguousarray(x, np.float32)
-    w = np.ascontiguousarray(w, np.float32)
+    w = None if w is None and fmt == "q8_0" else np.ascontiguousarray(w, np.float32)   # q8_0 weighs nothing
     N, width = x.shape
     if fmt in _AFFINE:
         B = bq.block_of(fmt, block if fmt == "q4_f" else None)
@@ -496,7 +537,7 @@ def fit_grid(fmt: str, x: np.ndarray, w: np.ndarray, block: int | None = None, *
         O = np.empty(N * ns * 8, np.float32)
         for a in range(0, S.size, _ROWS * 8):
             sl = slice(a, a + _ROWS * 8)
-            S[sl], O[sl], _ = fit_affine(xs[sl], ws[sl], nmax, offset_le_zero=True)
+            S[sl], O[sl], _ = fit_affine(xs[sl], ws[sl], nmax, offset_le_zero=True, codes=False)
         sw = ws.sum(axis=1).reshape(N * ns, 8)
         d, sc = fit_levels(S.reshape(N * ns, 8), sw, 63)
         dmin, mn = fit_levels((-O).reshape(N * ns, 8), sw, 63)
@@ -520,19 +561,21 @@ def fit_grid(fmt: str, x: np.ndarray, w: np.ndarray, block: int | None = None, *
         g = Q6KGrid(N, width, d.reshape(N, ns), sc.reshape(N, ns, 16))
     elif fmt == "q8_0":
         nb = width // 32
-        amax = np.abs(x.reshape(N, nb, 32)).max(axis=-1)
+        amax = np.empty((N, nb), np.float32)
+        for a in range(0, N, _ROWS * 8):      # rows at a time: no whole-matrix |x| (a head's 640 MB)
+            amax[a:a + _ROWS * 8] = np.abs(x[a:a + _ROWS * 8].reshape(-1, nb, 32)).max(axis=-1)
         g = Q80Grid(N, width, _f16(amax / 127.0))
     else:
         raise ValueError(f"format {fmt!r}: the quantizers write {', '.join(FORMATS)}")
-    for j in range(width):
-        g.codes[:, j] = g.quantize(x[:, j], j)
+    if codes:
+        g.round_all(x)
     return g
 
 
 def _fit_f16_affine(x, w, nmax, rounds):
     """``fit_affine`` (offset free), then d and m rounded to fp16 and refitted by weighted least squares
     for the codes they give, ``rounds`` times, keeping the best (per block)."""
-    s, o, L = fit_affine(x, w, nmax, offset_le_zero=False)
+    s, o, _ = fit_affine(x, w, nmax, offset_le_zero=False, codes=False)
     d, m = _f16(s), _f16(o)
 
     def codes(d, m):
@@ -573,12 +616,14 @@ def _check(Wt: np.ndarray, fmt: str, block: int | None):
     Wt = np.asarray(Wt, np.float32)
     if Wt.ndim != 2 or min(Wt.shape) < 1:
         raise ValueError(f"weights must be a 2-D [N, K] matrix, got shape {list(Wt.shape)}")
-    if not np.isfinite(Wt).all():
+    step = max(1, (16 << 20) // (4 * Wt.shape[1]))     # rows at a time: no whole-matrix temporary (a head's 640 MB)
+    if not all(np.isfinite(Wt[a:a + step]).all() for a in range(0, Wt.shape[0], step)):
         raise ValueError("weights hold NaN or infinite values")
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: the quantizers write {', '.join(FORMATS)}")
-    if np.abs(Wt).max(initial=0.0) > 60000.0:
-        raise ValueError(f"weights up to {float(np.abs(Wt).max()):.3g}: beyond what fp16 scales hold")
+    amax = max(float(np.abs(Wt[a:a + step]).max(initial=0.0)) for a in range(0, Wt.shape[0], step))
+    if amax > 60000.0:
+        raise ValueError(f"weights up to {amax:.3g}: beyond what fp16 scales hold")
     return Wt, bq.block_of(fmt, block if fmt == "q4_f" else None)
 
 
@@ -587,7 +632,8 @@ def kquant(Wt: np.ndarray, fmt: str, block: int | None = None, imp: np.ndarray |
     the imatrix ``imp`` [K] when calibrated."""
     Wt, B = _check(Wt, fmt, block)
     Wp, valid = _pad(Wt, B)
-    w = _weights(Wp, imp, valid, 256 if fmt in ("q4_K", "q5_K", "q6_K") else B)
+    # q8_0's grid is the absmax per 32: no importance (a head's would be four 640 MB temporaries for nothing)
+    w = None if fmt == "q8_0" else _weights(Wp, imp, valid, 256 if fmt in ("q4_K", "q5_K", "q6_K") else B)
     g = fit_grid(fmt, Wp, w, B if fmt == "q4_f" else None)
     return _result(fmt, B, Wt.shape[1], [g], "kquant" + ("+imatrix" if imp is not None else ""))
 
@@ -598,7 +644,7 @@ def rtn(Wt: np.ndarray, fmt: str = "q4_f", block: int | None = 32) -> Blocks:
     Wt, B = _check(Wt, fmt, block)
     if fmt == "q8_0":
         Wp, _ = _pad(Wt, 32)
-        return _result(fmt, None, Wt.shape[1], [fit_grid("q8_0", Wp, np.ones_like(Wp))], "rtn")
+        return _result(fmt, None, Wt.shape[1], [fit_grid("q8_0", Wp, None)], "rtn")
     if fmt != "q4_f":
         raise ValueError(f"rtn writes q4_f or q8_0 (the K formats: kquant), not {fmt}")
     Wp, _ = _pad(Wt, B)
@@ -653,7 +699,8 @@ def hessian_factor(G: np.ndarray, percdamp: float = 0.01, pad_to: int | None = N
 
 
 def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 64, *, rows: int | None = None,
-         percdamp: float = 0.01, lazy: int = 128, fit=None, factor: np.ndarray | None = None) -> Blocks:
+         percdamp: float = 0.01, lazy: int = 128, fit=None, factor: np.ndarray | None = None,
+         chunk_rows: int | None = None, pool=None) -> Blocks:
     """GPTQ of ``Wt`` [N, K] with the calibration Gram ``G`` [K, K] (the Hessian up to a factor) into
     ``fmt``: columns in order along K; when the sweep reaches a block (256 columns for the K formats) its
     grid is fitted — the imatrix search, importance = the Gram's diagonal — on the weights as the earlier
@@ -661,7 +708,15 @@ def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 6
     columns through the Cholesky factor of the damped inverse Hessian (``factor``: a
     :func:`hessian_factor` of G already computed, padded at least to the format's blocks), in lazy
     batches of ``lazy`` columns (ORT's ``blocksize``; rounded up to a multiple of the block).
-    ``fit(x [N, width]) -> Grid`` replaces the grid fit (the tests pass ORT's grid)."""
+    ``fit(x [N, width]) -> Grid`` replaces the grid fit (the tests pass ORT's grid).
+
+    Every output row is swept on its own (its grids are its own; only the factor is shared), so inside a
+    lazy batch the rows go ``chunk_rows`` at a time (default all; a large layer: a chunk stays in cache),
+    on ``pool`` (an executor) when given, each chunk's batch held transposed (a column is contiguous);
+    the batch's error then reaches the later columns in one product over all rows, as before. The
+    float operations on every weight are the reference sweep's, in its order: the result is the same
+    bit for bit whatever ``chunk_rows`` and ``pool`` (``tests/test_float_weights.py`` keeps the
+    column-by-column reference and compares)."""
     Wt, B = _check(Wt, fmt, block)
     N, K = Wt.shape
     G = np.asarray(G)
@@ -676,34 +731,60 @@ def gptq(Wt: np.ndarray, G: np.ndarray, fmt: str = "q4_f", block: int | None = 6
     U = np.ascontiguousarray(U[:Lk, :Lk], np.float32)
     diag = np.clip(np.diag(G).astype(np.float64), 0.0, None)
     imp = diag / max(int(rows or 1), 1)
-    W = Wp.copy()                 # float32, as GPTQ's reference implementation sweeps
+    # float32, as GPTQ's reference implementation sweeps (a copy: the caller's weights stay as they are)
+    W = Wp.copy() if np.shares_memory(Wp, Wt) else Wp
     group = 256 if fmt in ("q4_K", "q5_K", "q6_K") else B
-    grids: list[Grid] = []
-    for i1 in range(0, Lk, lazy):
-        i2 = min(i1 + lazy, Lk)
-        W1 = W[:, i1:i2].copy()
-        E1 = np.zeros_like(W1)
+    R = max(1, int(chunk_rows or N))
+    spans = [(a, min(a + R, N)) for a in range(0, N, R)]
+    packed: list[list] = []           # per block: its bytes per row chunk
+
+    def sweep(i1: int, i2: int, a: int, b: int, E1: np.ndarray) -> list[np.ndarray]:
+        """Rows a:b of the lazy batch i1:i2: its blocks' grids, codes and errors (E1[a:b]); the blocks' bytes."""
+        w = i2 - i1
+        W1T = np.ascontiguousarray(W[a:b, i1:i2].T)        # [w, rows]: column i of the batch is W1T[i]
+        E1T = np.empty_like(W1T)
+        tmp = np.empty_like(W1T)
         U1 = U[i1:i2, i1:i2]
-        grid = None
-        for i in range(i2 - i1):
+        out, grid = [], None
+        for i in range(w):
             if i % u == 0:   # a new block: its grid from the weights as the sweep left them
-                x = W1[:, i:i + u].copy()
+                x = np.ascontiguousarray(W1T[i:i + u].T)
                 if fit is not None:
                     grid = fit(x)
                 else:
                     c0 = i1 + i
                     ii = np.zeros(u)
                     ii[:max(0, min(K, c0 + u) - c0)] = imp[c0:c0 + u]
-                    grid = fit_grid(fmt, x, _weights(x, ii, valid[c0:c0 + u], group), qb)
-                grids.append(grid)
+                    grid = fit_grid(fmt, x, _weights(x, ii, valid[c0:c0 + u], group), qb, codes=False)
             j = i % u
-            q = grid.quantize(W1[:, i], j)
+            col = W1T[i]
+            q = grid.quantize(col, j)
             grid.codes[:, j] = q
-            e = (W1[:, i] - grid.value(q, j)) / U1[i, i]
-            W1[:, i:] -= np.outer(e, U1[i, i:])
-            E1[:, i] = e
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    return _result(fmt, B, K, grids, "gptq", {"percdamp": percdamp, "lazy": lazy})
+            e = (col - grid.value(q, j)) / U1[i, i]
+            if i + 1 < w:      # the later columns of the batch (column i itself is done)
+                t = tmp[: w - i - 1]
+                np.multiply(U1[i, i + 1:, None], e[None, :], out=t)
+                np.subtract(W1T[i + 1:], t, out=W1T[i + 1:])
+            E1T[i] = e
+            if j == u - 1:
+                out.append(grid.pack())
+        E1[a:b] = E1T.T
+        return out
+
+    for i1 in range(0, Lk, lazy):
+        i2 = min(i1 + lazy, Lk)
+        E1 = np.empty((N, i2 - i1), np.float32)
+        jobs = [(i1, i2, a, b, E1) for a, b in spans]
+        done = list(pool.map(lambda jb: sweep(*jb), jobs)) if pool is not None and len(jobs) > 1 else \
+            [sweep(*jb) for jb in jobs]
+        for k in range(len(done[0])):
+            packed.append([d[k] for d in done])
+        if i2 < Lk:
+            W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    parts = [p[0] if len(p) == 1 else np.concatenate(p, axis=0) for p in packed]
+    Wq = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return Blocks(fmt, np.ascontiguousarray(Wq), int(K), B if fmt == "q4_f" else None, "gptq",
+                  {"percdamp": percdamp, "lazy": lazy})
 
 
 # ------------------------------------------------------------------ one entry point

@@ -118,7 +118,8 @@ class Context:
         if self._source is None:
             ref = self.reference if self.reference is not None else self.model
             if stream.weight_bytes(ref) > stream.STREAM_BYTES:
-                self._source = stream.Streamed(ref, threads=self.threads)
+                # every core (the calibration and reference runs: the same outputs at any thread count)
+                self._source = stream.Streamed(ref, threads=stream.probe_threads(self.threads))
             elif not self.modified:
                 self._source = str(self.model_path)
             else:

@@ -74,8 +74,7 @@ def collect_grams(source, io, value_names: list[str], calib: CalibText, max_toke
     `source` (a path: external data stays where it is; serialized bytes; or a
     ``kit.stream.Streamed`` runner of a large model: every window through one segment at a time,
     the activations folded into the Grams as each segment computes them)."""
-    from tqdm.auto import tqdm
-
+    from .progress import Progress
     from .stream import Streamed
 
     windows = calibration_windows(io, calib, max_tokens, window)
@@ -111,7 +110,7 @@ def collect_grams(source, io, value_names: list[str], calib: CalibText, max_toke
         source.run_many(names, feeds, consume, progress="calibrate" if progress else None)
         return grams
     sess = _calibration_session(source, names, threads)
-    bar = tqdm(total=sum(len(w) for w in windows), desc="calibrate", unit="tok", disable=None if progress else True, leave=False)
+    bar = Progress("calibrate", total=sum(len(w) for w in windows), unit="tok", enabled=progress)
     for ids, f in zip(windows, feeds):
         for n, x in zip(names, sess.run(names, f)):
             add(n, x)
@@ -139,10 +138,12 @@ def _calibration_session(source: str | bytes, names: list[str], threads: int | N
 
 def calibration_windows(io, calib: CalibText, max_tokens: int, window: int) -> list[list[int]]:
     """Token windows: causal LMs get consecutive windows of the running text (each a fresh
-    prefill), encoders get sentences encoded with their special tokens."""
+    prefill, the tokenizer's prefix first — as a prompt starts: Gemma's hidden states without its
+    <bos> are not the ones it runs on), encoders get sentences encoded with their special tokens."""
     if io.kind == "causal-lm":
         ids = calib.ids[:max_tokens]
-        return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
+        pre = [int(x) for x in runtime.text_prefix(calib.tok)]
+        return [pre + ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
     # encoders embed sentences/passages: calibrate on sentences of the text, encoded with their
     # special tokens, as they will be used (long chunks give [CLS]/[SEP] too little weight and
     # the gap measured on them under-estimates the error on real inputs ~2x on MiniLM)

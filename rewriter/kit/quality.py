@@ -23,15 +23,22 @@ def session(model, threads: int):
     return stream.session(model, threads)
 
 
+WINDOW = 512     # the probe's windows: `ortlean eval`'s (256-token windows read Gemma 3's loss wrong)
+
+
 class QualityProbe:
     """Whole-model loss of a candidate rewrite vs the dense model on held-out calibration text
-    (the part after the calibration tokens; never the evaluation text): Δppl for causal LMs,
-    1 − mean sentence-embedding cosine for encoders."""
+    (the part after the calibration tokens; never the evaluation text): for causal LMs the one-sided
+    95 % upper bound of Δppl (``runtime.paired_delta`` of the per-token NLLs against the dense model's
+    on the same tokens; windows of WINDOW tokens, each starting with the tokenizer's prefix, as a
+    prompt does), so that what passes the budget here holds on text the rewrite never saw; 1 − mean
+    sentence-embedding cosine for encoders. ``last`` is the latest measurement's (mean, bound)."""
 
     def __init__(self, dense, io, calib: CalibText, calib_tokens: int, quality_tokens: int, threads: int):
         self.io = io
-        self.threads = max(1, threads)
+        self.threads = stream.probe_threads(threads)   # all cores: the same numbers, sooner
         self.tok = calib.tok
+        self.last: tuple[float, float] | None = None
         sess = session(dense, self.threads)
         if io.kind == "causal-lm":
             ids = calib.ids
@@ -39,8 +46,10 @@ class QualityProbe:
             if len(held) < 64:  # short text: score its tail, overlapping calibration
                 held = ids[-quality_tokens:]
             self.ids = np.asarray(held, dtype=np.int64)
-            self.window = min(256, len(self.ids))
-            self.ref = stream.perplexity(sess, io, self.ids, self.window)["nll"]
+            self.window = min(WINDOW, len(self.ids))
+            self.prefix = runtime.text_prefix(self.tok)
+            r = stream.perplexity(sess, io, self.ids, self.window, self.prefix)
+            self.ref, self.ref_tokens = r["nll"], r["token_nll"]
         else:
             sents = runtime.sentences_from_text(calib.text, 4 * max(8, quality_tokens // 16))
             self.sents = sents[1::4][: max(8, quality_tokens // 16)]  # not the calibration sentences' order
@@ -59,13 +68,17 @@ class QualityProbe:
         return int(self.ids.size) if self.io.kind == "causal-lm" else len(self.sents)
 
     def loss(self, model) -> float:
+        """The bound (causal LMs; ``last`` holds the mean beside it) or 1 − mean cosine (encoders)."""
         sess = session(model, self.threads)
         if self.io.kind == "causal-lm":
             io = runtime.ModelIO.from_session(sess).fill_from(self.io)  # a rewrite may add states (event caches)
-            nll = stream.perplexity(sess, io, self.ids, self.window)["nll"]
-            return float(np.exp(nll - self.ref) - 1.0)
+            r = stream.perplexity(sess, io, self.ids, self.window, self.prefix)
+            d, up = runtime.paired_delta(r["token_nll"], self.ref_tokens)
+            self.last = (float(d), float(up))
+            return float(up)
         e = runtime.embeddings(sess, self.io, self.tok, self.sents)
         cos = np.sum(e * self.ref, axis=1) / (np.linalg.norm(e, axis=1) * np.linalg.norm(self.ref, axis=1) + 1e-30)
+        self.last = (float(1.0 - cos.mean()),) * 2
         return float(1.0 - cos.mean())
 
 

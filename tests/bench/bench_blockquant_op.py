@@ -39,8 +39,12 @@ dots of 4-bit weights (and, shift, and, two vpdpbusd per 64 bytes), floor = thos
 scale (to float, vpermps, FMA). No kernel of the op's numerics does less per vector than floor; the op's
 in-cache rate over floor's says how much of its time goes to the rest (block headers, scales, layout).
 
-M = 128: one layer per model (compute-bound), op vs MatMulNBits (target >= 1). --act-bits 8,16 times
-both activation precisions (the act column). Sessions take turns in blocks of timed runs after an
+M = 128 (--prefill-m): one layer per model (compute-bound), op vs MatMulNBits (target >= 1), and of_peak:
+its multiply-adds per second over the int8 peak of the ISA the op runs at on this CPU (AVX-512 VNNI's
+vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd), computed from the core's measured clock and that dot's
+measured throughput (tests/bench/int8_peak.c), times the threads; the header prints the peak (issue 58:
+>= 70 % at M = 512 on AVX-512 VNNI, >= 60 % on AVX2). --act-bits 8,16 times both activation precisions
+(the act column). Sessions take turns in blocks of timed runs after an
 untimed one, with a pause between sessions at > 1 thread (custom_ops.runtime.bench.settle: a pool's
 threads spin after a Run).
 
@@ -375,7 +379,49 @@ def bench_decode(K, N, fmt, bs, threads, set_bytes, min_time, libs, rng, act_bit
     return rows
 
 
-def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng, act_bits=(8,), layout="blocks") -> list[dict]:
+def _peak_lib(tmp: Path):
+    """tests/bench/int8_peak.c built with the system C compiler (each loop carries its target), or None."""
+    import ctypes
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None
+    so = tmp / "int8_peak.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", str(ROOT / "tests" / "bench" / "int8_peak.c"), "-o", str(so)],
+                   check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.clock_ns.restype = ctypes.c_double
+    lib.clock_ns.argtypes = [ctypes.c_int64]
+    lib.peak_ns.restype = ctypes.c_double
+    lib.peak_ns.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+def int8_peak(lib) -> dict | None:
+    """The int8 peak of the ISA BlockQuantMatMul's kernels run at on this CPU, from its measured clock and
+    its widest int8 dot's measured throughput (tests/bench/int8_peak.c; best of 5 runs each): GHz, int8
+    multiply-adds per cycle per core, and GMAC/s per thread (GOPS = 2 x that). AVX-512 with VNNI:
+    vpdpbusd zmm; else AVX2: vpmaddubsw + vpmaddwd + vpaddd (the op's AVX2 path); scalar: none."""
+    import custom_ops
+
+    if lib is None:
+        return None
+    isa = custom_ops.op_isas().get("BlockQuantMatMul", custom_ops.isa())
+    flags = set(open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split())
+    which = 2 if isa == "avx512" and "avx512_vnni" in flags else 1 if isa in ("avx512", "avx2") else 0
+    if not which:
+        return None
+    n, reps = 20_000_000, 5_000_000
+    ghz = max(8 * n / lib.clock_ns(n) for _ in range(5))
+    per_ns = max(reps * (12 * 64 if which == 2 else 6 * 32) / lib.peak_ns(which, reps) for _ in range(5))
+    return {"isa": "AVX-512 VNNI (vpdpbusd zmm)" if which == 2 else "AVX2 (vpmaddubsw + vpmaddwd)",
+            "GHz": round(ghz, 2), "macs_per_cycle": round(per_ns / ghz, 1), "GMACps_per_thread": round(per_ns, 1),
+            "how": "tests/bench/int8_peak.c: a chain of dependent adds (the clock) and independent chains of the "
+                   "ISA's int8 dot (its throughput), best of 5, 1 thread"}
+
+
+def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng, act_bits=(8,), layout="blocks", peak=None) -> list[dict]:
     mnb, _ = _mnb_model(K, N, 1, rng)
     x = {"X": rng.standard_normal((M, K)).astype(np.float32)}
     rows = []
@@ -387,9 +433,12 @@ def bench_prefill(K, N, fmt, bs, threads, min_time, M, rng, act_bits=(8,), layou
                 for _ in range(3):
                     s.run(None, x)
             med = _time_rounds({"op": _runner(s_op, x), "mnb": _runner(s_mnb, x)}, min_time, th)
-            rows.append({"format": fmt + (f"/{bs}" if bs else ""), "layout": layout, "K": K, "N": N, "M": M, "act_bits": ab,
-                         "threads": th, "op_us": med["op"] * 1e6, "mnb_us": med["mnb"] * 1e6,
-                         "vs_mnb": med["mnb"] / med["op"], "GMACps": M * K * N / med["op"] / 1e9})
+            row = {"format": fmt + (f"/{bs}" if bs else ""), "layout": layout, "K": K, "N": N, "M": M, "act_bits": ab,
+                   "threads": th, "op_us": med["op"] * 1e6, "mnb_us": med["mnb"] * 1e6,
+                   "vs_mnb": med["mnb"] / med["op"], "GMACps": M * K * N / med["op"] / 1e9}
+            if peak:
+                row["of_peak"] = row["GMACps"] / (peak["GMACps_per_thread"] * th)
+            rows.append(row)
     return rows
 
 
@@ -440,12 +489,20 @@ def table(info: dict, rows: list[dict]) -> str:
                           (f" {'':>9} {'':>6}" if fl else ""))
                        + (f" {r['sync_x']:>6.2f}" if "sync_x" in r else ""))
     pre = [r for r in rows if r["M"] > 1]
-    if pre:
-        out += ["", "M = 128 (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)",
-                f"{'format':>8} {'layout':>6} {'K x N':>11} {'act':>3} {'thr':>3} {'op us':>9} {'GMAC/s':>7} {'MNB us':>9} {'vs_mnb':>6}"]
+    pk = info.get("int8_peak")
+    if pre or pk:
+        Ms = sorted({r["M"] for r in pre}) or [info.get("prefill_m", 128)]
+        out += ["", f"M = {', '.join(map(str, Ms))} (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)"
+                + (f"; of_peak = GMAC/s over the int8 peak of {pk['isa']}: {pk['macs_per_cycle']} MACs a cycle x "
+                   f"{pk['GHz']} GHz (measured) = {pk['GMACps_per_thread']} GMAC/s a thread, times the threads"
+                   if pk else ""),
+                f"{'format':>8} {'layout':>6} {'K x N':>11} {'M':>4} {'act':>3} {'thr':>3} {'op us':>9} {'GMAC/s':>7} "
+                f"{'of_peak':>7} {'MNB us':>9} {'vs_mnb':>6}"]
         for r in pre:
-            out.append(f"{r['format']:>8} {r.get('layout', 'blocks'):>6} {r['K']:>5}x{r['N']:<5} {r.get('act_bits', 8):>3} {r['threads']:>3} "
-                       f"{r['op_us']:>9.1f} {r['GMACps']:>7.1f} {r['mnb_us']:>9.1f} {r['vs_mnb']:>6.2f}")
+            out.append(f"{r['format']:>8} {r.get('layout', 'blocks'):>6} {r['K']:>5}x{r['N']:<5} {r['M']:>4} "
+                       f"{r.get('act_bits', 8):>3} {r['threads']:>3} {r['op_us']:>9.1f} {r['GMACps']:>7.1f} "
+                       + (f"{100 * r['of_peak']:>6.0f}%" if "of_peak" in r else f"{'':>7}")
+                       + f" {r['mnb_us']:>9.1f} {r['vs_mnb']:>6.2f}")
     return "\n".join(out)
 
 
@@ -485,6 +542,9 @@ def main() -> None:
         raise SystemExit(f"--act-bits {a.act_bits}: each must be 8 or 16")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     info = machine()
+    info["prefill_m"] = a.prefill_m
+    if not a.no_prefill:
+        info["int8_peak"] = int8_peak(_peak_lib(tmp))
     if not a.no_decode:
         info["set_bytes"], info["set_why"] = set_size(a.mib, a.llc_x)
         info["stream_GBps"] = stream_rates(libs, info["set_bytes"], threads)
@@ -505,7 +565,8 @@ def main() -> None:
                     rows += new
                     print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
                 if not a.no_prefill:
-                    new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng, ab, lay)
+                    new = bench_prefill(K, N, fmt, bs, threads, a.min_time, a.prefill_m, rng, ab, lay,
+                                        info.get("int8_peak"))
                     rows += new
                     print("\n".join(table(info, new).splitlines()[-len(new):]), flush=True)
     print()

@@ -1,9 +1,15 @@
 """Decode tokens/s against the context, one line per row, from committed results files (what
-``ortlean bench --json`` or ``ortlean demo`` wrote).
+``ortlean bench --json`` or ``ortlean demo`` wrote); and, when the files have them (``ortlean bench
+--prompt``), the time to first token against the prompt's length in a PNG of its own.
 
     python tests/bench/plot_results.py tests/bench/results/smollm2.json \
         tests/bench/results/smollm2-speed-vs-context.png
-    python tests/bench/plot_results.py RUN1.json RUN2.json ... PNG
+    python tests/bench/plot_results.py RUN1.json RUN2.json ... PNG [--ttft TTFT.png]
+
+The time-to-first-token plot (``demo.plot_ttft``: log-log, one panel per thread count, one line per model,
+a later file's cell replacing an earlier one's) goes to ``--ttft``, by default PNG with
+``speed-vs-context`` replaced by ``ttft-vs-prompt`` (else ``-ttft`` added to its name); when no file has a
+decode context, to PNG itself.
 
 One file: the demo's own plot (the largest thread count). Several files of one model (runs that cover
 different contexts or thread counts, each with the peers in the same run): one panel per thread count,
@@ -93,9 +99,17 @@ def plot_runs(docs: list[dict], path: Path) -> Path | None:
     return path
 
 
+def ttft_path(png: Path) -> Path:
+    """Where the time-to-first-token plot goes beside the decode plot ``png``."""
+    if "speed-vs-context" in png.name:
+        return png.with_name(png.name.replace("speed-vs-context", "ttft-vs-prompt"))
+    return png.with_name(f"{png.stem}-ttft{png.suffix or '.png'}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="results files (schema ortlean-results/1), then the PNG")
+    ap.add_argument("--ttft", default=None, metavar="PNG", help="the time-to-first-token plot (default: beside PNG)")
     a = ap.parse_args(argv)
     if len(a.results) < 2:
         ap.error("give one or more results files and then the PNG")
@@ -107,11 +121,18 @@ def main(argv=None) -> int:
             print(f"{f}: schema {doc.get('schema')!r}, expected {results.SCHEMA!r}", file=sys.stderr)
             return 2
         docs.append(doc)
-    out = demo.plot(docs[0], Path(png)) if len(docs) == 1 else plot_runs(docs, Path(png))
-    if out is None:
-        print("no plot: matplotlib is not installed, or no file has decode contexts", file=sys.stderr)
+    decode = any(d.get("contexts") for d in docs)
+    out = (demo.plot(docs[0], Path(png)) if len(docs) == 1 else plot_runs(docs, Path(png))) if decode else None
+    ttft = None
+    if any(r.get("ttft") for d in docs for r in d.get("rows") or []):
+        ttft = demo.plot_ttft(docs, Path(a.ttft) if a.ttft else ttft_path(Path(png)) if out is not None else Path(png))
+    if out is None and ttft is None:
+        print("no plot: matplotlib is not installed, or no file has decode contexts or times to first token",
+              file=sys.stderr)
         return 1
-    print(out)
+    for x in (out, ttft):
+        if x is not None:
+            print(x)
     return 0
 
 
