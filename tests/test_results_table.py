@@ -621,3 +621,24 @@ def test_git_commit_of_paths_is_the_last_commit_that_changed_them(tmp_path):
     (tmp_path / "a" / "f").write_text("2")
     assert results.git_commit(tmp_path, paths=("a",)) == (first, True)
     assert results.git_commit(tmp_path, paths=("nothing",)) == (None, False)
+
+
+def test_render_needle_results_counts_hits_and_lost_needles():
+    """A needle file (``ortlean eval --task needle --json``) renders as hits / the reference's per kind,
+    length and depth, the lost needles in bold, and where and how it ran."""
+    from rewriter import results
+
+    cells = [{"kind": "passkey", "length": n, "depth": d, "needles": 1, "cases": 1, "hits": h, "ref_hits": r,
+              "lost": int(r > h)} for n, d, h, r in ((4096, 0.1, 1, 1), (4096, 0.5, 0, 1), (16384, 0.1, 1, 0),
+                                                      (16384, 0.5, 1, 1))]
+    doc = {"schema": results.SCHEMA, "task": "needle", "cells": cells, "lengths": [4096, 16384],
+           "depths": [0.1, 0.5], "kinds": ["passkey"], "cases_per_cell": 1, "model": "/x/long/model.onnx",
+           "ref": "/x/lossless/model.onnx", "text_name": "Persuasion.txt",
+           "summary": {"cases": 4, "hits": 3, "ref_hits": 3, "lost": 1, "gained": 1},
+           "machine": {"cpu": "CPU", "cores": 2, "isa": "AVX2", "kernels": "avx2"}, "commit": "abcdef1234567",
+           "date": "2026-12-07", "onnxruntime": "1.32.0", "command": "ortlean eval x --task needle"}
+    out = results.render(doc)
+    rows = [ln for ln in out.splitlines() if ln.startswith("| passkey")]
+    assert rows == ["| passkey | 4,096 | 1/1 | 0/1 | 1/2 | **1** |", "| passkey | 16,384 | 1/0 | 1/1 | 2/1 | 0 |"]
+    assert "**lost 1**" in out and "long/model.onnx" in out and "abcdef1234" in out
+    assert "`ortlean eval x --task needle`" in out

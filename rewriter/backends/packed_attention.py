@@ -985,7 +985,11 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
         out["summary"] = (f"sparse prefill budget {best:g} from context {floor} (prefill-mode Δppl "
                           f"{100 * t['delta_ppl']:+.2f} %, bound {100 * t['delta_ppl_upper']:+.2f} %, at {floor}..{L})")
     else:
-        out["summary"] = "exact prompts (no sparse prefill budget passed)" if trials else "exact prompts"
+        failed = [t for t in trials if t["delta_ppl_upper"] > qb]
+        why = (f"; budget {failed[0]['prefill_budget']:g}: prefill-mode Δppl {100 * failed[0]['delta_ppl']:+.2f} %, "
+               f"bound {100 * failed[0]['delta_ppl_upper']:+.2f} % over the {100 * qb:+.2f} % left, at {floor}..{L}"
+               if failed else "; every passing budget lost a needle" if trials else "")
+        out["summary"] = ("exact prompts (no sparse prefill budget passed" + why + ")") if trials else "exact prompts"
     return out
 
 
