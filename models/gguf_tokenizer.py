@@ -90,7 +90,7 @@ def spm_tokenizer(path):
 def spm_from_vocab(v: dict):
     """:func:`spm_tokenizer` of a vocabulary already read (``gguf_vocab``'s dict: tokens, scores, types,
     bos, eos, unk, add_bos, add_eos, add_space_prefix), e.g. by ``ortlean import``'s reader."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
 
     tokens, types = v["tokens"], v["types"]
@@ -114,6 +114,17 @@ def spm_from_vocab(v: dict):
                     if ty == USER_DEFINED and vocab.get(t) is not None])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
                             if ty in (CONTROL, UNKNOWN)])
+    post = template_processor(v, tokens)
+    if post is not None:
+        tok.post_processor = post
+    return tok
+
+
+def template_processor(v: dict, tokens: list[str]):
+    """The post-processor adding the GGUF's BOS / EOS as its ``tokenizer.ggml.add_bos_token`` /
+    ``add_eos_token`` say (``v``: add_bos, bos, add_eos, eos), or None when it adds neither."""
+    from tokenizers import processors
+
     single, special = "$A", []
     if v["add_bos"] and v["bos"] is not None:
         single = f"{tokens[v['bos']]} $A"
@@ -121,7 +132,7 @@ def spm_from_vocab(v: dict):
     if v["add_eos"] and v["eos"] is not None:
         single += f" {tokens[v['eos']]}"
         special.append((tokens[v["eos"]], v["eos"]))
-    if special:
-        pair = single + " " + single.replace("$A", "$B")
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
-    return tok
+    if not special:
+        return None
+    return processors.TemplateProcessing(single=single, pair=single + " " + single.replace("$A", "$B"),
+                                         special_tokens=list(dict.fromkeys(special)))

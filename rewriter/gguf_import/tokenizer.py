@@ -21,6 +21,8 @@ import json
 import os
 from pathlib import Path
 
+from models.gguf_tokenizer import template_processor
+
 from .reader import GGUFFile, GGUFImportError, HParams
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -107,7 +109,7 @@ def bpe_tokenizer(gf: GGUFFile, v: dict):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     _add_vocab_tokens(tok, tokens, types, vocab, AddedToken)
-    post = _template(v, tokens, processors)
+    post = template_processor(v, tokens)
     tok.post_processor = post if post is not None else processors.ByteLevel(trim_offsets=False)
     return tok, note
 
@@ -117,20 +119,6 @@ def _add_vocab_tokens(tok, tokens, types, vocab, AddedToken) -> None:
                     if ty == USER_DEFINED and t in vocab])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
                             if ty == CONTROL and t in vocab])
-
-
-def _template(v: dict, tokens: list[str], processors):
-    single, special = "$A", []
-    if v["add_bos"] and v["bos"] is not None:
-        single = f"{tokens[v['bos']]} $A"
-        special.append((tokens[v["bos"]], v["bos"]))
-    if v["add_eos"] and v["eos"] is not None:
-        single += f" {tokens[v['eos']]}"
-        special.append((tokens[v["eos"]], v["eos"]))
-    if not special:
-        return None
-    return processors.TemplateProcessing(single=single, pair=single + " " + single.replace("$A", "$B"),
-                                         special_tokens=list(dict.fromkeys(special)))
 
 
 def build_tokenizer(gf: GGUFFile):
