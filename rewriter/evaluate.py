@@ -232,15 +232,21 @@ def default_pasts(model: str) -> list[int]:
     return list(LONG_PASTS) if approx else [128]
 
 
-def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
-             sentences: int = 256, tokenizer: str | None = None, peers: str = "none", decode_context: int | None = None,
-             decode_score: int = 256) -> dict:
+def _text_and_models(text_path: str, model: str, ref: str) -> str:
+    """--text's contents, once both models have loaded (each bad file named before any work)."""
     tp = Path(text_path)
     if not tp.is_file():
         raise OrtleanError(f"--text {tp}: no such file")
     text = tp.read_text(encoding="utf-8", errors="replace")
-    modelfile.load_model(model)  # both models named before any work
+    modelfile.load_model(model)
     modelfile.load_model(ref)
+    return text
+
+
+def evaluate(model: str, ref: str, text_path: str, threads: int = 2, window: int = 512, windows: int = 8,
+             sentences: int = 256, tokenizer: str | None = None, peers: str = "none", decode_context: int | None = None,
+             decode_score: int = 256) -> dict:
+    text, tp = _text_and_models(text_path, model, ref), Path(text_path)
     s_ref = _session(ref, threads)
     s_lean = _session(model, threads)
     io = runtime.ModelIO.from_session(s_ref, ref)
@@ -342,12 +348,7 @@ def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: st
     from custom_ops.runtime import needle as nd
     from custom_ops.runtime.generate import model_positions
 
-    tp = Path(text_path)
-    if not tp.is_file():
-        raise OrtleanError(f"--text {tp}: no such file")
-    text = tp.read_text(encoding="utf-8", errors="replace")
-    modelfile.load_model(model)  # both models named before any work
-    modelfile.load_model(ref)
+    text, tp = _text_and_models(text_path, model, ref), Path(text_path)
     caps = [p for m in (model, ref) for p in (max_positions(m), model_positions(m)) if p]
     cap = min(caps) if caps else None
     if lengths is None:
