@@ -243,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_count(1), default=None,
                    help="new tokens per run (default 1 with --past, else 128)")
     p.add_argument("--batch", type=_count(1), default=1)
+    p.add_argument("--prompt", type=_count(1), default=None, metavar="N",
+                   help="causal LMs: a run is an N-token prompt of random ids read from an empty cache, as `ortlean "
+                   "generate` reads it (--chunk-token runs, the head on the last position): the time to first token")
+    p.add_argument("--chunk", type=_count(1), default=None, metavar="TOKENS",
+                   help="--prompt: prompt tokens per run (default generate's --prefill-chunk, 512)")
+    p.add_argument("--profile", action="store_true",
+                   help="also ONNX Runtime's per-node profile of the same runs (a second session with the profiler "
+                   "on, after the timed runs): time and share per op type, the attention nodes' share")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = sub.add_parser("generate", help="generate text with the KV cache, streamed (greedy by default; --chat, "
@@ -584,13 +592,16 @@ def _writable(path: str, flag: str) -> None:
 def cmd_perf(args) -> int:
     from custom_ops.runtime import perf
 
-    from .evaluate import _session
+    from .evaluate import _session, generator_session
 
-    modelfile_check = _session  # opens the model with clear errors (missing, corrupt, no library)
+    if args.chunk is not None and args.prompt is None:
+        raise OrtleanError("--chunk needs --prompt N (the prompt it splits)")
+    # opens the model with clear errors (missing, corrupt, no library); a prompt as generate reads it
+    factory = generator_session if args.prompt is not None else _session
     try:
         r = perf.perf(args.model, inputs=args.inputs, iterations=args.iterations, warmup=args.warmup,
                       threads=args.threads, seq=args.seq, past=args.past, batch=args.batch,
-                      session_factory=modelfile_check)
+                      session_factory=factory, prompt=args.prompt, chunk=args.chunk, profile=args.profile)
     except perf.PerfError as e:
         raise OrtleanError(str(e)) from None
     print(json.dumps(r, indent=1) if args.json else perf.format_perf(r))

@@ -17,30 +17,31 @@ from .kit import modelfile, stream
 from .kit import stamps
 
 
-def _session(path: str, threads: int, last_logits: bool = False):
+def _session(path: str, threads: int, last_logits: bool = False, so=None):
     """A session on the model file, with clear errors (missing, corrupt, no library). ``last_logits``:
-    on :func:`stream.last_position_logits`'s view of it where the head is found (:func:`generator_session`)."""
+    on :func:`stream.last_position_logits`'s view of it where the head is found (:func:`generator_session`).
+    ``so``: onnxruntime.SessionOptions to build it with (the ops are registered in them)."""
     import custom_ops
 
     m = modelfile.load_model(path)  # clear messages for missing / corrupt files
     view = stream.last_position_logits(m) if last_logits else None
     try:
         if view is not None:
-            return stream.session(view, threads, stream=False)
-        return custom_ops.session(path, threads=threads)
+            return stream.session(view, threads, so=so, stream=False)
+        return custom_ops.session(path, threads=threads, so=so)
     except custom_ops.LibraryNotFoundError as e:
         raise OrtleanError(str(e)) from None
     except Exception as e:
         raise OrtleanError(f"{path}: onnxruntime could not create a session: {e}") from None
 
 
-def generator_session(path: str, threads: int):
+def generator_session(path: str, threads: int, so=None):
     """A session on the model as a generator runs it: the head reads the last position only
     (:func:`stream.last_position_logits`, a view; the file is not changed), so a prompt run does not pay
     the head's product for positions whose logits nobody reads — llama.cpp computes the last one only
     as well. Decode steps compute exactly what the model computes. The model's own session where the
     head is not found as a product."""
-    return _session(path, threads, last_logits=True)
+    return _session(path, threads, last_logits=True, so=so)
 
 
 def _tokenizer(model: str, tokenizer: str | None):

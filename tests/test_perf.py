@@ -132,3 +132,40 @@ def test_perf_random_inputs_from_declared_shapes(tmp_path, capsys):
     r = json.loads(so)
     assert r["inputs"].startswith("X [3, 8] float32") and r["tokens_per_run"] is None
     assert "tokens_per_s" not in r["throughput"]
+
+
+def test_perf_prompt_time_to_first_token_and_profile(tiny, tmp_path, capsys):
+    """--prompt N: a run is an N-token prompt read from an empty cache in --chunk-token runs, as
+    generate reads it; --profile: ORT's per-node profile of those runs in a second session — op types'
+    time per run, their shares and the attention nodes' share (here GroupQueryAttention: a fused graph)."""
+    from custom_ops.runtime.profile import ATTENTION_OPS
+    from rewriter import cli
+
+    q = tmp_path / "gqa" / "model.onnx"
+    assert cli.main(["rewrite", str(tiny["llama"] / "model.onnx"), "-o", str(q), "-q", "--fuse", "on",
+                     "--attn-exact", "off"]) == 0
+    capsys.readouterr()
+    rc, so, se = _perf(capsys, q, "--prompt", 40, "--chunk", 16, "-r", 2, "--warmup", 0, "--profile", "--json")
+    assert rc == 0, se
+    r = json.loads(so)
+    _stats_ok(r, 2)
+    assert r["tokens_per_run"] == 40 and "a 40-token prompt" in r["inputs"] and "16-token runs" in r["inputs"]
+    pr = r["profile"]
+    assert pr["runs"] == 1 and pr["ort_runs_per_run"] == 3          # 16 + 16 + 8 tokens
+    ops = {o["op_type"]: o for o in pr["op_types"]}
+    assert "GroupQueryAttention" in ops and ops["GroupQueryAttention"]["count"] > 0
+    assert pr["attention_pct"] == pytest.approx(sum(o["pct"] for o in pr["op_types"] if o["op_type"] in ATTENTION_OPS))
+    assert 0 < pr["attention_pct"] < 100
+    assert sum(o["pct"] for o in pr["op_types"]) == pytest.approx(100.0, abs=0.1)
+    assert pr["node_ms_per_run"] == pytest.approx(sum(o["total_ms"] for o in pr["op_types"]), rel=1e-6)
+    rc, so, se = _perf(capsys, q, "--prompt", 24, "-r", 1, "--warmup", 0, "--profile")
+    assert rc == 0, se
+    assert "ORT profile (1 run in a profiled session, 1 ORT run each)" in so and "attention " in so
+    assert "GroupQueryAttention" in so
+    # bad combinations: one clear line, exit 2
+    rc, so, se = _perf(capsys, q, "--chunk", 16)
+    assert rc == 2 and "--chunk needs --prompt" in se
+    rc, so, se = _perf(capsys, q, "--prompt", 16, "--past", 8)
+    assert rc == 2 and "--prompt 16" in se and "--past" in se
+    rc, so, se = _perf(capsys, tmp_path / "gqa", "--prompt", 16)
+    assert rc == 2

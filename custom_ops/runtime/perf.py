@@ -17,6 +17,7 @@ symbolic dimensions read by name (batch, past, total, sequence). Every timed run
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -124,31 +125,74 @@ def make_inputs(sess, model_path, seq: int = 1, past: int = 0, batch: int = 1, s
     return f, desc
 
 
+def _prompt_runner(sess, model_path, prompt: int, chunk: int | None, seed: int):
+    """A run = the time to first token of a ``prompt``-token prompt of random ids, from an empty cache,
+    as ``ortlean generate`` reads a prompt (``bench.PromptRow``: ``chunk``-token runs, default
+    generate's). Returns (run, what it is, tokens a run)."""
+    from .bench import PromptRow
+
+    io = ModelIO.from_session(sess, str(model_path))
+    if io.kind != "causal-lm" or not io.past_to_present:
+        raise PerfError(f"--prompt {prompt}: {model_path} is not a causal LM with a KV cache (kind {io.kind})")
+    ids = np.random.default_rng(seed).integers(*token_range(io.vocab_size), prompt)
+    row = PromptRow(sess, io, model_path=model_path, chunk=chunk)
+
+    def run():
+        row.ttft(ids)
+
+    desc = (f"a {prompt}-token prompt of random token ids from an empty cache to the first new token's logits, "
+            f"{row.chunk}-token runs ({row.loop})")
+    return run, desc, prompt
+
+
+def _feeds(sess, model_path, inputs, seq, past, batch, seed):
+    if isinstance(inputs, (str, Path)):
+        return load_inputs(inputs, sess), f"inputs from {inputs}"
+    if inputs is not None:
+        return dict(inputs), "given inputs"
+    return make_inputs(sess, model_path, seq=seq, past=past, batch=batch, seed=seed)
+
+
 def perf(model_path, inputs=None, iterations: int = 100, warmup: int = 5, threads: int = 1, seq: int | None = None,
-         past: int = 0, batch: int = 1, seed: int = 0, session_factory=None) -> dict:
+         past: int = 0, batch: int = 1, seed: int = 0, session_factory=None, prompt: int | None = None,
+         chunk: int | None = None, profile: bool = False) -> dict:
     """Time ``iterations`` runs of the model after ``warmup`` untimed ones, with ortlean's library
     registered (``custom_ops.session``, or ``session_factory(path, threads)``). ``inputs``: an ``.npz``
     path or a dict of feeds; else made by :func:`make_inputs` (``seq`` new tokens, default 1 after a
-    past and 128 without one). Returns latency statistics in ms (mean, std, min, p50, p90, p95, p99,
-    max), throughput (runs/s, and tokens/s when the model takes input_ids) and what ran."""
+    past and 128 without one). ``prompt`` N: a run is instead a whole N-token prompt read from an empty
+    cache in ``chunk``-token runs, as ``ortlean generate`` reads it (the time to first token).
+    Returns latency statistics in ms (mean, std, min, p50, p90, p95, p99, max), throughput (runs/s,
+    and tokens/s when the model takes input_ids) and what ran. ``profile``: also ONNX Runtime's
+    per-node profile of the same runs, in a second session with the profiler on after the timed ones
+    (so the timings above are not the profiler's; up to 10 runs after one warm-up, a prompt once):
+    ``r["profile"]`` = the op types' time per run and share (:func:`profile.profile_summary`'s rows)
+    and ``attention_pct``, the attention nodes' share of the node time."""
     import onnxruntime as ort
 
     import custom_ops
 
     if iterations < 1 or warmup < 0:
         raise PerfError(f"--iterations {iterations} / --warmup {warmup}: at least 1 timed run, warm-up ≥ 0")
+    if prompt is not None and (inputs is not None or past or seq or batch != 1):
+        raise PerfError(f"--prompt {prompt}: a run is the whole prompt from an empty cache; it does not take "
+                        "--inputs, --past, --seq or --batch")
     seq = int(seq) if seq else (1 if past > 0 else 128)
-    factory = session_factory or (lambda p, t: custom_ops.session(p, threads=t))
+    factory = session_factory or (lambda p, t, so=None: custom_ops.session(p, threads=t, so=so))
     sess = factory(str(model_path), threads)
-    if isinstance(inputs, (str, Path)):
-        feeds, desc = load_inputs(inputs, sess), f"inputs from {inputs}"
-    elif inputs is not None:
-        feeds, desc = dict(inputs), "given inputs"
+    if prompt is not None:
+        run0, desc, _ = _prompt_runner(sess, model_path, int(prompt), chunk, seed)
+        feeds = {"input_ids": np.zeros((1, int(prompt)), np.int64)}  # tokens a run, for the throughput
     else:
-        feeds, desc = make_inputs(sess, model_path, seq=seq, past=past, batch=batch, seed=seed)
+        feeds, desc = _feeds(sess, model_path, inputs, seq, past, batch, seed)
+
+        def run0():
+            sess.run(None, feeds)
+
     def run():
         try:
-            sess.run(None, feeds)
+            run0()
+        except PerfError:
+            raise
         except Exception as e:  # ORT's message names the node / input; say which inputs ran
             raise PerfError(f"{model_path}: the run failed with these inputs ({desc}): "
                             f"{str(e).splitlines()[0]}") from None
@@ -174,9 +218,58 @@ def perf(model_path, inputs=None, iterations: int = 100, warmup: int = 5, thread
         lib, isa = custom_ops.library_path(), custom_ops.isa_label()
     except Exception as e:  # the reference backend or a custom factory: say what we know
         lib, isa = None, str(e).splitlines()[0]
-    return {"model": str(model_path), "iterations": iterations, "warmup": warmup, "threads": threads,
-            "inputs": desc, "tokens_per_run": tokens, "latency_ms": lat, "throughput": thr, "library": lib,
-            "isa": isa, "onnxruntime": ort.__version__}
+    res = {"model": str(model_path), "iterations": iterations, "warmup": warmup, "threads": threads,
+           "inputs": desc, "tokens_per_run": tokens, "latency_ms": lat, "throughput": thr, "library": lib,
+           "isa": isa, "onnxruntime": ort.__version__}
+    if profile:
+        del sess
+        res["profile"] = _profile(factory, model_path, threads, inputs, seq, past, batch, seed, prompt, chunk,
+                                  min(iterations, 1 if prompt else 10), 0 if prompt else min(warmup, 1))
+    return res
+
+
+def _profile(factory, model_path, threads, inputs, seq, past, batch, seed, prompt, chunk, runs, warmup) -> dict:
+    """ORT's profiler over ``runs`` runs after ``warmup`` (a new session, the profiler on): the op
+    types' time per run, their share of the node time, and the attention nodes' share."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    from .profile import ATTENTION_OPS, _summarise
+
+    with tempfile.TemporaryDirectory(prefix="ortlean-perf-") as d:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(d) / "ort_profile")
+        try:
+            sess = factory(str(model_path), threads, so=so)
+        except TypeError as e:  # a factory without SessionOptions cannot profile
+            raise PerfError(f"--profile: this session factory takes no SessionOptions ({e})") from None
+        if prompt is not None:
+            run, _, _ = _prompt_runner(sess, model_path, int(prompt), chunk, seed)
+        else:
+            feeds, _ = _feeds(sess, model_path, inputs, seq, past, batch, seed)
+
+            def run():
+                sess.run(None, feeds)
+        for _ in range(warmup + runs):
+            run()
+        trace_path = sess.end_profiling()
+        with open(trace_path) as fh:
+            trace = json.load(fh)
+        del sess
+    events = trace if isinstance(trace, list) else trace.get("traceEvents", [])
+    n_runs = sum(1 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    # ORT runs per call: 1, or a prompt's chunks (then every call the same, and no other runs: the
+    # profiled session's ORT runs are the calls'); a --past cache's prefill runs come first
+    per_call = n_runs // (warmup + runs) if prompt is not None else 1
+    rows = _summarise(trace, 0, 12, last=per_call * runs)
+    att = sum(r["pct"] for r in rows if r["op_type"] in ATTENTION_OPS)
+    return {"runs": runs, "ort_runs_per_run": per_call, "node_ms_per_run": rows.total_ms * per_call,
+            "attention_pct": att,
+            "op_types": [{k: r[k] for k in ("op_type", "count", "total_ms", "pct")} | {"total_ms": r["total_ms"] * per_call}
+                         for r in rows],
+            "top_nodes": [n | {"total_ms": n["total_ms"] * per_call} for n in rows.top_nodes[:8]]}
 
 
 def format_perf(r: dict) -> str:
@@ -190,4 +283,11 @@ def format_perf(r: dict) -> str:
              + (f", {thr['tokens_per_s']:.1f} tokens/s ({r['tokens_per_run']} tokens a run)" if "tokens_per_s" in thr
                 else ""),
              f"library {r['library']} (isa {r['isa']}), onnxruntime {r['onnxruntime']}"]
+    pr = r.get("profile")
+    if pr:
+        lines.append(f"ORT profile ({pr['runs']} run{'s' if pr['runs'] != 1 else ''} in a profiled session, "
+                     f"{pr['ort_runs_per_run']} ORT run{'s' if pr['ort_runs_per_run'] != 1 else ''} each): "
+                     f"{pr['node_ms_per_run']:.1f} ms of node time a run, attention {pr['attention_pct']:.1f} %")
+        lines += [f"  {o['op_type']:<34} {o['count']:>4} nodes {o['total_ms']:>11.1f} ms {o['pct']:>6.1f} %"
+                  for o in pr["op_types"]]
     return "\n".join(lines)
