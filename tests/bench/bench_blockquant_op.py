@@ -157,14 +157,21 @@ def _stream_sync_best(libs, arrays, nbytes: int, threads: int) -> float:
 
 
 def machine() -> dict:
-    model = "?"
-    try:
+    model, fam = "?", {}
+    try:  # the model name, and family / model (a VM's name can be just the vendor's)
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k == "model name" and model == "?":
+                model = v.strip()
+            elif k in ("cpu family", "model") and k not in fam:
+                fam[k] = v.strip()
+            if not line.strip() and model != "?":
                 break
     except OSError:
         pass
+    if fam:
+        model += f" (family {fam.get('cpu family', '?')} model {fam.get('model', '?')})"
     import custom_ops
     import onnxruntime as ort
 
