@@ -148,10 +148,12 @@ def ttft_points(docs: list[dict]) -> tuple[list[int], dict[int, dict[str, dict]]
     return sorted(out), out
 
 
-def plot_ttft(docs: list[dict], path: Path) -> Path | None:
-    """Time to first token against the prompt's length, log-log, one panel per thread count, one line
-    per model (the driver it generates with: ours solid, peers dashed, the reference dotted, Δppl in the
-    legend), from one or several results files. None without matplotlib or without TTFT in any file."""
+def plot_panels(docs: list[dict], threads: list[int], by_t: dict, path: Path, xlabel: str, ylabel, what: str = "",
+                minor_labels: bool = False) -> Path | None:
+    """One log-log panel per thread count in ``threads``, one line per model of ``by_t[t]`` ({model:
+    {"row", "pts": {x: y}, "dppl"}}: ours solid, peers dashed, the reference dotted, Δppl in the
+    legend; a model keeps its colour in every panel); ``ylabel(t)`` names a panel's y axis; the title
+    names the model, ``what``, the machine and every run (commit, date). None without matplotlib."""
     try:
         import matplotlib
 
@@ -162,40 +164,51 @@ def plot_ttft(docs: list[dict], path: Path) -> Path | None:
         return None
     from . import results
 
-    threads, by_t = ttft_points(docs)
-    if not threads:
-        return None
     fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 5.2), squeeze=False)
     rows = {n: e["row"] for per_t in by_t.values() for n, e in per_t.items()}
     names = sorted(rows, key=lambda n: (results.SIDE_ORDER.get(rows[n]["side"], 1), n))
-    color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # a model keeps its colour in every panel
+    color = {n: f"C{i % 10}" for i, n in enumerate(names)}
     for ax, t in zip(axes[0], threads):
-        lengths: set[int] = set()
+        xs_all: set[int] = set()
         for name in (n for n in names if n in by_t[t]):
             e = by_t[t][name]
             xs = sorted(e["pts"])
             if not xs:
                 continue
-            lengths.update(xs)
-            plot_line(ax, xs, [e["pts"][n] for n in xs], e["row"], e["dppl"], color=color[name])
+            xs_all.update(xs)
+            plot_line(ax, xs, [e["pts"][x] for x in xs], e["row"], e["dppl"], color=color[name])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xticks(sorted(lengths))
-        ax.set_xticklabels([f"{n:,}" for n in sorted(lengths)], fontsize=8)
+        ax.set_xticks(sorted(xs_all))
+        ax.set_xticklabels([f"{x:,}" for x in sorted(xs_all)], fontsize=8)
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        if minor_labels:
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
         ax.tick_params(axis="y", which="both", labelsize=7)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(f"time to first token, s ({t} thread{'s' if t != 1 else ''}; lower is better)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel(t))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     m = docs[-1].get("machine") or {}
     runs = "; ".join(f"{(d.get('commit') or '?')[:7]} {d.get('date', '')[:16]}" for d in docs)
-    fig.suptitle(f"{docs[-1].get('model_name')}: time to first token, {m.get('cpu', '?')}, {m.get('isa', '?')}\n"
+    fig.suptitle(f"{docs[-1].get('model_name')}: {what}{m.get('cpu', '?')}, {m.get('isa', '?')}\n"
                  f"{len(docs)} run{'s' if len(docs) > 1 else ''} (commit, date): {runs}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_ttft(docs: list[dict], path: Path) -> Path | None:
+    """Time to first token against the prompt's length, log-log, one panel per thread count, one line
+    per model (the driver it generates with: ours solid, peers dashed, the reference dotted, Δppl in the
+    legend), from one or several results files. None without matplotlib or without TTFT in any file."""
+    threads, by_t = ttft_points(docs)
+    if not threads:
+        return None
+    return plot_panels(docs, threads, by_t, path, "prompt tokens",
+                       lambda t: f"time to first token, s ({t} thread{'s' if t != 1 else ''}; lower is better)",
+                       what="time to first token, ")
 
 
 def _summary(rep: dict) -> str:

@@ -54,49 +54,11 @@ def merge(docs: list[dict]) -> tuple[list[int], dict[int, dict[str, dict]]]:
 def plot_runs(docs: list[dict], path: Path) -> Path | None:
     """One panel per thread count over several results files of one model. None without matplotlib or
     without a decode context in any file."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        return None
     threads, by_t = merge(docs)
     if not threads:
         return None
-    fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 5.2), squeeze=False)
-    rows = {n: e["row"] for per_t in by_t.values() for n, e in per_t.items()}
-    names = sorted(rows, key=lambda n: (results.SIDE_ORDER.get(rows[n]["side"], 1), n))
-    color = {n: f"C{i % 10}" for i, n in enumerate(names)}   # a model keeps its colour in every panel
-    for ax, t in zip(axes[0], threads):
-        ctxs: set[int] = set()
-        for name in (n for n in names if n in by_t[t]):
-            e = by_t[t][name]
-            xs = sorted(e["pts"])
-            if not xs:
-                continue
-            ctxs.update(xs)
-            demo.plot_line(ax, xs, [e["pts"][c] for c in xs], e["row"], e["dppl"], color=color[name])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(sorted(ctxs))
-        ax.set_xticklabels([f"{c:,}" for c in sorted(ctxs)], fontsize=8)
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.tick_params(axis="y", which="both", labelsize=7)
-        ax.set_xlabel("tokens in the cache before the decode step")
-        ax.set_ylabel(f"decode tokens/s, {t} thread{'s' if t != 1 else ''}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    m = (docs[-1].get("machine") or {})
-    runs = "; ".join(f"{(d.get('commit') or '?')[:7]} {d.get('date', '')[:16]}" for d in docs)
-    fig.suptitle(f"{docs[-1].get('model_name')}: {m.get('cpu', '?')}, {m.get('isa', '?')}\n"
-                 f"{len(docs)} run{'s' if len(docs) > 1 else ''} (commit, date): {runs}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return demo.plot_panels(docs, threads, by_t, path, "tokens in the cache before the decode step",
+                            lambda t: f"decode tokens/s, {t} thread{'s' if t != 1 else ''}", minor_labels=True)
 
 
 def ttft_path(png: Path) -> Path:
