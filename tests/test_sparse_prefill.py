@@ -95,8 +95,18 @@ def test_reference_selection_rules():
         assert set(range(16)) <= set(keys.tolist())                              # the sink block
         local = max(0, pa - 48) // 16 * 16
         assert set(range(local, pos + 1)) <= set(keys.tolist())                  # the local blocks, causal
-        blocks = max(-(-int(np.ceil(0.25 * (pb + 1))) // 16), 1 + (pb // 16 + 1) - local // 16)
+        nb, jl = pb // 16 + 1, local // 16
+        blocks = 1 + int(np.ceil(0.25 * (jl - 1))) + (nb - jl)              # sink, the budget's middle, local
         assert len(keys) <= blocks * 16 and len(keys) < pos + 1                  # the budget; sparse
+        assert len(keys) > (1 + (nb - jl) - 1) * 16                              # some middle block read
+    # a budget smaller than the local window's share of the context still reads middle blocks: the
+    # budget is the share of the middle (the rule it replaced kept none here, a sliding window)
+    sel = prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.1, 16, 48, 96, 4, 0.125)
+    for m, keys in sel.items():
+        pos = 500 + m
+        jl = max(0, max(500, pos // 16 * 16) - 48) // 16
+        middle = [k for k in keys.tolist() if 16 <= k < jl * 16]
+        assert len(middle) == int(np.ceil(0.1 * (jl - 1))) * 16
     # below min_context: no row is sparse; a budget that covers every block: exact
     assert prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.25, 16, 48, 10_000, 4, 0.125) == {}
     assert prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.999, 16, 48, 96, 4, 0.125) == {}

@@ -81,13 +81,15 @@ the call's prompt rows are cut into tiles by position (pos // prefill_block); th
 of prefill_block from key 0. A tile whose last row pb has pb + 1 <= prefill_min_context is exact.
 Else, with pa its first row, nb = pb // block + 1 context blocks: sink blocks j < ceil(sinks /
 block), local blocks j >= max(0, pa − prefill_window) // block (up to the tile's own), and the
-middle blocks between them; keep = ceil(ceil(prefill_budget · (pb + 1)) / block) − sink blocks −
-local blocks middle blocks are kept (exact when that is all of them). A middle block j is scored
-from its keys' per-dimension max and min as decoded (k̂): centre c = (max + min) · 0.5, radius
-r = (max − min) · 0.5, and each query row q of each head of the group bounds its logits by
-u(j) = (q·c + |q|·r) · scale (Quest's bound: no key of the block has a larger q·k̂); per query row
-u − max_j u, then per block the max over the tile's rows and heads (NaN: −inf); the best `keep`
-blocks (ties: lower index). Each row of the tile attends, exactly as above, to the keys of the
+middle blocks between them, nmid of them; keep = ceil(prefill_budget · nmid) middle blocks are kept
+(float64 product; exact when that is all of them): the budget is the share of the middle the tile
+reads, the sinks and the local window always read. A middle block j is scored from its keys'
+per-dimension max and min as decoded (k̂): centre c = (max + min) · 0.5, radius r = (max − min) · 0.5,
+and each query row q of each head of the group bounds its logits by u(j) = (q·c + |q|·r) · scale
+(Quest's bound: no key of the block has a larger q·k̂); per query row the bounds as a softmax's weights
+exp(u(j) − max_j u) (float64; NaN: weight 0; a row without a finite max adds nothing), summed per block
+over the tile's rows and heads — the attention mass the block could hold for the tile; the `keep`
+heaviest blocks (ties: lower index). Each row of the tile attends, exactly as above, to the keys of the
 sink, chosen and local blocks up to its own position (causal).
 
 GroupQueryAttention's layout (cache mode with num_heads = Hq > 0, kv_num_heads = Hkv): the node
@@ -489,8 +491,7 @@ def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int
         ns = min(nb, -(-sinks // block)) if sinks > 0 else 0
         jl = max(0, pa - window) // block
         nmid = max(0, jl - ns)
-        keep = -(-math.ceil(budget * (pb + 1)) // block) - ns - (nb - jl)
-        keep = max(0, keep)
+        keep = math.ceil(float(budget) * nmid)
         if keep >= nmid:
             continue
         mids = np.arange(ns, jl)
@@ -502,7 +503,8 @@ def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int
         u = ((q @ kc.T + np.abs(q) @ kr.T) * np.float32(scale)).astype(np.float32)  # [rep * rows, nmid]
         u = np.where(np.isnan(u), np.float32(-np.inf), u)
         top = u.max(1, keepdims=True)
-        s_ = np.where(np.isfinite(top), u - top, np.float32(-np.inf)).max(0)       # [nmid]
+        w = np.exp((u - top).astype(np.float64))                                     # 0 where u is -inf
+        s_ = np.where(np.isfinite(top), w, 0.0).sum(0)                               # [nmid] mass per block
         chosen = np.sort(mids[np.argsort(-s_, kind="stable")[:keep]])
         blocks = np.concatenate([np.arange(ns), chosen, np.arange(jl, nb)]).astype(np.int64)
         keys = (blocks[:, None] * block + np.arange(block)[None, :]).ravel()

@@ -99,9 +99,9 @@ class AttnConfig(Options):
                            "keys (a block scored by its best key), so that the rows read run in order — DRAM streams "
                            "them instead of one miss per row (default 1: key by key)", type=int)
     prefill_budget: float = flag("--attn-prefill-budget", None, "fused graphs, int8 / int4 K/V rows: sparse prefill — "
-                                 "the keys a tile of prompt rows attends to as a fraction of its context (the sink "
-                                 "block, --attn-prefill-window keys before the tile, and the key blocks whose bound on "
-                                 "the tile's logits is best; docs/packed-attention.md). Default: chosen by --attn-tune "
+                                 "a tile of prompt rows attends to the sink block, --attn-prefill-window keys before it "
+                                 "and this share of the key blocks between them, those to which a bound on its logits "
+                                 "gives the most attention mass (docs/packed-attention.md). Default: chosen by --attn-tune "
                                  "from prefill-mode perplexity of long calibration spans (--attn-prefill-context) "
                                  "against exact prompt attention, else 0; 0 or 1 = exact prompts", type=float)
     prefill_window: int = flag("--attn-prefill-window", 1024, "sparse prefill: keys before a tile of prompt rows it "

@@ -1705,9 +1705,9 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 // prefill_block rows by position, the keys in blocks of as many from key 0. A tile attends to the sink
 // blocks, the local blocks (from prefill_window keys before its first row) and the middle blocks whose
 // bound u(j) = (q.c_j + |q|.r_j) * scale — c, r the centre and radius of block j's decoded keys per
-// dimension (Quest's bound on q.k) — is best relative to each query row's best, max over the tile's rows
-// and heads; `keep` of them by the budget (a tile below prefill_min_context, or whose budget covers every
-// middle block, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
+// dimension (Quest's bound on q.k) — gives the most mass as a softmax's weights exp(u(j) - max u) per
+// query row, summed over the tile's rows and heads; `keep` = ceil(budget * middle blocks) of them (a tile
+// below prefill_min_context, or whose budget covers every middle block, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
 // blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
 // scores the middle blocks in one GEMM ([q, |q|] . [c; r]^T), takes the best, and attends the tile's
 // query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T (OpenBLAS), causal mask, online
@@ -1740,9 +1740,9 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
       tl.ns = p.sinks > 0 ? std::min(tl.nb, (p.sinks + Bk - 1) / Bk) : 0;
       tl.jl = std::max<int64_t>(0, tl.pa - p.prefill_window) / Bk;
       const int64_t nmid = std::max<int64_t>(0, tl.jl - tl.ns);
-      const int64_t want =
-          static_cast<int64_t>(std::ceil(static_cast<double>(p.prefill_budget) * static_cast<double>(tl.pb + 1)));
-      const int64_t keep = std::max<int64_t>(0, (want + Bk - 1) / Bk - tl.ns - (tl.nb - tl.jl));
+      // the budget is the share of the middle blocks a tile reads (the sinks and the local window always)
+      const int64_t keep =
+          static_cast<int64_t>(std::ceil(static_cast<double>(p.prefill_budget) * static_cast<double>(nmid)));
       if (sparse_on && tl.pb + 1 > p.prefill_min_context && keep < nmid) {
         tl.keep = keep;
         J = std::max(J, tl.jl);
@@ -1816,7 +1816,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     const int64_t D16 = (D + 15) / 16 * 16;
     float* buf;
     try {
-      const size_t need = static_cast<size_t>(rows * (D + Dv + kChunk + 4) + (sparse ? rows * (D2 + nmid) + 3 * nmid : 0) +
+      const size_t need = static_cast<size_t>(rows * (D + Dv + kChunk + 4) + (sparse ? rows * (D2 + nmid) + 4 * nmid + 4 : 0) +
                                               nb + kChunk * (D + Dv + 2) + 2 * kChunk * 2 + rep * D16 + rep + 64);
       buf = task_scratch().get(need);
     } catch (...) {
@@ -1862,7 +1862,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
       for (int64_t j = 0; j < ns; ++j) sel[nsel++] = static_cast<int32_t>(j);
       float* Qx = more;                 // [rows, 2D]: q, |q| (float queries)
       float* U = Qx + rows * D2;        // [rows, nmid]
-      float* Sb = U + rows * nmid;      // [nmid] block scores
+      double* Sb = reinterpret_cast<double*>((reinterpret_cast<uintptr_t>(U + rows * nmid) + 7) & ~uintptr_t{7});
       int32_t* order = reinterpret_cast<int32_t*>(Sb + nmid);  // [nmid]
       for (int64_t h = 0; h < rep; ++h)
         for (int64_t m = 0; m < mt; ++m) {
@@ -1874,7 +1874,8 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
           }
         }
       blas::sgemm(false, true, rows, nmid, D2, sc, Qx, D2, blk + (bh * J + ns) * D2, D2, 0.0f, U, nmid);
-      for (int64_t j = 0; j < nmid; ++j) Sb[j] = -INFINITY;
+      // per block the mass a softmax of the bounds gives it, summed over the tile's rows and heads
+      for (int64_t j = 0; j < nmid; ++j) Sb[j] = 0.0;
       for (int64_t i = 0; i < rows; ++i) {
         float* u = U + i * nmid;
         float top = -INFINITY;
@@ -1883,14 +1884,11 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
           top = u[j] > top ? u[j] : top;
         }
         if (!(top > -INFINITY) || top == INFINITY) continue;  // no finite bound: the row ranks nothing
-        for (int64_t j = 0; j < nmid; ++j) {
-          const float v = u[j] - top;
-          Sb[j] = v > Sb[j] ? v : Sb[j];
-        }
+        for (int64_t j = 0; j < nmid; ++j) Sb[j] += std::exp(static_cast<double>(u[j] - top));
       }
       for (int64_t j = 0; j < nmid; ++j) order[j] = static_cast<int32_t>(j);
       std::partial_sort(order, order + keep, order + nmid, [&](int32_t x, int32_t y) {
-        return Sb[x] > Sb[y] || (Sb[x] == Sb[y] && x < y);  // NaN never: set to -inf above
+        return Sb[x] > Sb[y] || (Sb[x] == Sb[y] && x < y);  // NaN never: weight 0 above
       });
       std::sort(order, order + keep);
       for (int64_t i = 0; i < keep; ++i) sel[nsel++] = static_cast<int32_t>(ns + order[i]);
