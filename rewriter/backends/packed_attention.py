@@ -1083,6 +1083,8 @@ class PackedAttentionPass(GraphPassBase):
                                 eps=float(sp.eps if sp.eps is not None else (0.0 if mode == "sign" else 1e-4)))
         cfg.given = tuple(n for n in ("budget", "window", "min_context") if getattr(args, f"attn_{n}", None) is not None)
         cfg.validate()
+        if cfg.enabled and mode == "pq" and not getattr(args, "calib_text", None):  # said before any work
+            raise OrtleanError("--attn-pack-bits pq: give --calib-text FILE (the centroids are fitted on its keys)")
         return cfg
 
     def run(self, model, ctx) -> list[dict]:
