@@ -63,6 +63,10 @@ CASES = [  # (B, Hq, Hkv, M, P, D, Dv, q, extra)
     (2, 6, 2, 100, 250, 32, None, "int8", dict(prefill_block=32, prefill_window=0)),  # no local window
     (1, 6, 2, 150, 400, 32, None, "int8", dict(sinks=0, prefill_budget=0.1)),
     (1, 6, 2, 90, 400, 32, None, "int8", dict(softcap=2.0)),
+    # blocks of several 16-key boxes (the bound the largest of theirs), and a block that is not a multiple
+    (1, 6, 2, 160, 900, 32, None, "int8", dict(prefill_block=64, prefill_window=128, prefill_min_context=256)),
+    (1, 4, 2, 97, 700, 24, 16, "fp32", dict(prefill_block=48, prefill_window=96, prefill_budget=0.2)),
+    (1, 6, 2, 120, 650, 32, None, "int4", dict(prefill_block=40, prefill_window=80)),
 ]
 
 
@@ -110,6 +114,18 @@ def test_reference_selection_rules():
     # below min_context: no row is sparse; a budget that covers every block: exact
     assert prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.25, 16, 48, 10_000, 4, 0.125) == {}
     assert prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.999, 16, 48, 96, 4, 0.125) == {}
+
+
+def test_planted_key_in_a_block_of_boxes_is_chosen():
+    """64-key blocks (four 16-key boxes each, a block's bound the largest of its boxes'): the block
+    holding one key aligned with a query row is read by every sparse tile row from that row on."""
+    r = np.random.default_rng(7)
+    D, P, M = 32, 1600, 64
+    Q = r.standard_normal((2, M, D), dtype=np.float32)
+    K = r.standard_normal((P + M, D), dtype=np.float32)
+    K[611] = 3.0 * Q[0, 40] / np.linalg.norm(Q[0, 40]) * np.sqrt(D)
+    sel = prefill_keys(Q, K, P, list(range(M)), 0.05, 64, 128, 256, 4, D ** -0.5)
+    assert sel and all(611 in sel[m] for m in range(40, M))
 
 
 def test_planted_block_is_chosen():

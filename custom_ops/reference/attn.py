@@ -83,10 +83,12 @@ Else, with pa its first row, nb = pb // block + 1 context blocks: sink blocks j 
 block), local blocks j >= max(0, pa − prefill_window) // block (up to the tile's own), and the
 middle blocks between them, nmid of them; keep = ceil(prefill_budget · nmid) middle blocks are kept
 (float64 product; exact when that is all of them): the budget is the share of the middle the tile
-reads, the sinks and the local window always read. A middle block j is scored from its keys'
-per-dimension max and min as decoded (k̂): centre c = (max + min) · 0.5, radius r = (max − min) · 0.5,
-and each query row q of each head of the group bounds its logits by u(j) = (q·c + |q|·r) · scale
-(Quest's bound: no key of the block has a larger q·k̂); per query row the bounds as a softmax's weights
+reads, the sinks and the local window always read. A middle block j is scored from boxes of 16
+consecutive keys (BOUND_KEYS; the whole block when its size is not a multiple of 16): per box the keys'
+per-dimension max and min as decoded (k̂), centre c = (max + min) · 0.5, radius r = (max − min) · 0.5,
+and each query row q of each head of the group bounds its logits by u(box) = (q·c + |q|·r) · scale
+(Quest's bound: no key of the box has a larger q·k̂; NaN: −inf), u(j) the largest over its boxes;
+per query row the bounds as a softmax's weights
 exp(u(j) − max_j u) (float64; NaN: weight 0; a row without a finite max adds nothing), summed per block
 over the tile's rows and heads — the attention mass the block could hold for the tile; the `keep`
 heaviest blocks (ties: lower index). Each row of the tile attends, exactly as above, to the keys of the
@@ -473,6 +475,9 @@ def kv_key_codes(rows: np.ndarray, bits: np.ndarray, D: int, kv_quant: str) -> t
             np.ascontiguousarray(np.asarray(bits)[..., -2]).view(np.float32))
 
 
+BOUND_KEYS = 16   # sparse prefill: keys per box of a block's bound (one box when the block is not a multiple)
+
+
 def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int, min_context: int, sinks: int,
                  scale) -> dict:
     """Sparse prefill (module docstring): the keys each prompt row of one KV head attends to.
@@ -495,13 +500,15 @@ def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int
         if keep >= nmid:
             continue
         mids = np.arange(ns, jl)
-        Kb = Kh[ns * block:jl * block].reshape(nmid, block, -1)
+        sbk = BOUND_KEYS if block % BOUND_KEYS == 0 else block
+        Kb = Kh[ns * block:jl * block].reshape(nmid * (block // sbk), sbk, -1)      # the blocks' boxes
         kmax, kmin = Kb.max(1), Kb.min(1)
         kc = ((kmax + kmin) * np.float32(0.5)).astype(np.float32)
         kr = ((kmax - kmin) * np.float32(0.5)).astype(np.float32)
         q = Qg[:, ms].reshape(-1, Qg.shape[-1]).astype(np.float32)                  # [rep * rows, D]
-        u = ((q @ kc.T + np.abs(q) @ kr.T) * np.float32(scale)).astype(np.float32)  # [rep * rows, nmid]
+        u = ((q @ kc.T + np.abs(q) @ kr.T) * np.float32(scale)).astype(np.float32)  # [rep * rows, boxes]
         u = np.where(np.isnan(u), np.float32(-np.inf), u)
+        u = u.reshape(u.shape[0], nmid, block // sbk).max(2)                         # [rep * rows, nmid]
         top = u.max(1, keepdims=True)
         w = np.exp((u - top).astype(np.float64))                                     # 0 where u is -inf
         s_ = np.where(np.isfinite(top), w, 0.0).sum(0)                               # [nmid] mass per block

@@ -1705,13 +1705,16 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 // prefill_block rows by position, the keys in blocks of as many from key 0. A tile attends to the sink
 // blocks, the local blocks (from prefill_window keys before its first row) and the middle blocks whose
 // bound u(j) = (q.c_j + |q|.r_j) * scale — c, r the centre and radius of block j's decoded keys per
-// dimension (Quest's bound on q.k) — gives the most mass as a softmax's weights exp(u(j) - max u) per
+// dimension (Quest's bound on q.k), the largest over its sub-blocks of kBoundKeys keys — gives the most mass as a softmax's weights exp(u(j) - max u) per
 // query row, summed over the tile's rows and heads; `keep` = ceil(budget * middle blocks) of them (a tile
 // below prefill_min_context, or whose budget covers every middle block, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
 // blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
 // scores the middle blocks in one GEMM ([q, |q|] . [c; r]^T), takes the best, and attends the tile's
 // query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T (OpenBLAS), causal mask, online
 // softmax, Y += P.V — int8 / int4 rows as prefill_gemm (the decode kernel's int16 query levels).
+// keys per box of the blocks' bounds (a block of prefill_block keys not a multiple of it: one box)
+constexpr int64_t kBoundKeys = 16;
+
 bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) const {
   const AttnParams& p = p_;
   if (c.M < 2 || c.mask || !c.idx.empty() || p.approx_prefill || p.local_window > 0) return false;
@@ -1752,10 +1755,12 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     }
   }
   if (tiles.empty()) return false;
-  // phase 1: centre and radius of blocks [0, J) of every (b, hk): blk[(bh * J + j) * 2D + (0 | D) + d]
+  // phase 1: centre and radius of the sub-blocks (kBoundKeys keys) of blocks [0, J) of every (b, hk):
+  // blk[((bh * J + j) * nsb + s) * 2D + (0 | D) + d]
+  const int64_t sbk = Bk % kBoundKeys == 0 ? kBoundKeys : Bk, nsb = Bk / sbk;
   float* blk = nullptr;
   if (J > 0) {
-    blk = outer_scratch().get(static_cast<size_t>(BH * J * D2) + 16);
+    blk = outer_scratch().get(static_cast<size_t>(BH * J * nsb * D2) + 16);
     constexpr int64_t kBlocksPerTask = 16;
     const int64_t per = (J + kBlocksPerTask - 1) / kBlocksPerTask;
     std::atomic<bool> oom{false};
@@ -1773,26 +1778,28 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
       for (int64_t j = j0; j < j1; ++j) {
         for (int64_t i = 0; i < Bk; ++i) rp[i] = c.kf.k(c.kv + (bh * Tc + j * Bk + i) * R);
         ak_->deq_rows(rp, Bk, D, c.kf.bits, kf);
-        float* cr = blk + (bh * J + j) * D2;
-        float* mx = cr;      // max, then the centre
-        float* mn = cr + D;  // min, then the radius
-        for (int64_t i = 0; i < Bk; ++i) {
-          const float s = c.kscale(bh, j * Bk + i);
-          const float* x = kf + i * D;
-          for (int64_t d = 0; d < D; ++d) {
-            const float v = f32 ? x[d] : x[d] * s;
-            if (i == 0) {
-              mx[d] = mn[d] = v;
-            } else {
-              mx[d] = v > mx[d] ? v : mx[d];  // NaN keys do not move the bounds
-              mn[d] = v < mn[d] ? v : mn[d];
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+          float* cr = blk + ((bh * J + j) * nsb + sb) * D2;
+          float* mx = cr;      // max, then the centre
+          float* mn = cr + D;  // min, then the radius
+          for (int64_t i = sb * sbk; i < (sb + 1) * sbk; ++i) {
+            const float s = c.kscale(bh, j * Bk + i);
+            const float* x = kf + i * D;
+            for (int64_t d = 0; d < D; ++d) {
+              const float v = f32 ? x[d] : x[d] * s;
+              if (i == sb * sbk) {
+                mx[d] = mn[d] = v;
+              } else {
+                mx[d] = v > mx[d] ? v : mx[d];  // NaN keys do not move the bounds
+                mn[d] = v < mn[d] ? v : mn[d];
+              }
             }
           }
-        }
-        for (int64_t d = 0; d < D; ++d) {
-          const float hi = mx[d], lo = mn[d];
-          mx[d] = (hi + lo) * 0.5f;
-          mn[d] = (hi - lo) * 0.5f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float hi = mx[d], lo = mn[d];
+            mx[d] = (hi + lo) * 0.5f;
+            mn[d] = (hi - lo) * 0.5f;
+          }
         }
       }
     };
@@ -1816,7 +1823,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     const int64_t D16 = (D + 15) / 16 * 16;
     float* buf;
     try {
-      const size_t need = static_cast<size_t>(rows * (D + Dv + kChunk + 4) + (sparse ? rows * (D2 + nmid) + 4 * nmid + 4 : 0) +
+      const size_t need = static_cast<size_t>(rows * (D + Dv + kChunk + 4) + (sparse ? rows * (D2 + nmid * nsb) + 4 * nmid + 4 : 0) +
                                               nb + kChunk * (D + Dv + 2) + 2 * kChunk * 2 + rep * D16 + rep + 64);
       buf = task_scratch().get(need);
     } catch (...) {
@@ -1861,8 +1868,8 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     } else {
       for (int64_t j = 0; j < ns; ++j) sel[nsel++] = static_cast<int32_t>(j);
       float* Qx = more;                 // [rows, 2D]: q, |q| (float queries)
-      float* U = Qx + rows * D2;        // [rows, nmid]
-      double* Sb = reinterpret_cast<double*>((reinterpret_cast<uintptr_t>(U + rows * nmid) + 7) & ~uintptr_t{7});
+      float* U = Qx + rows * D2;        // [rows, nmid * nsb] the sub-blocks' bounds, then [rows, nmid] the blocks'
+      double* Sb = reinterpret_cast<double*>((reinterpret_cast<uintptr_t>(U + rows * nmid * nsb) + 7) & ~uintptr_t{7});
       int32_t* order = reinterpret_cast<int32_t*>(Sb + nmid);  // [nmid]
       for (int64_t h = 0; h < rep; ++h)
         for (int64_t m = 0; m < mt; ++m) {
@@ -1873,7 +1880,21 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
             o[D + d] = std::fabs(q[d]);
           }
         }
-      blas::sgemm(false, true, rows, nmid, D2, sc, Qx, D2, blk + (bh * J + ns) * D2, D2, 0.0f, U, nmid);
+      blas::sgemm(false, true, rows, nmid * nsb, D2, sc, Qx, D2, blk + (bh * J + ns) * nsb * D2, D2, 0.0f, U,
+                  nmid * nsb);
+      if (nsb > 1)  // a block's bound: the largest of its sub-blocks' (NaN: -inf), in place, row by row
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* us = U + i * nmid * nsb;
+          float* ub = U + i * nmid;
+          for (int64_t j = 0; j < nmid; ++j) {
+            float v = -INFINITY;
+            for (int64_t sb = 0; sb < nsb; ++sb) {
+              const float x = us[j * nsb + sb];
+              v = x > v ? x : v;
+            }
+            ub[j] = v;
+          }
+        }
       // per block the mass a softmax of the bounds gives it, summed over the tile's rows and heads
       for (int64_t j = 0; j < nmid; ++j) Sb[j] = 0.0;
       for (int64_t i = 0; i < rows; ++i) {
