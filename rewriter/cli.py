@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(several pass keys, one asked) (default all three)")
     p.add_argument("--cases", type=_count(1), default=None, help="--task needle: cases per cell (default 1)")
     p.add_argument("--seed", type=int, default=None, help="--task needle: the cases' seed (default 0)")
+    p.add_argument("--needle-cache", default=None, metavar="DIR",
+                   help="--task needle: keep each model's case results in DIR by a stamp of its files, the cases, "
+                   "the thread count, ortlean's code and library, and reuse them under the same stamp (the "
+                   "reference of several models runs once)")
     p.add_argument("--window", type=_count(2), default=512)
     p.add_argument("--windows", type=_count(1), default=8, help="number of windows (causal LM) (default 8)")
     p.add_argument("--sentences", type=_count(1), default=256, help="sentences (encoder) (default 256)")
@@ -496,7 +500,7 @@ def cmd_eval(args) -> int:
     from . import evaluate
 
     needle_flags = {"--lengths": args.lengths, "--depths": args.depths, "--needle-kinds": args.needle_kinds,
-                    "--cases": args.cases, "--seed": args.seed}
+                    "--cases": args.cases, "--seed": args.seed, "--needle-cache": args.needle_cache}
     if args.task == "needle":
         return _eval_needle(args)
     given = [f for f, v in needle_flags.items() if v is not None]
@@ -530,7 +534,8 @@ def _eval_needle(args) -> int:
     res = evaluate.needle(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
                           tokenizer=args.tokenizer, lengths=args.lengths, depths=depths, kinds=args.needle_kinds,
                           cases=1 if args.cases is None else args.cases,
-                          seed=0 if args.seed is None else args.seed, progress=sys.stderr.isatty())
+                          seed=0 if args.seed is None else args.seed, progress=sys.stderr.isatty(),
+                          cache_dir=args.needle_cache, say=lambda m: print(m, file=sys.stderr))
     print(needle.format_table(res))
     if args.json:
         results.write_json(args.json, {**res, **results.provenance(start), "command": _command_line(args)})

@@ -3,6 +3,7 @@ reference, both measured in the same process."""
 from __future__ import annotations
 
 import hashlib
+import json
 import resource
 import time
 from pathlib import Path
@@ -339,12 +340,19 @@ NEEDLE_FLAGS = {"lengths": "--lengths", "depths": "--depths", "kinds": "--needle
 
 
 def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: str | None = None, lengths=None,
-           depths=None, kinds=None, cases: int = 1, seed: int = 0, progress: bool = False) -> dict:
+           depths=None, kinds=None, cases: int = 1, seed: int = 0, progress: bool = False,
+           cache_dir: str | None = None, say=None) -> dict:
     """`ortlean eval --task needle` (custom_ops.runtime.needle): the same cases through the reference and
     the model, each run as `ortlean generate` runs a long prompt; every bad value is an OrtleanError
     naming its flag, raised before either model runs. ``lengths`` None: those of needle.LENGTHS the
-    models take (their positions: config.json's, and a fused graph's rotary cache)."""
+    models take (their positions: config.json's, and a fused graph's rotary cache). ``cache_dir``: each
+    model's case results kept there by a stamp of its files, the cases (their token ids and answers),
+    the thread count, ortlean's code and library, and reused under the same stamp — the reference of
+    several models is read once (``say`` hears when a model's results are reused)."""
+    import dataclasses
     import os
+
+    from .kit import stamps
 
     from custom_ops.runtime import needle as nd
     from custom_ops.runtime.generate import model_positions
@@ -363,16 +371,34 @@ def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: st
         raise OrtleanError(f"{flag} {e.value}: {e.why}") from None
     runs = {}
     same = os.path.realpath(model) == os.path.realpath(ref)
-    for name, path in (("ref", ref), ("model", model)):
-        if name == "model" and same:
-            runs["model"] = runs["ref"]
-            break
+    cache = stamps.JsonCache(cache_dir) if cache_dir else None
+    if cache is not None:
+        key = hashlib.sha256(json.dumps([[c.kind, c.length, c.depth, c.needles, c.index, list(map(int, c.ids)),
+                                          c.answer, c.new_tokens] for c in cases_]).encode()).hexdigest()[:20]
+        common = {"task": "needle", "cases": key, "threads": threads, "code": stamps.code_hash(),
+                  "library": stamps.library_hash()}
+
+    def run(path: str) -> list:
         sess = generator_session(path, threads)
         io = runtime.ModelIO.from_session(sess, path)
         if io.kind != "causal-lm" or not io.logits_name:
             raise OrtleanError(f"--task needle: {path} is not a causal LM (no logits output)")
-        runs[name] = nd.run_cases(sess, io, tok, cases_, model_path=path, progress=progress)
+        out = nd.run_cases(sess, io, tok, cases_, model_path=path, progress=progress)
         del sess
+        return out
+
+    for name, path in (("ref", ref), ("model", model)):
+        if name == "model" and same:
+            runs["model"] = runs["ref"]
+            break
+        if cache is None:
+            runs[name] = run(path)
+            continue
+        got = cache.value({**common, "model": stamps.file_stamp(path)},
+                          lambda p=path: [dataclasses.asdict(r) for r in run(p)],
+                          on_hit=(lambda p=path: say(f"needle: {p}: results reused (same files, cases, threads, "
+                                                     "code and library)")) if say else None)
+        runs[name] = [nd.CaseResult(**r) for r in got]
     res = nd.compare(runs["model"], runs["ref"])
     res.update({"model": model, "ref": ref, "text": str(tp), "text_name": tp.name, "lengths": [int(x) for x in lengths],
                 "depths": list(dict.fromkeys(c.depth for c in cases_)), "kinds": list(dict.fromkeys(c.kind for c in cases_)),

@@ -406,6 +406,32 @@ def test_cli_table_and_json(oracles, tmp_path, capsys):
     assert "lost: 0 needles" in capsys.readouterr().out
 
 
+def test_cli_needle_cache_reuses_each_models_results(oracles, tmp_path, capsys):
+    """--needle-cache DIR: a model's case results are kept by a stamp of its files and the cases and
+    reused under it (the same table and JSON cells); other cases or a changed file run again."""
+    from rewriter import cli
+
+    cache = tmp_path / "nc"
+    base = ["eval", oracles["window"], "--ref", oracles["full"], "--text", oracles["text"], "--task", "needle",
+            "--lengths", "200", "--depths", "0,1", "--needle-kinds", "passkey", "--needle-cache", cache]
+    docs = []
+    for i in range(2):
+        capsys.readouterr()
+        assert cli.main([str(a) for a in base + ["--json", tmp_path / f"n{i}.json"]]) == 0
+        err = capsys.readouterr().err
+        assert err.count("results reused") == (0 if i == 0 else 2), err
+        docs.append(json.loads((tmp_path / f"n{i}.json").read_text()))
+    assert docs[0]["cells"] == docs[1]["cells"] and docs[0]["cases"] == docs[1]["cases"]
+    assert len(list(cache.glob("*.json"))) == 2
+    # other cases (another seed): both models run again
+    assert cli.main([str(a) for a in base + ["--seed", "3"]]) == 0
+    assert "results reused" not in capsys.readouterr().err
+    # with --task ppl the flag is refused, naming it
+    rc = cli.main([str(a) for a in ["eval", oracles["window"], "--ref", oracles["full"], "--text", oracles["text"],
+                                    "--needle-cache", cache]])
+    assert rc == 2 and "--needle-cache" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags,names", [
     (["--lengths", "2048"], ["--lengths", "2048", "1,024 positions"]),
     (["--lengths", "100000"], ["--lengths", "100000"]),
