@@ -603,12 +603,17 @@ def cmd_perf(args) -> int:
         raise OrtleanError("--chunk needs --prompt N (the prompt it splits)")
     # opens the model with clear errors (missing, corrupt, no library); a prompt as generate reads it
     factory = generator_session if args.prompt is not None else _session
+    from . import results
+
+    start = results.git_commit()
     try:
         r = perf.perf(args.model, inputs=args.inputs, iterations=args.iterations, warmup=args.warmup,
                       threads=args.threads, seq=args.seq, past=args.past, batch=args.batch,
                       session_factory=factory, prompt=args.prompt, chunk=args.chunk, profile=args.profile)
     except perf.PerfError as e:
         raise OrtleanError(str(e)) from None
+    if args.json:  # a results file: commit, date and machine inside
+        r = {**r, **results.provenance(start), "command": _command_line(args)}
     print(json.dumps(r, indent=1) if args.json else perf.format_perf(r))
     return 0
 

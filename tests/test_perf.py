@@ -150,6 +150,7 @@ def test_perf_prompt_time_to_first_token_and_profile(tiny, tmp_path, capsys):
     r = json.loads(so)
     _stats_ok(r, 2)
     assert r["tokens_per_run"] == 40 and "a 40-token prompt" in r["inputs"] and "16-token runs" in r["inputs"]
+    assert {"commit", "date", "machine", "command"} <= set(r) and "--prompt 40" in r["command"]
     pr = r["profile"]
     assert pr["runs"] == 1 and pr["ort_runs_per_run"] == 3          # 16 + 16 + 8 tokens
     ops = {o["op_type"]: o for o in pr["op_types"]}
