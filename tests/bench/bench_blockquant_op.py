@@ -402,6 +402,8 @@ def _peak_lib(tmp: Path):
     lib.clock_ns.argtypes = [ctypes.c_int64]
     lib.peak_ns.restype = ctypes.c_double
     lib.peak_ns.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.mix_ns.restype = ctypes.c_double
+    lib.mix_ns.argtypes = [ctypes.c_int, ctypes.c_int64]
     return lib
 
 
@@ -422,8 +424,13 @@ def int8_peak(lib) -> dict | None:
     n, reps = 20_000_000, 5_000_000
     ghz = max(8 * n / lib.clock_ns(n) for _ in range(5))
     per_ns = max(reps * (12 * 64 if which == 2 else 6 * 32) / lib.peak_ns(which, reps) for _ in range(5))
+    mix = None
+    if which == 2:  # does the float epilogue compete with vpdpbusd? (int8_peak.c mix_ns)
+        mix = {f"8 vpdpbusd + {f} vfmadd231ps": round(min(lib.mix_ns(f, reps) for _ in range(5)) / reps * ghz, 2)
+               for f in (0, 4)}
     return {"isa": "AVX-512 VNNI (vpdpbusd zmm)" if which == 2 else "AVX2 (vpmaddubsw + vpmaddwd)",
             "GHz": round(ghz, 2), "macs_per_cycle": round(per_ns / ghz, 1), "GMACps_per_thread": round(per_ns, 1),
+            "cycles_per_iteration": mix,
             "how": "tests/bench/int8_peak.c: a chain of dependent adds (the clock) and independent chains of the "
                    "ISA's int8 dot (its throughput), best of 5, 1 thread"}
 
@@ -502,7 +509,9 @@ def table(info: dict, rows: list[dict]) -> str:
         out += ["", f"M = {', '.join(map(str, Ms))} (prefill), one layer: us per Run; vs_mnb = MatMulNBits / op (>= 1)"
                 + (f"; of_peak = GMAC/s over the int8 peak of {pk['isa']}: {pk['macs_per_cycle']} MACs a cycle x "
                    f"{pk['GHz']} GHz (measured) = {pk['GMACps_per_thread']} GMAC/s a thread, times the threads"
-                   if pk else ""),
+                   if pk else "")
+                + ("; cycles an iteration takes: " + ", ".join(f"{k} {v}" for k, v in pk["cycles_per_iteration"].items())
+                   if pk and pk.get("cycles_per_iteration") else ""),
                 f"{'format':>8} {'layout':>6} {'K x N':>11} {'M':>4} {'act':>3} {'thr':>3} {'op us':>9} {'GMAC/s':>7} "
                 f"{'of_peak':>7} {'MNB us':>9} {'vs_mnb':>6}"]
         for r in pre:

@@ -91,3 +91,26 @@ __attribute__((target("avx2"))) static double peak256(int64_t reps) {
 }
 
 double peak_ns(int isa, int64_t reps) { return isa == 2 ? peak512(reps) : peak256(reps); }
+
+/* mix_ns(fmas, reps): reps iterations of 8 independent vpdpbusd zmm chains plus `fmas` (0 or 4) independent
+   vfmadd231ps zmm chains, in registers (inline asm: nothing to merge): the cycles an iteration takes with and
+   without the FMAs say whether the float epilogue of a block-quant product competes with vpdpbusd for its
+   pipes (bench_blockquant_op.py prints both, as cycles per iteration at the measured clock). */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) double mix_ns(int fmas, int64_t reps) {
+#define ORT_DP(r) "vpdpbusd %%zmm12, %%zmm13, %%zmm" #r "\n\t"
+#define ORT_FMA(r) "vfmadd231ps %%zmm14, %%zmm15, %%zmm" #r "\n\t"
+  const double t0 = now_ns();
+  if (fmas)
+    for (int64_t i = 0; i < reps; ++i)
+      __asm__ volatile(ORT_DP(0) ORT_DP(1) ORT_DP(2) ORT_DP(3) ORT_DP(4) ORT_DP(5) ORT_DP(6) ORT_DP(7)
+                       ORT_FMA(8) ORT_FMA(9) ORT_FMA(10) ORT_FMA(11)
+                       ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                       "xmm10", "xmm11");
+  else
+    for (int64_t i = 0; i < reps; ++i)
+      __asm__ volatile(ORT_DP(0) ORT_DP(1) ORT_DP(2) ORT_DP(3) ORT_DP(4) ORT_DP(5) ORT_DP(6) ORT_DP(7)
+                       ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7");
+#undef ORT_DP
+#undef ORT_FMA
+  return now_ns() - t0;
+}
