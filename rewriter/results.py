@@ -85,20 +85,28 @@ def _isa_label(flags: set[str]) -> str:
 
 
 def machine() -> dict:
-    """CPU model, logical cores, ISA label and the CPU flags that matter to the kernels, the ISA
-    ortlean's kernels run at here, and the load average when measured."""
+    """CPU model (with its family and model numbers: a VM's model name can be the vendor's alone),
+    logical cores, ISA label and the CPU flags that matter to the kernels, the ISA ortlean's kernels
+    run at here, and the load average when measured."""
     import platform
 
     flags: set[str] = set()
     cpu = platform.processor() or platform.machine() or "?"
+    fam: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k == "flags" and not flags:
+                flags = set(v.split())
+            elif k == "model name":
+                cpu = v.strip()
+            elif k in ("cpu family", "model") and k not in fam:
+                fam[k] = v.strip()
     except OSError:
         pass
+    if fam:
+        cpu += f" (family {fam.get('cpu family', '?')} model {fam.get('model', '?')})"
     keep = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                         "avx512_vpopcntdq", "avx512_bf16", "amx_tile") if f in flags]
     try:

@@ -157,21 +157,6 @@ def _stream_sync_best(libs, arrays, nbytes: int, threads: int) -> float:
 
 
 def machine() -> dict:
-    model, fam = "?", {}
-    try:  # the model name, and family / model (a VM's name can be just the vendor's)
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            k = k.strip()
-            if k == "model name" and model == "?":
-                model = v.strip()
-            elif k in ("cpu family", "model") and k not in fam:
-                fam[k] = v.strip()
-            if not line.strip() and model != "?":
-                break
-    except OSError:
-        pass
-    if fam:
-        model += f" (family {fam.get('cpu family', '?')} model {fam.get('model', '?')})"
     import custom_ops
     import onnxruntime as ort
 
@@ -180,7 +165,8 @@ def machine() -> dict:
     head, dirty = results.git_commit()
     commit = head[:7] + ("+dirty" if dirty else "") if head else "?"
 
-    return {"cpu": model, "cores": os.cpu_count(), "isa": custom_ops.isa_label(), "onnxruntime": ort.__version__,
+    return {"cpu": results.machine()["cpu"], "cores": os.cpu_count(), "isa": custom_ops.isa_label(),
+            "onnxruntime": ort.__version__,
             "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average": [round(x, 2) for x in os.getloadavg()], "llc": llc(),
             "mem_available_bytes": mem_available()}
