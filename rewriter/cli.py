@@ -597,14 +597,13 @@ def _writable(path: str, flag: str) -> None:
 def cmd_perf(args) -> int:
     from custom_ops.runtime import perf
 
+    from . import results
     from .evaluate import _session, generator_session
 
     if args.chunk is not None and args.prompt is None:
         raise OrtleanError("--chunk needs --prompt N (the prompt it splits)")
     # opens the model with clear errors (missing, corrupt, no library); a prompt as generate reads it
     factory = generator_session if args.prompt is not None else _session
-    from . import results
-
     start = results.git_commit()
     try:
         r = perf.perf(args.model, inputs=args.inputs, iterations=args.iterations, warmup=args.warmup,

@@ -352,8 +352,6 @@ def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: st
     import dataclasses
     import os
 
-    from .kit import stamps
-
     from custom_ops.runtime import needle as nd
     from custom_ops.runtime.generate import model_positions
 

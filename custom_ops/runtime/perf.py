@@ -17,7 +17,6 @@ symbolic dimensions read by name (batch, past, total, sequence). Every timed run
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -180,10 +179,11 @@ def perf(model_path, inputs=None, iterations: int = 100, warmup: int = 5, thread
     factory = session_factory or (lambda p, t, so=None: custom_ops.session(p, threads=t, so=so))
     sess = factory(str(model_path), threads)
     if prompt is not None:
-        run0, desc, _ = _prompt_runner(sess, model_path, int(prompt), chunk, seed)
-        feeds = {"input_ids": np.zeros((1, int(prompt)), np.int64)}  # tokens a run, for the throughput
+        run0, desc, tokens = _prompt_runner(sess, model_path, int(prompt), chunk, seed)
     else:
         feeds, desc = _feeds(sess, model_path, inputs, seq, past, batch, seed)
+        ids = feeds.get("input_ids")
+        tokens = int(ids.size) if ids is not None else None
 
         def run0():
             sess.run(None, feeds)
@@ -191,8 +191,6 @@ def perf(model_path, inputs=None, iterations: int = 100, warmup: int = 5, thread
     def run():
         try:
             run0()
-        except PerfError:
-            raise
         except Exception as e:  # ORT's message names the node / input; say which inputs ran
             raise PerfError(f"{model_path}: the run failed with these inputs ({desc}): "
                             f"{str(e).splitlines()[0]}") from None
@@ -209,8 +207,6 @@ def perf(model_path, inputs=None, iterations: int = 100, warmup: int = 5, thread
     ms = times * 1e3
     lat = {"mean": float(ms.mean()), "std": float(ms.std(ddof=1)) if ms.size > 1 else 0.0, "min": float(ms.min()),
            **{f"p{q}": float(np.percentile(ms, q)) for q in (50, 90, 95, 99)}, "max": float(ms.max())}
-    ids = feeds.get("input_ids")
-    tokens = int(ids.size) if ids is not None else None
     thr = {"runs_per_s": iterations / wall}
     if tokens:
         thr["tokens_per_s"] = tokens * iterations / wall
@@ -231,20 +227,9 @@ def perf(model_path, inputs=None, iterations: int = 100, warmup: int = 5, thread
 def _profile(factory, model_path, threads, inputs, seq, past, batch, seed, prompt, chunk, runs, warmup) -> dict:
     """ORT's profiler over ``runs`` runs after ``warmup`` (a new session, the profiler on): the op
     types' time per run, their share of the node time, and the attention nodes' share."""
-    import tempfile
+    from .profile import ATTENTION_OPS, _summarise, profiled_trace
 
-    import onnxruntime as ort
-
-    from .profile import ATTENTION_OPS, _summarise
-
-    with tempfile.TemporaryDirectory(prefix="ortlean-perf-") as d:
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = str(Path(d) / "ort_profile")
-        try:
-            sess = factory(str(model_path), threads, so=so)
-        except TypeError as e:  # a factory without SessionOptions cannot profile
-            raise PerfError(f"--profile: this session factory takes no SessionOptions ({e})") from None
+    def drive(sess) -> None:
         if prompt is not None:
             run, _, _ = _prompt_runner(sess, model_path, int(prompt), chunk, seed)
         else:
@@ -254,10 +239,14 @@ def _profile(factory, model_path, threads, inputs, seq, past, batch, seed, promp
                 sess.run(None, feeds)
         for _ in range(warmup + runs):
             run()
-        trace_path = sess.end_profiling()
-        with open(trace_path) as fh:
-            trace = json.load(fh)
-        del sess
+
+    def make(path, so):
+        try:
+            return factory(path, threads, so=so)
+        except TypeError as e:  # a factory without SessionOptions cannot profile
+            raise PerfError(f"--profile: this session factory takes no SessionOptions ({e})") from None
+
+    trace = profiled_trace(model_path, drive, make)
     events = trace if isinstance(trace, list) else trace.get("traceEvents", [])
     n_runs = sum(1 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
     # ORT runs per call: 1, or a prompt's chunks (then every call the same, and no other runs: the

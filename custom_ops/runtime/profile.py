@@ -41,6 +41,22 @@ def profile_summary(model_path, session_factory: Callable | None = None, feeds=N
     custom_ops.session, threads=2)``, default a plain CPU InferenceSession. ``feeds`` is a
     dict or a callable ``(session) -> dict``. The first ``warmup`` runs are excluded. Times are
     kernel times per run (averaged over ``runs``); ``pct`` is the share of all node time."""
+    def drive(sess) -> None:
+        f = feeds(sess) if callable(feeds) else feeds
+        if f is None:
+            f = make_feeds(ModelIO.from_session(sess), np.arange(1, 17, dtype=np.int64)[None, :])
+        for _ in range(warmup + runs):
+            sess.run(None, f)
+
+    return _summarise(profiled_trace(model_path, drive, session_factory, so, keep_trace), warmup, top)
+
+
+def profiled_trace(model_path, drive: Callable, session_factory: Callable | None = None, so=None,
+                   keep_trace: str | None = None):
+    """ORT's profiler trace (the parsed chrome-trace JSON) of what ``drive(sess)`` runs on a session
+    built by ``session_factory(model_path, so=so)`` (default a plain CPU InferenceSession) with the
+    profiler switched on in ``so``; the session is dropped before returning. ``keep_trace``: the
+    trace file is also copied there."""
     import onnxruntime as ort
 
     factory = session_factory or _default_factory
@@ -49,18 +65,14 @@ def profile_summary(model_path, session_factory: Callable | None = None, feeds=N
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(d, "ort_profile")
         sess = factory(str(model_path), so=so)
-        f = feeds(sess) if callable(feeds) else feeds
-        if f is None:
-            f = make_feeds(ModelIO.from_session(sess), np.arange(1, 17, dtype=np.int64)[None, :])
-        for _ in range(warmup + runs):
-            sess.run(None, f)
+        drive(sess)
         trace_path = sess.end_profiling()
         with open(trace_path) as fh:
             trace = json.load(fh)
         if keep_trace:
             _keep(trace_path, keep_trace)
         del sess
-    return _summarise(trace, warmup, top)
+    return trace
 
 
 def _keep(trace_path: str, dest: str) -> None:
@@ -154,17 +166,12 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
     and ``.attention_ms`` the time of the attention nodes (:data:`ATTENTION_OPS`) per step.
     ``keep_trace``: ORT's whole trace (chrome trace JSON: the prefill of the past, the warm-up and
     the measured steps) is also written to that path."""
-    import onnxruntime as ort
-
     from .bench import LoopRow, SharedRow, chunked_state
 
-    factory = session_factory or _default_factory
-    so = ort.SessionOptions()
     rng = np.random.default_rng(seed)
-    with tempfile.TemporaryDirectory(prefix="ortlean-prof-") as d:
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(d, "ort_profile")
-        sess = factory(str(model_path), so=so)
+    how = {}
+
+    def drive(sess) -> None:
         io = ModelIO.from_session(sess, str(model_path))
         if io.kind != "causal-lm" or not io.past_to_present:
             raise ValueError(f"{model_path}: decode profile needs a causal LM with a KV cache (kind {io.kind})")
@@ -174,24 +181,20 @@ def decode_profile(model_path, session_factory: Callable | None = None, past: in
         row = None
         if shares_kv(model_path):  # the bench's drivers: shared KV where the graph writes its cache in place
             try:  # (checked first: a graph that concatenates its cache would print ORT's error for the probe)
-                row, loop = SharedRow(sess, io, states, warmup + steps, 1), "shared KV"
+                row, how["loop"] = SharedRow(sess, io, states, warmup + steps, 1), "shared KV"
                 row.decode(past, step_ids[:, :1])
             except Exception:
                 row = None
         if row is None:
-            row, loop = LoopRow(sess, io, states), "plain"
+            row, how["loop"] = LoopRow(sess, io, states), "plain"
         if huge_pages:
             from .memory import huge_pages_for_process
 
             huge_pages_for_process()
         row.decode(past, step_ids)  # each driver starts again from the same past
-        trace_path = sess.end_profiling()
-        with open(trace_path) as fh:
-            trace = json.load(fh)
-        if keep_trace:
-            _keep(trace_path, keep_trace)
-        del sess
+
+    trace = profiled_trace(model_path, drive, session_factory, keep_trace=keep_trace)
     rows = _summarise(trace, 0, top, last=steps)
-    rows.loop, rows.past = loop, int(past)
+    rows.loop, rows.past = how["loop"], int(past)
     rows.attention_ms = sum(r["total_ms"] for r in rows if r["op_type"] in ATTENTION_OPS)
     return rows
