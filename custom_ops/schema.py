@@ -311,6 +311,9 @@ SCHEMAS: tuple[OpSchema, ...] = (
                  doc="sparse prefill: keys before a tile's first row always attended"),
             Attr("prefill_min_context", "int", default=4096, valid=NONNEG,
                  doc="sparse prefill: a tile whose last row's context is at most this is exact"),
+            Attr("prefill_tail", "int", default=0, valid=NONNEG,
+                 doc="sparse prefill: the last this many prompt rows of each sequence in a call are exact "
+                     "(the rows a reply is read from)"),
             Attr("cand_block", "int", default=1, valid=Valid(lo=1, hi=4096),
                  doc="kv_quant: candidates in blocks of this many consecutive keys (block score: its best key's); 1: key by key"),
             Attr("layer", "string", meta=True),

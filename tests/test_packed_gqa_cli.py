@@ -942,6 +942,7 @@ def test_tune_prefill_chooses_a_sparse_budget(forms, tmp_path, monkeypatch):
         if 0 < pf["prefill_budget"] < 1:
             assert abs(a["prefill_budget"].f - pf["prefill_budget"]) < 1e-7 and a["prefill_block"].i == 16
             assert a["prefill_window"].i == 32 and a["prefill_min_context"].i == 128
+            assert a["prefill_tail"].i == 64      # the last rows of a prompt call exact (the default)
         else:
             assert "prefill_budget" not in a or a["prefill_budget"].f == 0
     # a given budget that does not hold (its rows made 22 % worse here): exit 3, nothing written

@@ -67,6 +67,11 @@ CASES = [  # (B, Hq, Hkv, M, P, D, Dv, q, extra)
     (1, 6, 2, 160, 900, 32, None, "int8", dict(prefill_block=64, prefill_window=128, prefill_min_context=256)),
     (1, 4, 2, 97, 700, 24, 16, "fp32", dict(prefill_block=48, prefill_window=96, prefill_budget=0.2)),
     (1, 6, 2, 120, 650, 32, None, "int4", dict(prefill_block=40, prefill_window=80)),
+    # an exact tail: cut inside a tile (200 - 37), on a tile's edge, longer than the call, two sequences
+    (1, 6, 2, 200, 300, 32, None, "int8", dict(prefill_tail=37)),
+    (1, 4, 2, 97, 700, 24, 16, "fp32", dict(prefill_block=48, prefill_window=96, prefill_tail=49)),
+    (1, 6, 2, 60, 500, 32, None, "int4", dict(prefill_tail=61)),
+    (2, 6, 2, 100, 250, 32, None, "int8", dict(prefill_block=32, prefill_window=0, prefill_tail=1)),
 ]
 
 
@@ -114,6 +119,26 @@ def test_reference_selection_rules():
     # below min_context: no row is sparse; a budget that covers every block: exact
     assert prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.25, 16, 48, 10_000, 4, 0.125) == {}
     assert prefill_keys(Qg, Kh[:T], 500, list(range(64)), 0.999, 16, 48, 96, 4, 0.125) == {}
+
+
+def test_reference_exact_tail():
+    """The last `tail` rows of the call are exact (absent from the selection); the rows before them keep
+    the tiles they would have, cut at the tail: a tile's rows before the cut are scored without the
+    rows after it."""
+    f = prompt_case(M=64, P=500, q="fp32", seed=3)
+    Kd, _ = unpack_kv(f["past_kv"], f["past_bits"], 32, 32, "fp32")
+    Kh = np.concatenate([Kd[0, 0], f["K"][0, 0]], 0)
+    Qg = f["Q"][0, :3]
+    args = (0.25, 16, 48, 96, 4, 0.125)
+    full = prefill_keys(Qg, Kh, 500, list(range(64)), *args)
+    tail = prefill_keys(Qg, Kh, 500, list(range(64)), *args, tail=20)
+    assert set(tail) == set(range(44))
+    for m in range(32):                       # whole tiles before the cut: as without a tail
+        np.testing.assert_array_equal(tail[m], full[m])
+    cut = prefill_keys(Qg, Kh, 500, list(range(44)), *args)   # the cut tile scored on its rows 32..43
+    for m in range(32, 44):
+        np.testing.assert_array_equal(tail[m], cut[m])
+    assert prefill_keys(Qg, Kh, 500, list(range(64)), *args, tail=64) == {}
 
 
 def test_planted_key_in_a_block_of_boxes_is_chosen():
@@ -197,7 +222,7 @@ def test_metrics_count_the_attended_keys():
 def _isa_worker() -> None:
     for q, D, Dv in (("int8", 32, 32), ("int4", 24, 40), ("fp32", 20, 13)):
         for Hq, Hkv in ((6, 2), (3, 3)):
-            attrs = _attrs(q, D)
+            attrs = _attrs(q, D, prefill_tail=13 if Hq == 6 else 0)
             f = prompt_case(Hq=Hq, Hkv=Hkv, M=70, P=400, D=D, Dv=Dv, q=q, seed=4)
             Y = run_native(attrs, f)[0]
             Yr = run_ref(attrs, f)[0]

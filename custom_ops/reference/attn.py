@@ -81,7 +81,8 @@ the call's prompt rows are cut into tiles by position (pos // prefill_block); th
 of prefill_block from key 0. A tile whose last row pb has pb + 1 <= prefill_min_context is exact.
 Else, with pa its first row, nb = pb // block + 1 context blocks: sink blocks j < ceil(sinks /
 block), local blocks j >= max(0, pa − prefill_window) // block (up to the tile's own), and the
-middle blocks between them, nmid of them; keep = ceil(prefill_budget · nmid) middle blocks are kept
+middle blocks between them, nmid of them (the last prefill_tail rows of the sequence's rows in the call
+are left out of the tiles: they are exact, and a tile's first row pa is its first row before them); keep = ceil(prefill_budget · nmid) middle blocks are kept
 (float64 product; exact when that is all of them): the budget is the share of the middle the tile
 reads, the sinks and the local window always read. A middle block j is scored from boxes of 16
 consecutive keys (BOUND_KEYS; the whole block when its size is not a multiple of 16): per box the keys'
@@ -479,14 +480,15 @@ BOUND_KEYS = 16   # sparse prefill: keys per box of a block's bound (one box whe
 
 
 def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int, min_context: int, sinks: int,
-                 scale) -> dict:
+                 scale, tail: int = 0) -> dict:
     """Sparse prefill (module docstring): the keys each prompt row of one KV head attends to.
     Qg [rep, M, D] the group's query heads, Kh [T, D] the head's keys as the kernel reads them (the
     cache rows decoded: codes · scale), rows the call's row indices m (positions pos0 + m). Returns
     {m: key indices (ascending)} for the rows of tiles that approximate; rows not in it are exact."""
     out = {}
     tiles: dict[int, list[int]] = {}
-    for m in rows:
+    rows = list(rows)
+    for m in rows[:max(0, len(rows) - tail)]:   # the last `tail` rows are exact
         tiles.setdefault((pos0 + m) // block, []).append(m)
     for t, ms in tiles.items():
         pa, pb = pos0 + ms[0], pos0 + ms[-1]
@@ -578,7 +580,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
             for hk in range(Hkv):
                 sparse.update({(b, hk, m): idx for m, idx in prefill_keys(
                     Q[b, hk * rep:(hk + 1) * rep], Kd[b, hk], int(pos0[b]), rows, pb_, a["prefill_block"],
-                    a["prefill_window"], a["prefill_min_context"], sinks, scale).items()})
+                    a["prefill_window"], a["prefill_min_context"], sinks, scale, a["prefill_tail"]).items()})
     ks_all = None if kscale is None or not len(kscale) else np.asarray(kscale, np.float32).reshape(Hkv, D)
     for b in range(B):
         for hk in range(Hkv):

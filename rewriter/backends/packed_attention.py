@@ -108,6 +108,10 @@ class AttnConfig(Options):
                                "always attends to (default 1024)", type=int)
     prefill_block: int = flag("--attn-prefill-block", 64, "sparse prefill: prompt rows per tile and keys per block "
                               "(default 64)", type=int)
+    prefill_tail: int = flag("--attn-prefill-tail", 64, "sparse prefill: the last this many rows of each prompt "
+                             "call attend to every key — the rows a reply is read from, where the question is "
+                             "(default 64; without them the first answer token lost 3 of 5 pass keys at 8k "
+                             "on Qwen2.5-Coder-1.5B, docs/retrieval.md)", type=int)
     prefill_min_context: int = flag("--attn-prefill-min-context", 4096, "sparse prefill: prompt rows whose context "
                                     "is at most this attend to every key (default 4096; the tuner scores the rows "
                                     "from here on)", type=int)
@@ -158,8 +162,8 @@ class AttnConfig(Options):
             raise OrtleanError(f"--attn-prefill-budget {self.prefill_budget}: must be in [0, 1]")
         if not 8 <= self.prefill_block <= 4096:
             raise OrtleanError(f"--attn-prefill-block {self.prefill_block}: must be in 8..4096")
-        if min(self.prefill_window, self.prefill_min_context) < 0:
-            raise OrtleanError("--attn-prefill-window / --attn-prefill-min-context must be ≥ 0")
+        if min(self.prefill_window, self.prefill_min_context, self.prefill_tail) < 0:
+            raise OrtleanError("--attn-prefill-window / --attn-prefill-min-context / --attn-prefill-tail must be ≥ 0")
         if self.prefill_context < 256:
             raise OrtleanError(f"--attn-prefill-context {self.prefill_context}: must be ≥ 256")
         if not 256 <= self.pq_keys <= 1 << 20:
@@ -351,7 +355,8 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | N
         pb = cfg.prefill_budget or 0.0
         if 0 < pb < 1:
             attrs.update(prefill_budget=float(pb), prefill_block=int(cfg.prefill_block),
-                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context))
+                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context),
+                         prefill_tail=int(cfg.prefill_tail))
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
         if kscale and m.cache in kscale:
@@ -503,7 +508,8 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
         pb = cfg.prefill_budget or 0.0
         if 0 < pb < 1:
             attrs.update(prefill_budget=float(pb), prefill_block=int(cfg.prefill_block),
-                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context))
+                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context),
+                         prefill_tail=int(cfg.prefill_tail))
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
         if cfg.cand_block != 1:
@@ -886,7 +892,8 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
 
     def set_budget(b):
         vals = {"prefill_budget": float(b), "prefill_block": int(cfg.prefill_block),
-                "prefill_window": int(cfg.prefill_window), "prefill_min_context": floor}
+                "prefill_window": int(cfg.prefill_window), "prefill_min_context": floor,
+                "prefill_tail": int(cfg.prefill_tail)}
         _set_attrs(model, vals if 0 < b < 1 else {"prefill_budget": 0.0})
 
     def testable(b) -> bool:
@@ -980,7 +987,7 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
         "contexts": [floor, int(L)], "scored": int(nll_ref.size), "spans": len(spans), "trials": trials}})
     if 0 < best < 1:
         out.update(prefill_block=int(cfg.prefill_block), prefill_window=int(cfg.prefill_window),
-                   prefill_min_context=floor)
+                   prefill_min_context=floor, prefill_tail=int(cfg.prefill_tail))
         t = next(t for t in trials if t["prefill_budget"] == best)
         out["summary"] = (f"sparse prefill budget {best:g} from context {floor} (prefill-mode Δppl "
                           f"{100 * t['delta_ppl']:+.2f} %, bound {100 * t['delta_ppl_upper']:+.2f} %, at {floor}..{L})")

@@ -228,7 +228,8 @@ PackedAttentionKernel::PackedAttentionKernel(const Ort::ConstKernelInfo& info) :
            {"rotary_interleaved", &p.rotary_interleaved}, {"cand_block", &p.cand_block}});
   at.read({{"ksmooth", &p.ksmooth}});
   at.read({{"prefill_budget", &p.prefill_budget}, {"prefill_block", &p.prefill_block},
-           {"prefill_window", &p.prefill_window}, {"prefill_min_context", &p.prefill_min_context}});
+           {"prefill_window", &p.prefill_window}, {"prefill_min_context", &p.prefill_min_context},
+           {"prefill_tail", &p.prefill_tail}});
   p.kv_bits = kvq == "fp32" ? 32 : kvq == "int8" ? 8 : kvq == "int4" ? 4 : 0;
   if (!p.kv_bits && p.prefill_budget > 0 && p.prefill_budget < 1)
     fail("attribute prefill_budget " + std::to_string(p.prefill_budget) + " needs kv_quant fp32 | int8 | int4");
@@ -1707,7 +1708,8 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 // bound u(j) = (q.c_j + |q|.r_j) * scale — c, r the centre and radius of block j's decoded keys per
 // dimension (Quest's bound on q.k), the largest over its sub-blocks of kBoundKeys keys — gives the most mass as a softmax's weights exp(u(j) - max u) per
 // query row, summed over the tile's rows and heads; `keep` = ceil(budget * middle blocks) of them (a tile
-// below prefill_min_context, or whose budget covers every middle block, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
+// below prefill_min_context, or whose budget covers every middle block, or of the last prefill_tail rows of
+// its sequence in the call, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
 // blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
 // scores the middle blocks in one GEMM ([q, |q|] . [c; r]^T), takes the best, and attends the tile's
 // query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T (OpenBLAS), causal mask, online
@@ -1736,8 +1738,12 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
   int64_t J = 0;  // blocks [0, J) whose centre and radius phase 1 computes (the sparse tiles' largest jl)
   for (int64_t b = 0; b < c.B; ++b) {
     const int64_t p0 = c.pos0[static_cast<size_t>(b)], nrow = std::min(M, c.total[static_cast<size_t>(b)] - p0);
+    // rows from tail0 on (the last prefill_tail of the sequence's rows) attend to every key: a tile
+    // does not straddle tail0
+    const int64_t tail0 = std::max<int64_t>(0, nrow - p.prefill_tail);
     for (int64_t m = 0; m < nrow;) {
-      const int64_t m1 = std::min(nrow, ((p0 + m) / Bk + 1) * Bk - p0);
+      int64_t m1 = std::min(nrow, ((p0 + m) / Bk + 1) * Bk - p0);
+      if (m < tail0 && m1 > tail0) m1 = tail0;
       Tile tl{b, m, m1, p0 + m, p0 + m1 - 1, 0, 0, 0, -1};
       tl.nb = tl.pb / Bk + 1;
       tl.ns = p.sinks > 0 ? std::min(tl.nb, (p.sinks + Bk - 1) / Bk) : 0;
@@ -1746,7 +1752,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
       // the budget is the share of the middle blocks a tile reads (the sinks and the local window always)
       const int64_t keep =
           static_cast<int64_t>(std::ceil(static_cast<double>(p.prefill_budget) * static_cast<double>(nmid)));
-      if (sparse_on && tl.pb + 1 > p.prefill_min_context && keep < nmid) {
+      if (sparse_on && m < tail0 && tl.pb + 1 > p.prefill_min_context && keep < nmid) {
         tl.keep = keep;
         J = std::max(J, tl.jl);
       }

@@ -51,6 +51,9 @@ struct AttnParams {
   // kv cache mode, prompt rows: sparse prefill (prefill_sparse) when 0 < prefill_budget < 1
   float prefill_budget = 0.0f;
   int64_t prefill_block = 64, prefill_window = 1024, prefill_min_context = 4096;
+  // sparse prefill: the last prefill_tail rows of each sequence's prompt rows in a call attend to every
+  // key (the rows a reply is read from: the end of a prompt asks the question)
+  int64_t prefill_tail = 0;
 };
 
 struct KvCall;
@@ -78,6 +81,7 @@ class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
       attr_int("prefill_block", 64).range(8, 4096),
       attr_int("prefill_window", 1024).range(0, kMaxDim),
       attr_int("prefill_min_context", 4096).range(0, kMaxDim),
+      attr_int("prefill_tail", 0).range(0, kMaxDim),
       attr_float("rho", 0.15f).range(0, 1),
       attr_int("qbits", 8).range(2, 16),
       attr_float("mix", 0.0f).range(0, 1),
