@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(several pass keys, one asked) (default all three)")
     p.add_argument("--cases", type=_count(1), default=None, help="--task needle: cases per cell (default 1)")
     p.add_argument("--seed", type=int, default=None, help="--task needle: the cases' seed (default 0)")
+    p.add_argument("-q", "--quiet", action="store_true", help="--task needle: no progress lines on stderr")
     p.add_argument("--needle-cache", default=None, metavar="DIR",
                    help="--task needle: keep each model's case results in DIR by a stamp of its files, the cases, "
                    "the thread count, ortlean's code and library, and reuse them under the same stamp (the "
@@ -534,7 +535,7 @@ def _eval_needle(args) -> int:
     res = evaluate.needle(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
                           tokenizer=args.tokenizer, lengths=args.lengths, depths=depths, kinds=args.needle_kinds,
                           cases=1 if args.cases is None else args.cases,
-                          seed=0 if args.seed is None else args.seed, progress=sys.stderr.isatty(),
+                          seed=0 if args.seed is None else args.seed, progress=not args.quiet,
                           cache_dir=args.needle_cache, say=lambda m: print(m, file=sys.stderr))
     print(needle.format_table(res))
     if args.json:

@@ -16,6 +16,7 @@ from models.cache import cache_root
 from .errors import OrtleanError
 from .kit import modelfile, stream
 from .kit import stamps
+from .kit.progress import Progress
 
 
 def _session(path: str, threads: int, last_logits: bool = False, so=None):
@@ -340,7 +341,7 @@ NEEDLE_FLAGS = {"lengths": "--lengths", "depths": "--depths", "kinds": "--needle
 
 
 def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: str | None = None, lengths=None,
-           depths=None, kinds=None, cases: int = 1, seed: int = 0, progress: bool = False,
+           depths=None, kinds=None, cases: int = 1, seed: int = 0, progress: bool = True,
            cache_dir: str | None = None, say=None) -> dict:
     """`ortlean eval --task needle` (custom_ops.runtime.needle): the same cases through the reference and
     the model, each run as `ortlean generate` runs a long prompt; every bad value is an OrtleanError
@@ -348,7 +349,8 @@ def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: st
     models take (their positions: config.json's, and a fused graph's rotary cache). ``cache_dir``: each
     model's case results kept there by a stamp of its files, the cases (their token ids and answers),
     the thread count, ortlean's code and library, and reused under the same stamp — the reference of
-    several models is read once (``say`` hears when a model's results are reused)."""
+    several models is read once (``say`` hears when a model's results are reused). ``progress``: each
+    model's cases as a bar on a terminal, else a line at least every 15 s on stderr (rewriter.kit.progress)."""
     import dataclasses
     import os
 
@@ -381,7 +383,17 @@ def needle(model: str, ref: str, text_path: str, threads: int = 2, tokenizer: st
         io = runtime.ModelIO.from_session(sess, path)
         if io.kind != "causal-lm" or not io.logits_name:
             raise OrtleanError(f"--task needle: {path} is not a causal LM (no logits output)")
-        out = nd.run_cases(sess, io, tok, cases_, model_path=path, progress=progress)
+        # a bar on a terminal, else a line at least every 15 s in a log (a 32k case takes minutes)
+        with Progress(f"needle, {Path(path).parent.name}/{Path(path).name}", total=len(cases_), unit="case",
+                      enabled=progress) as bar:
+            def step(c, r):
+                bar.update(1, f"last: {c.kind} {c.length:,} depth {c.depth:g}: {'hit' if r.hit else 'miss'}")
+                if c is not cases_[-1]:
+                    nxt = cases_[bar.n]
+                    bar.status(f"{nxt.kind} {nxt.length:,} depth {nxt.depth:g}")
+
+            bar.status(f"{cases_[0].kind} {cases_[0].length:,} depth {cases_[0].depth:g}")
+            out = nd.run_cases(sess, io, tok, cases_, model_path=path, progress=step)
         del sess
         return out
 

@@ -432,6 +432,24 @@ def test_cli_needle_cache_reuses_each_models_results(oracles, tmp_path, capsys):
     assert rc == 2 and "--needle-cache" in capsys.readouterr().err
 
 
+def test_cli_progress_lines_in_a_log(oracles, capsys, monkeypatch):
+    """stderr not a terminal: each model's cases give plain progress lines (at least every
+    ORTLEAN_PROGRESS_SECONDS, 15 s by default) naming the model and the case it is on; --quiet: none."""
+    from rewriter import cli
+
+    monkeypatch.setenv("ORTLEAN_PROGRESS_SECONDS", "0.01")
+    base = ["eval", oracles["window"], "--ref", oracles["full"], "--text", oracles["text"], "--task", "needle",
+            "--lengths", "200,320", "--depths", "0,1", "--needle-kinds", "passkey"]
+    capsys.readouterr()
+    assert cli.main([str(a) for a in base]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[ortlean] needle, ")]
+    assert lines, "no progress line"
+    assert {Path(oracles["window"]).name, Path(oracles["full"]).name} <= {x.split(":")[0].split("/")[-1] for x in lines}
+    assert any(" cases, " in x and "passkey" in x and "depth" in x for x in lines), lines
+    assert cli.main([str(a) for a in base + ["--quiet"]]) == 0
+    assert "[ortlean] needle" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags,names", [
     (["--lengths", "2048"], ["--lengths", "2048", "1,024 positions"]),
     (["--lengths", "100000"], ["--lengths", "100000"]),
