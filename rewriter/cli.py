@@ -507,13 +507,16 @@ def cmd_eval(args) -> int:
     given = [f for f, v in needle_flags.items() if v is not None]
     if given:
         raise OrtleanError(f"{given[0]} applies to --task needle (this is --task {args.task})")
+    from . import results
+
+    start = results.git_commit()
     res = evaluate.evaluate(args.model, args.ref, args.text, threads=options.one_thread_count(args.threads, "--threads"),
                             window=args.window,
                             windows=args.windows, sentences=args.sentences, tokenizer=args.tokenizer, peers=args.peers,
                             decode_context=args.decode_context, decode_score=args.decode_score)
     print(evaluate.format_eval(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.json:  # a results file: its provenance (commit, date, machine) and command inside, written atomically
+        results.write_json(args.json, {**res, **results.provenance(start), "command": _command_line(args)})
     return 0
 
 

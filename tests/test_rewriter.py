@@ -323,6 +323,7 @@ def test_eval_bench_generate_cli_on_toy(toy_model, toy_text, tmp_path):
     assert code == 0, se
     e = json.loads((tmp_path / "e.json").read_text())
     assert e["kind"] == "causal-lm" and np.isfinite(e["ppl"]) and np.isfinite(e["ppl_ref"])
+    assert {"commit", "date", "machine", "command"} <= set(e) and e["command"].startswith("ortlean eval ")
     assert "Δppl" in so
     code, so, se = run_cli("bench", out, "--ref", toy_model, "--threads", "1", "--prefill", "16", "--decode-past", "8",
                            "--repeats", "2", "--nbits", "none", "--json", tmp_path / "b.json")
