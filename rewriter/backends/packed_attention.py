@@ -142,6 +142,15 @@ class AttnConfig(Options):
         """eps-mode key bits with eps calibrated per head: only the unfused core (apply) does that."""
         return self.mode in ("ternary", "binary") and not self.eps_given
 
+    def prefill_attrs(self, budget: float) -> dict:
+        """The nodes' sparse-prefill attributes at ``budget``: all of them within (0, 1), else exact
+        prompts (prefill_budget 0) — one set for the writers and the prefill tuner."""
+        if not 0 < budget < 1:
+            return {"prefill_budget": 0.0}
+        return {"prefill_budget": float(budget), "prefill_block": int(self.prefill_block),
+                "prefill_window": int(self.prefill_window), "prefill_min_context": int(self.prefill_min_context),
+                "prefill_tail": int(self.prefill_tail)}
+
     def validate(self) -> None:
         if not 0 < self.target_density < 1:
             raise OrtleanError(f"--attn-target-density {self.target_density}: must be in (0, 1)")
@@ -354,9 +363,7 @@ def apply(model: ir.Model, cfg: AttnConfig, *, include=None, eps_heads: dict | N
                      popcnt=cfg.popcnt, k_layout=m.k_layout, layer=m.layer, approx_prefill=int(cfg.approx_prefill))
         pb = cfg.prefill_budget or 0.0
         if 0 < pb < 1:
-            attrs.update(prefill_budget=float(pb), prefill_block=int(cfg.prefill_block),
-                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context),
-                         prefill_tail=int(cfg.prefill_tail))
+            attrs.update(cfg.prefill_attrs(pb))
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
         if kscale and m.cache in kscale:
@@ -507,9 +514,7 @@ def apply_gqa(model: ir.Model, cfg: AttnConfig, *, include=None, kscale: dict | 
                      rotary_interleaved=int(a.get_int("rotary_interleaved", 0)) if rot else 0)
         pb = cfg.prefill_budget or 0.0
         if 0 < pb < 1:
-            attrs.update(prefill_budget=float(pb), prefill_block=int(cfg.prefill_block),
-                         prefill_window=int(cfg.prefill_window), prefill_min_context=int(cfg.prefill_min_context),
-                         prefill_tail=int(cfg.prefill_tail))
+            attrs.update(cfg.prefill_attrs(pb))
         if cfg.select != "popcount":
             attrs["select"] = cfg.select
         if cfg.cand_block != 1:
@@ -891,10 +896,7 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
     L = min(int(cfg.prefill_context), int(max_pos or 1 << 30), ids.size - 1)
 
     def set_budget(b):
-        vals = {"prefill_budget": float(b), "prefill_block": int(cfg.prefill_block),
-                "prefill_window": int(cfg.prefill_window), "prefill_min_context": floor,
-                "prefill_tail": int(cfg.prefill_tail)}
-        _set_attrs(model, vals if 0 < b < 1 else {"prefill_budget": 0.0})
+        _set_attrs(model, cfg.prefill_attrs(b))
 
     def testable(b) -> bool:
         # the last tile of a span keeps middle blocks, and fewer than all of them (else it tests nothing)
@@ -986,8 +988,7 @@ def tune_prefill(model: ir.Model, cfg: AttnConfig, ctx, max_pos: int | None, spe
         "metric": "prefill-mode Δppl vs the same model with exact prompt attention", "budget": qb,
         "contexts": [floor, int(L)], "scored": int(nll_ref.size), "spans": len(spans), "trials": trials}})
     if 0 < best < 1:
-        out.update(prefill_block=int(cfg.prefill_block), prefill_window=int(cfg.prefill_window),
-                   prefill_min_context=floor, prefill_tail=int(cfg.prefill_tail))
+        out.update(cfg.prefill_attrs(best))
         t = next(t for t in trials if t["prefill_budget"] == best)
         out["summary"] = (f"sparse prefill budget {best:g} from context {floor} (prefill-mode Δppl "
                           f"{100 * t['delta_ppl']:+.2f} %, bound {100 * t['delta_ppl_upper']:+.2f} %, at {floor}..{L})")
