@@ -7,10 +7,12 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 DOMAIN = "ai.ortlean"
@@ -18,7 +20,7 @@ LIB_NAME = "libortlean_ops.so"
 
 __all__ = [
     "DOMAIN", "LibraryNotFoundError", "library_path", "load_library", "session_options",
-    "session", "metrics", "reset_metrics", "isa", "op_isas", "isa_label", "op_schema",
+    "session", "metrics", "reset_metrics", "isa", "op_isas", "isa_label", "op_schema", "prompt_continues",
 ]
 
 
@@ -153,6 +155,47 @@ def session(model, threads: int | None = None, *, backend: str = "native", provi
         if data_dir:
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", data_dir)
     return ort.InferenceSession(model, sess_options=so, providers=providers or ["CPUExecutionProvider"])
+
+
+_THREAD = threading.local()   # the reference backend's copy of the flag (its ops run on the calling thread)
+
+
+def continuing() -> bool:
+    """Whether this thread's runs are in :func:`prompt_continues` (the reference op reads it)."""
+    return bool(getattr(_THREAD, "continues", False))
+
+
+@contextlib.contextmanager
+def prompt_continues(more: bool = True):
+    """Runs of this thread inside the block are chunks of a prompt that a later run continues: their
+    last rows are not where a reply is read, so PackedAttention's sparse prefill gives them no exact
+    tail (``prefill_tail``: only the prompt's own last rows pay it — at 16k tokens in 512-token runs the
+    chunks' tails were about as many keys as the sparse rows). ``more`` False: a plain block. ORT runs a
+    session's nodes on the thread that called ``run`` (sequential execution), where the flag lives;
+    nested blocks restore the outer value. The drivers (``runtime.SharedKV.prefill``, ``generate``,
+    ``ortlean bench --prompt``, ``eval --task needle``) set it on every chunk but the last.
+
+        with custom_ops.prompt_continues():
+            sess.run(None, first_chunk)
+        sess.run(None, last_chunk)         # its last rows: the exact tail
+    """
+    lib = None
+    try:
+        lib = load_library()
+        fn = lib.ortlean_prompt_continues
+    except (LibraryNotFoundError, OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    old_py = continuing()
+    old = fn(1 if more else 0) if fn is not None else None
+    _THREAD.continues = bool(more)
+    try:
+        yield
+    finally:
+        _THREAD.continues = old_py
+        if fn is not None:
+            fn(old)
 
 
 def metrics() -> dict[str, dict[str, float]]:

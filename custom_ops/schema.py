@@ -268,7 +268,7 @@ SCHEMAS: tuple[OpSchema, ...] = (
         inputs=(Port("Q"), Port("K", optional=True), Port("V", optional=True), Port("mask", optional=True),
                 Port("past_bits", "int32", optional=True), Port("past_kv", "int32", optional=True),
                 Port("seqlens_k", "int32", optional=True), Port("cos_cache", optional=True),
-                Port("sin_cache", optional=True)),
+                Port("sin_cache", optional=True), Port("prompt_continues", "int32", optional=True)),
         outputs=(Port("Y"), Port("present_bits", "int32", optional=True), Port("present_kv", "int32", optional=True)),
         attrs=(
             Attr("scale", "float", default=1.0, valid=Valid(finite=True)),
@@ -313,7 +313,8 @@ SCHEMAS: tuple[OpSchema, ...] = (
                  doc="sparse prefill: a tile whose last row's context is at most this is exact"),
             Attr("prefill_tail", "int", default=0, valid=NONNEG,
                  doc="sparse prefill: the last this many prompt rows of each sequence in a call are exact "
-                     "(the rows a reply is read from)"),
+                     "(the rows a reply is read from), unless input prompt_continues is nonzero (a later call "
+                     "holds the prompt's end)"),
             Attr("cand_block", "int", default=1, valid=Valid(lo=1, hi=4096),
                  doc="kv_quant: candidates in blocks of this many consecutive keys (block score: its best key's); 1: key by key"),
             Attr("layer", "string", meta=True),

@@ -24,11 +24,11 @@ from custom_ops.reference.attn import (cache_bits_words, kv_row_words, pack_cach
 
 from conftest import requires_native  # noqa: E402
 
-IN_NAMES = ("Q", "K", "V", "mask", "past_bits", "past_kv", "seqlens_k", "cos_cache", "sin_cache")
+IN_NAMES = ("Q", "K", "V", "mask", "past_bits", "past_kv", "seqlens_k", "cos_cache", "sin_cache", "prompt_continues")
 
 
 def kv_model(attrs, *, use=("Q", "K", "V", "past_bits", "past_kv"), outs=3, name="pkv") -> bytes:
-    types = {"past_bits": TP.INT32, "past_kv": TP.INT32, "seqlens_k": TP.INT32}
+    types = {"past_bits": TP.INT32, "past_kv": TP.INT32, "seqlens_k": TP.INT32, "prompt_continues": TP.INT32}
     ins = [helper.make_tensor_value_info(n, types.get(n, TP.FLOAT), None) for n in IN_NAMES if n in use]
     names = [n if n in use else "" for n in IN_NAMES]
     while names and not names[-1]:
@@ -70,7 +70,8 @@ def run_native(attrs, feed, outs=3):
 def run_ref(attrs, feed):
     f = dict(feed)
     return packed_attention_kv(f.pop("Q"), f.pop("K"), f.pop("V"), f.pop("mask", None), f.pop("past_bits", None),
-                               f.pop("past_kv", None), f.pop("seqlens_k", None), **attrs)
+                               f.pop("past_kv", None), f.pop("seqlens_k", None), f.pop("prompt_continues", None),
+                               **attrs)
 
 
 def dense_over_cache(feed, kv, bits, D, Dv, q, scale, total=None, local_window=-1, softcap=0.0):

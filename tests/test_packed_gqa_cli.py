@@ -965,7 +965,44 @@ def test_tune_prefill_chooses_a_sparse_budget(forms, tmp_path, monkeypatch):
     m = onnx.load(str(tmp_path / "o.onnx"), load_external_data=False)
     pas = [n for n in m.graph.node if n.op_type == "PackedAttention"]
     assert pas and all(abs({x.name: x for x in n.attribute}["prefill_budget"].f - 0.2) < 1e-7 for n in pas)
+    _check_prompt_continues(tmp_path / "o.onnx", m, pas)
 
+
+def _check_prompt_continues(path, m, pas):
+    """Runs inside custom_ops.prompt_continues() take no exact tail: the shared-KV and growing drivers
+    set it on every chunk of a prompt but the last — the same logits as setting it by hand, other
+    logits than never setting it (the chunks' tails changed the prompt's state)."""
+    from custom_ops import runtime
+    from custom_ops.runtime.generate import Decoder
+
+    sess = custom_ops.session(str(path), threads=2)
+    io = runtime.ModelIO.from_session(sess, str(path))
+    ids = np.random.default_rng(0).integers(4, 256, 400)[None, :]   # the tiny vocabulary
+
+    def by_hand(more):
+        past, plen = None, 0
+        for c0 in range(0, 400, 128):
+            part = ids[:, c0:c0 + 128]
+            with custom_ops.prompt_continues(more(c0)):
+                out = runtime.run(sess, io, runtime.feeds(io, part, past, plen))
+            past, plen = io.next_state(out), plen + part.shape[1]
+        return out[io.logits_name][0, -1]
+
+    want = by_hand(lambda c0: c0 + 128 < 400)
+    never = by_hand(lambda c0: False)
+    assert not np.allclose(want, never, atol=1e-5)
+    kv = runtime.SharedKV(sess, io, max_len=400)
+    np.testing.assert_allclose(kv.prefill(ids, chunk=128)[0, -1], want, atol=1e-4, rtol=1e-4)
+    for shared in (True, False):
+        dec = Decoder(sess, io, max_len=401, model_path=str(path), shared=shared)
+        for c0 in range(0, 400, 128):
+            got = dec.feed(ids[0, c0:c0 + 128], more=c0 + 128 < 400)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    with custom_ops.prompt_continues():        # nested blocks restore the outer value
+        with custom_ops.prompt_continues(False):
+            assert not custom_ops.continuing()
+        assert custom_ops.continuing()
+    assert not custom_ops.continuing()
 
 def test_needle_gate_steps_back_to_a_budget_that_keeps_every_needle(forms, tmp_path, monkeypatch):
     """--attn-needles (default auto): the decode budget the tuner picks is run on needle cases; one that

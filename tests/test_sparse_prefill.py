@@ -206,6 +206,39 @@ def test_tile_aligned_chunks_equal_one_call():
 
 
 @requires_native
+@pytest.mark.parametrize("tail", [37, 200])
+def test_prompt_continues_drops_the_tail(tail):
+    """Input prompt_continues = 1 (a later call continues the prompt): the call's last rows are not an
+    exact tail — the kernel equals the reference and the same node without a tail; 0: the tail as the
+    attribute says (differs from no tail); absent: the calling thread's custom_ops.prompt_continues()."""
+    attrs = _attrs("int8", 32, prefill_tail=tail)
+    f = prompt_case(M=200, P=300, q="int8", seed=11)
+    no_tail = run_native(_attrs("int8", 32), f)[0]
+    with_tail = run_native(attrs, f)[0]
+    for flag, want in ((1, no_tail), (0, with_tail), (7, no_tail)):
+        g = {**f, "prompt_continues": np.array([flag], np.int32)}
+        Y = run_native(attrs, g)[0]
+        np.testing.assert_allclose(Y, run_ref(attrs, g)[0], atol=3e-5, rtol=1e-4)
+        np.testing.assert_allclose(Y, want, atol=1e-6, rtol=1e-6)
+    assert not np.allclose(no_tail, with_tail, atol=1e-3)     # the tail did change rows
+    with custom_ops.prompt_continues():                       # the calling thread's flag, input absent
+        np.testing.assert_allclose(run_native(attrs, f)[0], no_tail, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(run_ref(attrs, f)[0], run_ref(_attrs("int8", 32), f)[0], atol=1e-6)
+    np.testing.assert_allclose(run_native(attrs, f)[0], with_tail, atol=1e-6, rtol=1e-6)
+
+
+@requires_native
+def test_prompt_continues_of_two_values_fails_naming_it():
+    f = {**prompt_case(M=40, P=300, q="int8", seed=12), "prompt_continues": np.array([1, 0], np.int32)}
+    s = custom_ops.session(kv_model(_attrs("int8", 32, prefill_tail=8), use=tuple(f), name="bad_cont"), threads=1)
+    with pytest.raises(Exception) as e:
+        s.run(None, f)
+    assert "bad_cont" in str(e.value) and "prompt_continues" in str(e.value)
+    with pytest.raises(ValueError, match="prompt_continues"):
+        run_ref(_attrs("int8", 32, prefill_tail=8), f)
+
+
+@requires_native
 def test_metrics_count_the_attended_keys():
     attrs = _attrs("int8", 32)
     f = prompt_case(M=128, P=600, q="int8", seed=2)
@@ -224,9 +257,10 @@ def _isa_worker() -> None:
         for Hq, Hkv in ((6, 2), (3, 3)):
             attrs = _attrs(q, D, prefill_tail=13 if Hq == 6 else 0)
             f = prompt_case(Hq=Hq, Hkv=Hkv, M=70, P=400, D=D, Dv=Dv, q=q, seed=4)
-            Y = run_native(attrs, f)[0]
-            Yr = run_ref(attrs, f)[0]
-            np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
+            for g in (f, {**f, "prompt_continues": np.ones(1, np.int32)}):
+                Y = run_native(attrs, g)[0]
+                Yr = run_ref(attrs, g)[0]
+                np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
         f = prompt_case(Hq=6, Hkv=2, M=40, P=2050, D=D, Dv=Dv, q=q, seed=5)   # exact rows, long context
         attrs = {"kv_quant": q, "scale": 0.2}
         np.testing.assert_allclose(run_native(attrs, f)[0], run_ref(attrs, f)[0], atol=3e-5, rtol=1e-4)

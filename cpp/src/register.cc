@@ -124,6 +124,16 @@ ORTLEAN_EXPORT const char* ortlean_op_schema_json(void) {
 
 ORTLEAN_EXPORT const char* ortlean_isa(void) { return ortlean::isa_name(); }
 
+// The calling thread's "a later run continues this prompt" flag (PackedAttention: no exact prefill_tail
+// in its runs; ortlean::prompt_continues). v >= 0 sets it (nonzero: on), v < 0 only reads; returns the
+// value before. ORT runs a session's nodes on the thread that called Run (sequential execution), so a
+// driver sets it around a run: custom_ops.prompt_continues().
+ORTLEAN_EXPORT int ortlean_prompt_continues(int v) {
+  const int old = ortlean::prompt_continues_flag;
+  if (v >= 0) ortlean::prompt_continues_flag = v != 0;
+  return old;
+}
+
 // The ISA level an op type's kernels run at on this CPU (under ORTLEAN_ISA): the process level,
 // lowered for PackedAttention and the BlockQuant ops when the CPU lacks a feature their copy needs
 // (PackedAttention's popcnt attribute may lower a node further: the node's pack.popcnt metric). Null

@@ -522,9 +522,26 @@ def prefill_keys(Qg, Kh, pos0: int, rows, budget: float, block: int, window: int
     return out
 
 
-def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, **attrs):
-    """The quantized cache mode (module docstring). Returns (Y, present_bits, present_kv)."""
+def _continues(prompt_continues) -> bool:
+    """Input prompt_continues: absent → the calling thread's custom_ops.prompt_continues block; else its
+    one value ≠ 0."""
+    if _absent(prompt_continues):
+        import custom_ops
+
+        return custom_ops.continuing()
+    x = np.asarray(prompt_continues)
+    if x.size != 1:
+        raise ValueError(f"prompt_continues {list(x.shape)} must hold one value (nonzero: a later call continues "
+                         "the prompt)")
+    return bool(x.reshape(-1)[0] != 0)
+
+
+def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, prompt_continues=None,
+                        **attrs):
+    """The quantized cache mode (module docstring). Returns (Y, present_bits, present_kv).
+    ``prompt_continues`` nonzero: a later call holds the prompt's end, no row here is an exact tail row."""
     a = _SCHEMA.resolve(attrs)
+    tail = 0 if _continues(prompt_continues) else a["prefill_tail"]
     kvq = a["kv_quant"]
     scale, mode, eps, budget, rho = np.float32(a["scale"]), a["mode"], a["eps"], float(np.float32(a["budget"])), a["rho"]
     min_candidates, sinks, window, min_context = a["min_candidates"], a["sinks"], a["window"], a["min_context"]
@@ -580,7 +597,7 @@ def packed_attention_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlen
             for hk in range(Hkv):
                 sparse.update({(b, hk, m): idx for m, idx in prefill_keys(
                     Q[b, hk * rep:(hk + 1) * rep], Kd[b, hk], int(pos0[b]), rows, pb_, a["prefill_block"],
-                    a["prefill_window"], a["prefill_min_context"], sinks, scale, a["prefill_tail"]).items()})
+                    a["prefill_window"], a["prefill_min_context"], sinks, scale, tail).items()})
     ks_all = None if kscale is None or not len(kscale) else np.asarray(kscale, np.float32).reshape(Hkv, D)
     for b in range(B):
         for hk in range(Hkv):
@@ -683,7 +700,7 @@ def check_ksmooth(ksmooth, Hkv: int, D: int, half: int, interleaved: bool) -> np
 
 
 def gqa_layout_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=None, cos_cache=None,
-                  sin_cache=None, **attrs):
+                  sin_cache=None, prompt_continues=None, **attrs):
     """The cache mode on GroupQueryAttention's layout (module docstring). Returns (Y [B, S, Hq·Dv],
     present_bits, present_kv)."""
     a = _SCHEMA.resolve(attrs)
@@ -717,17 +734,18 @@ def gqa_layout_kv(Q, K, V, mask=None, past_bits=None, past_kv=None, seqlens_k=No
         inter = bool(a["rotary_interleaved"])
         Q4, K4 = rotary(Q4, pos, cos_cache, sin_cache, inter), rotary(K4, pos, cos_cache, sin_cache, inter)
     core = {k: v for k, v in attrs.items() if k not in ("num_heads", "kv_num_heads", "rotary_interleaved", "ksmooth")}
-    Y, bits, kv = packed_attention_kv(Q4, K4, V4, mask, past_bits, past_kv, seqlens_k, **core)
+    Y, bits, kv = packed_attention_kv(Q4, K4, V4, mask, past_bits, past_kv, seqlens_k, prompt_continues, **core)
     return np.ascontiguousarray(Y.transpose(0, 2, 1, 3)).reshape(B, S, Hq * Dv), bits, kv
 
 
 def op(q, k=None, v=None, mask=None, past_bits=None, past_kv=None, seqlens_k=None, cos_cache=None,
-       sin_cache=None, **attrs):
+       sin_cache=None, prompt_continues=None, **attrs):
     """The op as ONNX Runtime calls it (custom_ops.schema: PackedAttention.reference)."""
     a = _SCHEMA.resolve(attrs)
     if a["num_heads"] > 0:
-        return gqa_layout_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, cos_cache, sin_cache, **attrs)
+        return gqa_layout_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, cos_cache, sin_cache, prompt_continues,
+                             **attrs)
     if a["kv_quant"] != "none":
-        return packed_attention_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, **attrs)
+        return packed_attention_kv(q, k, v, mask, past_bits, past_kv, seqlens_k, prompt_continues, **attrs)
     Y, bits = packed_attention(q, k, v, mask, past_bits, **attrs)
     return Y, bits, np.zeros((0,), np.int32)

@@ -9,6 +9,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from custom_ops import prompt_continues
+
 from .io import ModelIO, feeds, run, token_range
 from .shared_kv import PREFILL_CHUNK
 
@@ -409,7 +411,8 @@ def chunked_state(sess, io: ModelIO, ids, chunk: int = 512) -> dict[str, np.ndar
     past, plen = None, 0
     for c0 in range(0, ids.shape[1], chunk):
         part = ids[:, c0:c0 + chunk]
-        past = io.next_state(run(sess, io, feeds(io, part, past, plen)))
+        with prompt_continues(c0 + chunk < ids.shape[1]):   # the prompt's last rows: the exact tail
+            past = io.next_state(run(sess, io, feeds(io, part, past, plen)))
         plen += part.shape[1]
     return past
 
@@ -685,8 +688,8 @@ class PromptRow:
         dec = Decoder(self.sess, self.io, max_len=ids.size + 1, model_path=self.path, shared=self.shared)
         chunk = self.chunk if dec.chunkable else ids.size
         t0 = time.perf_counter()
-        for c0 in range(0, ids.size, chunk):
-            dec.feed(ids[c0:c0 + chunk])   # the last chunk returns the first new token's logits
+        for c0 in range(0, ids.size, chunk):   # the last chunk returns the first new token's logits
+            dec.feed(ids[c0:c0 + chunk], more=c0 + chunk < ids.size)
         dt = time.perf_counter() - t0
         del dec
         return dt

@@ -396,8 +396,10 @@ class Decoder:
             self.past = dest if n else None
         self.length = int(n)
 
-    def feed(self, ids) -> np.ndarray:
-        """Run ``ids`` (a list or 1-D array) after the tokens fed so far; the last row's logits [V]."""
+    def feed(self, ids, more: bool = False) -> np.ndarray:
+        """Run ``ids`` (a list or 1-D array) after the tokens fed so far; the last row's logits [V].
+        ``more``: a later feed continues this prompt (its last rows are not where a reply is read:
+        PackedAttention's sparse prefill gives them no exact tail)."""
         from .shared_kv import PREFILL_CHUNK, SharedKVError
 
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
@@ -409,7 +411,8 @@ class Decoder:
             return out[name][0, -1]
         if self.kv is not None:
             try:
-                logits = self.kv.prefill(ids, chunk=PREFILL_CHUNK) if self.length == 0 else self.kv.step(ids)
+                logits = (self.kv.prefill(ids, chunk=PREFILL_CHUNK, more=more) if self.length == 0
+                          else self.kv.step(ids, more=more))
                 self.length = self.kv.length
                 return logits[0, -1]
             except SharedKVError:
@@ -419,7 +422,10 @@ class Decoder:
                 self.past = ({n: np.ascontiguousarray(a) for n, a in self.kv.rows(self.length).items()}
                              if self.length else None)
                 self.kv, self.loop = None, "growing"
-        out = run(self.sess, self.io, feeds(self.io, ids, self.past, self.length))
+        from custom_ops import prompt_continues
+
+        with prompt_continues(more):
+            out = run(self.sess, self.io, feeds(self.io, ids, self.past, self.length))
         self.past = self.io.next_state(out)
         self.length += ids.shape[1]
         return out[name][0, -1]
@@ -582,7 +588,7 @@ def generate(sess, io: ModelIO, tokenizer, prompt, max_new_tokens: int = 32, eos
     ends = list(range((start // chunk + 1) * chunk, len(ids), chunk)) + [len(ids)]
     t0 = time.perf_counter()
     for c0, c1 in zip([start] + ends[:-1], ends):
-        logits = dec.feed(ids[c0:c1])
+        logits = dec.feed(ids[c0:c1], more=c1 < len(ids))
     prefill = time.perf_counter() - t0
 
     new: list[int] = []

@@ -413,7 +413,7 @@ def run_case(dec: Decoder, tokenizer, case: Case, stop: set | frozenset = frozen
     ids = case.ids
     chunk = prefill_chunk if dec.chunkable else len(ids)
     for c0 in range(0, len(ids), chunk):
-        logits = dec.feed(ids[c0:c0 + chunk])
+        logits = dec.feed(ids[c0:c0 + chunk], more=c0 + chunk < len(ids))
     mark = _Mark(dec)
     ans = list(case.answer_ids)
     lps: list[float] = [_logprob(logits, ans[0])]

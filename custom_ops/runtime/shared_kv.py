@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from custom_ops import prompt_continues
+
 from .io import GQA_LENGTH_INPUTS, gqa_lengths
 from .memory import huge_zeros_many
 
@@ -166,7 +168,8 @@ class SharedKV:
                 self.binding.bind_output(o)  # ORT allocates (the shape is learned after the run)
         self._bound_t = t if bufs else None
 
-    def _run(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    def _run(self, ids: np.ndarray, more: bool = False) -> dict[str, np.ndarray]:
+        """``more``: a later run continues this prompt (``custom_ops.prompt_continues``)."""
         ids = np.asarray(ids)
         if ids.ndim == 1:
             ids = ids[None, :]
@@ -182,7 +185,8 @@ class SharedKV:
         try:
             # the first run probes whether the graph can write its present K/V in place; a graph that
             # cannot (a Concat cache) fails it as expected, so ORT must not print that failure
-            self.sess.run_with_iobinding(self.binding, None if self._ran else _quiet_run_options())
+            with prompt_continues(more):
+                self.sess.run_with_iobinding(self.binding, None if self._ran else _quiet_run_options())
         except Exception as e:
             if not self._ran:
                 raise SharedKVError("shared KV: the graph cannot write its present K/V into the past buffer "
@@ -193,7 +197,8 @@ class SharedKV:
             # rerun writes the same cache rows again)
             self._out_bufs[t], self._bound_t = None, None
             self._bind_outputs(t)
-            self.sess.run_with_iobinding(self.binding)
+            with prompt_continues(more):
+                self.sess.run_with_iobinding(self.binding)
         self.length, self._ran = total, True
         if self._bound_t == t:
             return {o: a.copy() for o, a in self._out_bufs[t].items()}
@@ -204,24 +209,27 @@ class SharedKV:
             self._out_bufs[t] = {o: np.empty_like(a) for o, a in got.items()}
         return got
 
-    def prefill(self, ids, chunk: int | None = None) -> np.ndarray:
+    def prefill(self, ids, chunk: int | None = None, more: bool = False) -> np.ndarray:
         """Run the prompt from an empty cache (resets the length); returns the logits. ``chunk``: at most
         that many tokens per run (each later chunk attends to the cached ones), and only the last
         chunk's logits are returned — a long prompt's full logits are T x vocab floats (16k tokens of
-        a 152k vocabulary: 10 GB), its attention scratch grows with T as well."""
+        a 152k vocabulary: 10 GB), its attention scratch grows with T as well. Every run but the last
+        says the prompt continues (``more``: the last one too)."""
         self.length = 0
         ids = np.asarray(ids)
         if ids.ndim == 1:
             ids = ids[None, :]
         if not chunk or ids.shape[1] <= chunk:
-            return self._run(ids)[self.io.logits_name]
-        for c0 in range(0, ids.shape[1], int(chunk)):
-            out = self._run(ids[:, c0:c0 + int(chunk)])
+            return self._run(ids, more)[self.io.logits_name]
+        n = ids.shape[1]
+        for c0 in range(0, n, int(chunk)):
+            out = self._run(ids[:, c0:c0 + int(chunk)], more or c0 + int(chunk) < n)
         return out[self.io.logits_name]
 
-    def step(self, ids) -> np.ndarray:
-        """Append tokens (usually one per row) after the cached ones; returns their logits."""
-        return self._run(ids)[self.io.logits_name]
+    def step(self, ids, more: bool = False) -> np.ndarray:
+        """Append tokens (usually one per row) after the cached ones; returns their logits. ``more``: a
+        later run continues this prompt."""
+        return self._run(ids, more)[self.io.logits_name]
 
     def rows(self, n: int) -> dict[str, np.ndarray]:
         """Views of every buffer's first ``n`` positions (no copy): the rows a prompt of ``n`` tokens

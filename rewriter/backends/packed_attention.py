@@ -108,8 +108,10 @@ class AttnConfig(Options):
                                "always attends to (default 1024)", type=int)
     prefill_block: int = flag("--attn-prefill-block", 64, "sparse prefill: prompt rows per tile and keys per block "
                               "(default 64)", type=int)
-    prefill_tail: int = flag("--attn-prefill-tail", 64, "sparse prefill: the last this many rows of each prompt "
-                             "call attend to every key — the rows a reply is read from, where the question is "
+    prefill_tail: int = flag("--attn-prefill-tail", 64, "sparse prefill: the last this many rows of a prompt "
+                             "attend to every key — the rows a reply is read from, where the question is; in "
+                             "every run of it unless the driver says a later run continues it "
+                             "(custom_ops.prompt_continues) "
                              "(default 64; without them the first answer token lost 3 of 5 pass keys at 8k "
                              "on Qwen2.5-Coder-1.5B, docs/retrieval.md)", type=int)
     prefill_min_context: int = flag("--attn-prefill-min-context", 4096, "sparse prefill: prompt rows whose context "

@@ -18,6 +18,8 @@
 
 namespace ortlean {
 
+thread_local int prompt_continues_flag = 0;
+
 // One Compute() call: shapes, inputs, the key bits, and what the call may approximate.
 struct AttnCall {
   int64_t B, Hq, M, D, Hkv, T, Dv, rep;
@@ -674,6 +676,7 @@ struct KvCall {
   float vscale(int64_t bh, int64_t t) const { return KvRowFormat::f32(bits + (bh * Tc + t) * W + fmt.words + 1); }
   std::vector<int64_t> total, pos0;         // per sequence
   bool global_exact = false;
+  bool continues = false;  // prompt_continues: no exact prefill_tail in this call
   // per query row r = (b, hk, m): context [lo, hi), candidate count n (idx list when approx)
   std::vector<int64_t> lo, hi, n, off;      // off: candidate list offset (or -1: the range)
   std::vector<int32_t> idx;  // candidate lists of the approximating rows (each row's context length apart)
@@ -752,6 +755,16 @@ KvCall PackedAttentionKernel::read_kv_inputs(Ort::KernelContext& ctx) const {
         if (sl[b] < 0 || sl[b] >= kMaxDim) fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(sl[b]));
         c.total[static_cast<size_t>(b)] = int64_t{sl[b]} + 1;
       }
+    }
+  }
+  c.continues = prompt_continues_flag != 0;
+  if (ctx.GetInputCount() > 9) {
+    Ort::ConstValue cv = ctx.GetInput(9);
+    if (cv) {
+      if (cv.GetTensorTypeAndShapeInfo().GetElementCount() != 1)
+        fail("prompt_continues " + shape_str(cv.GetTensorTypeAndShapeInfo().GetShape()) +
+             " must hold one value (nonzero: a later call continues the prompt)");
+      c.continues = cv.GetTensorData<int32_t>()[0] != 0;
     }
   }
   c.Tc = c.P;
@@ -1709,8 +1722,9 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 // dimension (Quest's bound on q.k), the largest over its sub-blocks of kBoundKeys keys — gives the most mass as a softmax's weights exp(u(j) - max u) per
 // query row, summed over the tile's rows and heads; `keep` = ceil(budget * middle blocks) of them (a tile
 // below prefill_min_context, or whose budget covers every middle block, or of the last prefill_tail rows of
-// its sequence in the call, attends to every block). Phase 1 (tasks of a KV head's blocks) decodes the complete past
-// blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
+// its sequence in the call, attends to every block; no tail when prompt_continues — the input, or the
+// calling thread's flag — says a later call holds the prompt's end). Phase 1 (tasks of a KV head's
+// blocks) decodes the complete past blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
 // scores the middle blocks in one GEMM ([q, |q|] . [c; r]^T), takes the best, and attends the tile's
 // query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T (OpenBLAS), causal mask, online
 // softmax, Y += P.V — int8 / int4 rows as prefill_gemm (the decode kernel's int16 query levels).
@@ -1740,7 +1754,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     const int64_t p0 = c.pos0[static_cast<size_t>(b)], nrow = std::min(M, c.total[static_cast<size_t>(b)] - p0);
     // rows from tail0 on (the last prefill_tail of the sequence's rows) attend to every key: a tile
     // does not straddle tail0
-    const int64_t tail0 = std::max<int64_t>(0, nrow - p.prefill_tail);
+    const int64_t tail0 = std::max<int64_t>(0, nrow - (c.continues ? 0 : p.prefill_tail));
     for (int64_t m = 0; m < nrow;) {
       int64_t m1 = std::min(nrow, ((p0 + m) / Bk + 1) * Bk - p0);
       if (m < tail0 && m1 > tail0) m1 = tail0;

@@ -58,14 +58,21 @@ struct AttnParams {
 
 struct KvCall;
 
+// set by ortlean_prompt_continues (register.cc) on the thread that runs the session: 1 while a driver
+// runs a chunk of a prompt that a later run continues
+extern thread_local int prompt_continues_flag;
+
 class PackedAttentionKernel : public OpKernel<PackedAttentionKernel> {
  public:
   static constexpr const char* kOpType = "PackedAttention";
-  // Q, [K], [V], [mask], [past_bits], [past_kv], [seqlens_k], [cos_cache], [sin_cache]
+  // Q, [K], [V], [mask], [past_bits], [past_kv], [seqlens_k], [cos_cache], [sin_cache], [prompt_continues]
   //   -> Y, [present_bits], [present_kv]   (K, V absent only in the packed-QKV GQA layout)
+  // prompt_continues: int32, one element; nonzero: a later call continues this call's prompt rows, so
+  // they take no exact prefill_tail (the tail is the prompt's last rows, where a question is read);
+  // absent: the calling thread's prompt_continues_flag says it
   static constexpr IoSpec kInputs[] = {{kF32}, {kF32, kOptional}, {kF32, kOptional}, {kF32, kOptional},
                                        {kI32, kOptional}, {kI32, kOptional}, {kI32, kOptional},
-                                       {kF32, kOptional}, {kF32, kOptional}};
+                                       {kF32, kOptional}, {kF32, kOptional}, {kI32, kOptional}};
   static constexpr IoSpec kOutputs[] = {{kF32}, {kI32, kOptional}, {kI32, kOptional}};
   static constexpr AttrSpec kAttrs[] = {
       attr_float("scale", 1.0f),  // any finite value
