@@ -51,6 +51,22 @@ def prompt_case(B=1, Hq=6, Hkv=2, M=200, P=300, D=32, Dv=None, q="int8", seed=0,
     return feed
 
 
+def _atol(q, f) -> float:
+    """Kernel vs reference: int8 / int4 rows take P.V on 15-bit weights per row of each 256-key chunk
+    (kernels/attn.h p16_row: a step of 1/32767 of the chunk row's largest weight), so an output may move
+    by a few steps times |V| — under 1 % of what the rows' own 8-bit codes move it (a step of 1/127 of a
+    row's largest |v|); fp32 rows run in float."""
+    if q == "fp32":
+        return 3e-5
+    from custom_ops.reference.attn import unpack_kv
+
+    vmax = float(np.abs(f["V"]).max())
+    if "past_kv" in f:
+        D = f["Q"].shape[-1]
+        vmax = max(vmax, float(np.abs(unpack_kv(f["past_kv"], f["past_bits"], D, f["V"].shape[-1], q)[1]).max()))
+    return 3e-5 + 2e-4 * vmax
+
+
 def _attrs(q, D, **kw):
     return {"kv_quant": q, "scale": float(D) ** -0.5, **SPARSE, **kw}
 
@@ -84,7 +100,7 @@ def test_kernel_vs_reference(B, Hq, Hkv, M, P, D, Dv, q, extra):
     Y, bits, kv = run_native(attrs, f)
     np.testing.assert_array_equal(kv, kr)
     np.testing.assert_array_equal(bits, br)
-    np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
+    np.testing.assert_allclose(Y, Yr, atol=_atol(q, f), rtol=1e-4)
 
 
 def test_reference_selection_rules():
@@ -184,7 +200,7 @@ def test_exact_prompt_rows_of_a_long_context(q):
     attrs = {"kv_quant": q, "scale": 32 ** -0.5}
     Y = run_native(attrs, f)[0]
     Yr = run_ref(attrs, f)[0]
-    np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
+    np.testing.assert_allclose(Y, Yr, atol=_atol(q, f), rtol=1e-4)
 
 
 @requires_native
@@ -218,7 +234,7 @@ def test_prompt_continues_drops_the_tail(tail):
     for flag, want in ((1, no_tail), (0, with_tail), (7, no_tail)):
         g = {**f, "prompt_continues": np.array([flag], np.int32)}
         Y = run_native(attrs, g)[0]
-        np.testing.assert_allclose(Y, run_ref(attrs, g)[0], atol=3e-5, rtol=1e-4)
+        np.testing.assert_allclose(Y, run_ref(attrs, g)[0], atol=_atol("int8", f), rtol=1e-4)
         np.testing.assert_allclose(Y, want, atol=1e-6, rtol=1e-6)
     assert not np.allclose(no_tail, with_tail, atol=1e-3)     # the tail did change rows
     with custom_ops.prompt_continues():                       # the calling thread's flag, input absent
@@ -260,10 +276,10 @@ def _isa_worker() -> None:
             for g in (f, {**f, "prompt_continues": np.ones(1, np.int32)}):
                 Y = run_native(attrs, g)[0]
                 Yr = run_ref(attrs, g)[0]
-                np.testing.assert_allclose(Y, Yr, atol=3e-5, rtol=1e-4)
+                np.testing.assert_allclose(Y, Yr, atol=_atol(q, f), rtol=1e-4)
         f = prompt_case(Hq=6, Hkv=2, M=40, P=2050, D=D, Dv=Dv, q=q, seed=5)   # exact rows, long context
         attrs = {"kv_quant": q, "scale": 0.2}
-        np.testing.assert_allclose(run_native(attrs, f)[0], run_ref(attrs, f)[0], atol=3e-5, rtol=1e-4)
+        np.testing.assert_allclose(run_native(attrs, f)[0], run_ref(attrs, f)[0], atol=_atol(q, f), rtol=1e-4)
     print("ok", custom_ops.isa())
 
 

@@ -45,6 +45,10 @@ struct ScoreFinish {
 
 // Query levels of the integer q.k of quantized rows: qi = rint(q * (kQLevels / max|q|)) per head.
 constexpr int kQLevels = 32767;
+// Levels of a prefill chunk's softmax weights times the value rows' scales (p16_row): per row of a chunk
+// of keys, rint(p * vscale * kPLevels / its max) — 15 bits, a relative step of 1/32767 of the row's
+// largest weight in the chunk
+constexpr int kPLevels = 32767;
 constexpr int64_t kKvAttendBlock = 32;  // rows per online-softmax block
 inline size_t kv_attend_scratch(int nq, int64_t D, int64_t Dv) {
   const int64_t D16 = (D + 15) / 16 * 16;
@@ -115,6 +119,23 @@ struct AttnKernels {
   // D16), qs[h] = max|q_h| / kQLevels (a head with max|q| = 0: codes 0, qs 0; not finite: codes 0,
   // qs NaN); heads h < nq at q + h * ldq (the reference's query_int16)
   void (*quantize_query)(const float* q, int64_t ldq, int nq, int64_t D, int64_t D16, int16_t* q16, float* qs);
+  // Prefill products on the rows' integer codes (int8 / int4 rows, D and Dv multiples of 8 up to 4096):
+  // keys j < nk packed for qk_i16 in blocks of 16 keys, dims in pairs within a block:
+  // kp[((j / 16) * D / 2 + d / 2) * 32 + (j % 16) * 2 + d % 2] = code d of rows[j]; the last block zero past nk
+  void (*pack_k16)(const uint8_t* const* rows, int64_t nk, int64_t D, int bits, int16_t* kp);
+  // values packed for pv_i16 in key pairs, dims within a pair: vp[((j / 2) * Dvp + d) * 2 + j % 2] = code d of
+  // rows[j], Dvp = Dv rounded up to 16, zero for d >= Dv and for key nk when nk is odd
+  void (*pack_v16)(const uint8_t* const* rows, int64_t nk, int64_t Dv, int bits, int16_t* vp);
+  // S[i * lds + j] = float(sum_d q16[i * ldq + d] * code(j, d)) * (qs[i] * ks[j]) (exact integer dot), i < nr, j < nk
+  void (*qk_i16)(const int16_t* q16, int64_t nr, int64_t ldq, const float* qs, const int16_t* kp, int64_t nk,
+                 int64_t D, const float* ks, float* S, int64_t lds);
+  // out[j] = rint(s[j] * w[j] * kPLevels / m), m = max_j s[j] * w[j] (s, w >= 0), j < n, out[n] = 0 when n is
+  // odd; returns m / kPLevels (0 when m is 0: out all 0; NaN when m is not finite)
+  float (*p16_row)(const float* s, const float* w, int64_t n, int16_t* out);
+  // y[i * ldy + d] += float(sum_j p16[i * ldp + j] * code(j, d)) * ps[i], i < nr, d < Dv (p16: nk rounded up to
+  // even entries per row)
+  void (*pv_i16)(const int16_t* p16, int64_t nr, int64_t ldp, const float* ps, const int16_t* vp, int64_t nk,
+                 int64_t Dv, float* y, int64_t ldy);
 };
 
 // kernels/attn_impl.inc per ISA (picked by isa.h pick(); avx2 needs POPCNT, avx512 VPOPCNTDQ and VNNI)

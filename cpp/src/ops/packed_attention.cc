@@ -1726,8 +1726,9 @@ bool PackedAttentionKernel::prefill_gemm(KvCall& c, Ort::KernelContext& ctx) con
 // calling thread's flag — says a later call holds the prompt's end). Phase 1 (tasks of a KV head's
 // blocks) decodes the complete past blocks' keys once per call into their centre and radius; phase 2 (tasks of (sequence, KV head, tile))
 // scores the middle blocks in one GEMM ([q, |q|] . [c; r]^T), takes the best, and attends the tile's
-// query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T (OpenBLAS), causal mask, online
-// softmax, Y += P.V — int8 / int4 rows as prefill_gemm (the decode kernel's int16 query levels).
+// query heads to the chosen keys in chunks of kChunk keys: S = Q.K^T, causal mask, online
+// softmax, Y += P.V — fp32 rows by OpenBLAS, int8 / int4 rows on integers (qk_i16: the decode kernel's
+// int16 query levels times the key codes, exact; pv_i16: 15-bit weights times the value codes).
 // keys per box of the blocks' bounds (a block of prefill_block keys not a multiple of it: one box)
 constexpr int64_t kBoundKeys = 16;
 
@@ -1741,6 +1742,9 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
   const int64_t Bk = p.prefill_block, M = c.M, rep = c.rep, D = c.D, Dv = c.Dv, R = c.kf.words, Tc = c.Tc;
   const int64_t BH = c.B * c.Hkv, D2 = 2 * D;
   const bool f32 = c.kf.bits == 32;
+  // int8 / int4 rows: Q.K^T on the int16 query levels and the key codes (the decode kernel's exact integer
+  // dot), P.V on 15-bit weights and the value codes (kernels/attn.h: qk_i16, p16_row, pv_i16)
+  const bool ints = !f32 && D <= 4096 && Dv <= 4096;
   const float sc = p_.scale, cap = p_.softcap;
   // tiles per sequence: rows m with the same (pos0 + m) / Bk, the rows < total
   struct Tile {
@@ -1841,10 +1845,12 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     const bool sparse = keep >= 0;
     const int64_t nmid = sparse ? jl - ns : 0;
     const int64_t D16 = (D + 15) / 16 * 16;
+    constexpr int64_t ldp = kChunk + 2;  // int16 weights per row (ints)
     float* buf;
     try {
       const size_t need = static_cast<size_t>(rows * (D + Dv + kChunk + 4) + (sparse ? rows * (D2 + nmid * nsb) + 4 * nmid + 4 : 0) +
-                                              nb + kChunk * (D + Dv + 2) + 2 * kChunk * 2 + rep * D16 + rep + 64);
+                                              nb + kChunk * (D + Dv + 2) + 2 * kChunk * 2 + rep * D16 + rep + 64 +
+                                              (ints ? rows * (ldp / 2 + 1) + 32 : 0));
       buf = task_scratch().get(need);
     } catch (...) {
       oom = true;
@@ -1866,11 +1872,24 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     int16_t* q16 = reinterpret_cast<int16_t*>(rest);  // [rep][D16] one row's int16 heads
     float* qsm = reinterpret_cast<float*>(q16 + rep * D16 + 16);  // [rep]
     float* more = qsm + rep + 16;
+    // ints: the tile's int16 query levels [rows, D16] in Qt's place; the chunk's packed key / value codes
+    // in Kt's / Vt's; each row's int16 weights [rows, ldp] and their scales [rows] past the sparse scratch
+    int16_t* Q16 = reinterpret_cast<int16_t*>(Qt);
+    int16_t* kp = reinterpret_cast<int16_t*>(Kt);
+    int16_t* vp = reinterpret_cast<int16_t*>(Vt);
+    float* psr = more + (sparse ? rows * (D2 + nmid * nsb) + 4 * nmid + 4 : 0) + 16;
+    int16_t* p16 = reinterpret_cast<int16_t*>(psr + rows + 16);
     // the tile's query heads
     for (int64_t m = 0; m < mt; ++m) {
       const float* q = c.Q + ((b * c.Hq + hk * rep) * M + tl.m0 + m) * D;  // heads at stride M * D
       if (f32) {
         for (int64_t h = 0; h < rep; ++h) std::memcpy(Qt + (h * mt + m) * D, q + h * M * D, sizeof(float) * static_cast<size_t>(D));
+      } else if (ints) {
+        ak_->quantize_query(q, M * D, static_cast<int>(rep), D, D16, q16, qsm);
+        for (int64_t h = 0; h < rep; ++h) {
+          std::memcpy(Q16 + (h * mt + m) * D16, q16 + h * D16, sizeof(int16_t) * static_cast<size_t>(D16));
+          qs[h * mt + m] = qsm[h];
+        }
       } else {
         ak_->quantize_query(q, M * D, static_cast<int>(rep), D, D16, q16, qsm);
         for (int64_t h = 0; h < rep; ++h) {  // the levels times their scale: S below is the logits
@@ -1966,14 +1985,20 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
         ks[j] = f32 ? 1.0f : c.kscale(bh, keys[j]) * sc;
         vs[j] = f32 ? 1.0f : c.vscale(bh, keys[j]);
       }
-      ak_->deq_rows(rp, nk, D, c.kf.bits, Kt);
-      ak_->deq_rows(rp + kChunk, nk, Dv, c.kf.bits, Vt);
-      if (!f32)  // each key row times its scale (and the logit scale), each value row times its own
-        for (int64_t j = 0; j < nk; ++j) {
-          ak_->scal(ks[j], Kt + j * D, D);
-          ak_->scal(vs[j], Vt + j * Dv, Dv);
-        }
-      blas::sgemm(false, true, rows, nk, D, f32 ? sc : 1.0f, Qt, D, Kt, D, 0.0f, S, nk);
+      if (ints) {  // S = the exact integer q.k times the query level's and the key's scales
+        ak_->pack_k16(rp, nk, D, c.kf.bits, kp);
+        ak_->pack_v16(rp + kChunk, nk, Dv, c.kf.bits, vp);
+        ak_->qk_i16(Q16, rows, D16, qs, kp, nk, D, ks, S, nk);
+      } else {
+        ak_->deq_rows(rp, nk, D, c.kf.bits, Kt);
+        ak_->deq_rows(rp + kChunk, nk, Dv, c.kf.bits, Vt);
+        if (!f32)  // each key row times its scale (and the logit scale), each value row times its own
+          for (int64_t j = 0; j < nk; ++j) {
+            ak_->scal(ks[j], Kt + j * D, D);
+            ak_->scal(vs[j], Vt + j * Dv, Dv);
+          }
+        blas::sgemm(false, true, rows, nk, D, f32 ? sc : 1.0f, Qt, D, Kt, D, 0.0f, S, nk);
+      }
       // the rows' causal limits: keys are ascending, so a row's cuts a suffix, and only for the keys
       // past the tile's first row (its local blocks)
       const int64_t ahead = std::upper_bound(keys, keys + nk, pa - 1) - keys;  // keys < pa: every row's
@@ -2002,7 +2027,12 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
         mxr[i] = nm;
         sum[i] += ak_->expsum(s, nm, hi);
       }
-      blas::sgemm(false, false, rows, Dv, nk, 1.0f, S, nk, Vt, Dv, 1.0f, Yt, Dv);
+      if (ints) {  // Y += P.V on the value codes: each row's weights times the value scales, 15-bit levels
+        for (int64_t i = 0; i < rows; ++i) psr[i] = ak_->p16_row(S + i * nk, vs, nk, p16 + i * ldp);
+        ak_->pv_i16(p16, rows, ldp, psr, vp, nk, Dv, Yt, Dv);
+      } else {
+        blas::sgemm(false, false, rows, Dv, nk, 1.0f, S, nk, Vt, Dv, 1.0f, Yt, Dv);
+      }
     }
     n_att.fetch_add(attended / rep, std::memory_order_relaxed);
     int64_t ctxk = 0;
