@@ -177,6 +177,10 @@ def describe_model(path: str) -> str:
                 kv = kv.decode() if isinstance(kv, bytes) else kv
                 key = (f"PackedAttention exact ({kv} K/V)" if not 0 < b < 1 else
                        f"PackedAttention {mode} budget {b:g} ({kv} K/V)")
+                pb = float(a.get("prefill_budget", 0.0))
+                if 0 < pb < 1:   # sparse prompts: what they read, from where, and the exact tail
+                    key += (f", prompts sparse {pb:g} from {int(a.get('prefill_min_context', 4096)):,} tokens"
+                            f" (window {int(a.get('prefill_window', 1024)):,}, tail {int(a.get('prefill_tail', 0))})")
             elif n.op_type in ("BlockQuantMatMul", "BlockQuantGather"):
                 fmt = a.get("format", a.get("quant_type", b""))
                 fmt = fmt.decode() if isinstance(fmt, bytes) else str(fmt)

@@ -642,3 +642,27 @@ def test_render_needle_results_counts_hits_and_lost_needles():
     assert rows == ["| passkey | 4,096 | 1/1 | 0/1 | 1/2 | **1** |", "| passkey | 16,384 | 1/0 | 1/1 | 2/1 | 0 |"]
     assert "**lost 1**" in out and "long/model.onnx" in out and "abcdef1234" in out
     assert "`ortlean eval x --task needle`" in out
+
+
+def test_describe_model_names_the_attention_settings(tmp_path):
+    """A row's 'what' says what the graph does to attention: the decode budget, the K/V rows, and for
+    sparse prompts the prompt budget, where it starts, the window and the exact tail."""
+    import onnx
+    from onnx import TensorProto as TP, helper
+
+    from rewriter.results import describe_model
+
+    def node(i, **a):
+        return helper.make_node("PackedAttention", [f"q{i}"], [f"y{i}"], domain="ai.ortlean", name=f"pa{i}", **a)
+
+    nodes = [node(0, mode="pq", budget=0.0, kv_quant="int8", prefill_budget=0.125, prefill_min_context=2048,
+                  prefill_window=1024, prefill_tail=64),
+             node(1, mode="pq", budget=0.5, kv_quant="int8"),
+             node(2, mode="sign", budget=0.0, kv_quant="fp32")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(f"q{i}", TP.FLOAT, None) for i in range(3)],
+                          [helper.make_tensor_value_info(f"y{i}", TP.FLOAT, None) for i in range(3)])
+    p = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.ortlean", 1)]), p)
+    assert describe_model(str(p)) == (
+        "PackedAttention exact (int8 K/V), prompts sparse 0.125 from 2,048 tokens (window 1,024, tail 64) x1, "
+        "PackedAttention pq budget 0.5 (int8 K/V) x1, PackedAttention exact (fp32 K/V) x1")
