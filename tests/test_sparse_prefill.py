@@ -21,7 +21,7 @@ import custom_ops  # noqa: E402
 from custom_ops.reference.attn import pack_cache, prefill_keys, unpack_kv  # noqa: E402
 
 from conftest import requires_native  # noqa: E402
-from test_packed_gqa import kv_model, run_native, run_ref  # noqa: E402
+from test_packed_gqa import kv_model, prompt_atol, run_native, run_ref  # noqa: E402
 
 SPARSE = dict(prefill_budget=0.25, prefill_block=16, prefill_window=48, prefill_min_context=96, sinks=4)
 
@@ -52,19 +52,7 @@ def prompt_case(B=1, Hq=6, Hkv=2, M=200, P=300, D=32, Dv=None, q="int8", seed=0,
 
 
 def _atol(q, f) -> float:
-    """Kernel vs reference: int8 / int4 rows take P.V on 15-bit weights per row of each 256-key chunk
-    (kernels/attn.h p16_row: a step of 1/32767 of the chunk row's largest weight), so an output may move
-    by a few steps times |V| — under 1 % of what the rows' own 8-bit codes move it (a step of 1/127 of a
-    row's largest |v|); fp32 rows run in float."""
-    if q == "fp32":
-        return 3e-5
-    from custom_ops.reference.attn import unpack_kv
-
-    vmax = float(np.abs(f["V"]).max())
-    if "past_kv" in f:
-        D = f["Q"].shape[-1]
-        vmax = max(vmax, float(np.abs(unpack_kv(f["past_kv"], f["past_bits"], D, f["V"].shape[-1], q)[1]).max()))
-    return 3e-5 + 2e-4 * vmax
+    return prompt_atol(q, f, base=3e-5)
 
 
 def _attrs(q, D, **kw):
