@@ -96,6 +96,9 @@ def load_library() -> ctypes.CDLL:
         lib.ortlean_metrics_reset.argtypes = []
         lib.ortlean_isa.restype = ctypes.c_char_p
         lib.ortlean_isa.argtypes = []
+        if hasattr(lib, "ortlean_prompt_continues"):   # a library older than the flag has none
+            lib.ortlean_prompt_continues.restype = ctypes.c_int
+            lib.ortlean_prompt_continues.argtypes = [ctypes.c_int]
         _LIB = lib
     return _LIB
 
@@ -179,15 +182,14 @@ def prompt_continues(more: bool = True):
             sess.run(None, first_chunk)
         sess.run(None, last_chunk)         # its last rows: the exact tail
     """
-    lib = None
+    old_py = continuing()
+    if old_py == bool(more):   # already so on this thread (every decode step): nothing to set
+        yield
+        return
     try:
-        lib = load_library()
-        fn = lib.ortlean_prompt_continues
+        fn = load_library().ortlean_prompt_continues
     except (LibraryNotFoundError, OSError, AttributeError):
         fn = None
-    if fn is not None:
-        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-    old_py = continuing()
     old = fn(1 if more else 0) if fn is not None else None
     _THREAD.continues = bool(more)
     try:

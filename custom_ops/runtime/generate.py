@@ -45,6 +45,8 @@ from typing import Callable
 
 import numpy as np
 
+from custom_ops import prompt_continues
+
 from .io import ModelIO, feeds, run
 
 __all__ = ["EOS_TOKENS", "Sampling", "Sampler", "TextStream", "Decoder", "Generation", "generate", "model_eos_ids",
@@ -422,8 +424,6 @@ class Decoder:
                 self.past = ({n: np.ascontiguousarray(a) for n, a in self.kv.rows(self.length).items()}
                              if self.length else None)
                 self.kv, self.loop = None, "growing"
-        from custom_ops import prompt_continues
-
         with prompt_continues(more):
             out = run(self.sess, self.io, feeds(self.io, ids, self.past, self.length))
         self.past = self.io.next_state(out)
