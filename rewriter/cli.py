@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -290,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "docs/generate.md)")
     p.add_argument("--prompt-cache-refresh", action="store_true",
                    help="rebuild --prompt-cache FILE from this prompt even when it exists")
+    p.add_argument("--json", metavar="FILE", help="also record the run (the closing line's figures, the text, the "
+                   "command, commit, machine and date) in FILE: a new file, or one this option wrote before, to "
+                   "which the run is added (runs of one session of questions side by side); any other file is "
+                   "refused")
 
     p = sub.add_parser("models", help="prepare the packaged real models as ONNX (cached)")
     msub = p.add_subparsers(dest="mcmd")
@@ -655,6 +660,7 @@ def cmd_generate(args) -> int:
         raise OrtleanError("--prompt-cache-refresh needs --prompt-cache FILE (the file to rebuild)")
     if args.document == "-" and args.prompt_file == "-":
         raise OrtleanError("--document - and --prompt-file -: only one of them can read standard input")
+    runs = _generate_runs(args)
 
     def read_text(flag: str, name: str) -> str:
         try:
@@ -727,7 +733,52 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"[ortlean generate] {g.summary()}, {threads} thread{'s' if threads != 1 else ''}", file=sys.stderr)
+    if args.json:
+        _generate_json(args, g, threads, runs)
     return 0
+
+
+GENERATE_JSON = "ortlean-generate/1"
+
+
+def _generate_runs(args) -> list:
+    """The runs already in --json FILE (checked before any work): [] for a new file; a file this option did
+    not write is refused, never overwritten."""
+    if not args.json:
+        return []
+    f = Path(args.json).expanduser()
+    _writable(str(f), "--json")
+    if f.is_dir():
+        raise OrtleanError(f"--json {args.json}: is a directory (give a file name)")
+    if not f.exists():
+        return []
+    try:
+        doc = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise OrtleanError(f"--json {args.json}: exists and is not a JSON file ortlean generate wrote ({e}): not "
+                           "overwritten") from None
+    if not isinstance(doc, dict) or doc.get("kind") != GENERATE_JSON or not isinstance(doc.get("runs"), list):
+        raise OrtleanError(f"--json {args.json}: exists and is not a file of ortlean generate runs: not overwritten "
+                           "(give another file name)")
+    return doc["runs"]
+
+
+def _generate_json(args, g, threads: int, runs: list) -> None:
+    """Adds this run to --json FILE (written atomically)."""
+    from . import results
+
+    run = {"model": args.model, "threads": threads, "ttft_s": round(g.ttft_seconds, 4),
+           "prompt_tokens": g.prompt_tokens, "cached_tokens": g.cached_tokens, "prefilled_tokens": g.prefilled_tokens,
+           "prefill_s": round(g.prefill_seconds, 4), "decode_tokens": g.decode_tokens,
+           "decode_s": round(g.decode_seconds, 4), "new_tokens": len(g.ids), "stop": g.stop, "sampling": g.sampling,
+           "loop": g.loop, "text": g.text, "summary": g.summary(),
+           "command": "ortlean " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    if g.cache is not None:
+        c = g.cache
+        run["prompt_cache"] = {"file": str(c.path), "action": c.action, "tokens": c.tokens,
+                               "file_tokens": c.file_tokens, "bytes": c.bytes, "seconds": round(c.seconds, 4)}
+    run.update(results.provenance())
+    results.write_json(Path(args.json).expanduser(), {"kind": GENERATE_JSON, "runs": [*runs, run]})
 
 
 def _prompt_cache_file(args) -> Path:

@@ -353,6 +353,33 @@ def test_cli_streams_and_reports_speed(forms, tmp_path):
     assert "sampling temperature 1.2, top-k 20, top-p 0.95, seed 11" in e1
 
 
+def test_cli_json_records_runs(forms, tmp_path):
+    """--json FILE: the closing line's figures, text, command and provenance; a second run is added beside the
+    first; a file the option did not write is refused (exit 2, one line) and left as it was."""
+    path = forms["optimum-cache"][0]
+    f = tmp_path / "runs.json"
+    code, so, se = run_cli("generate", path, "--prompt", "the sister of elizabeth", "--max-new-tokens", "6", "--json", f)
+    assert code == 0, se
+    doc = json.loads(f.read_text())
+    assert doc["kind"] == "ortlean-generate/1" and len(doc["runs"]) == 1
+    r = doc["runs"][0]
+    m = SUMMARY.search(se)
+    assert r["prompt_tokens"] == int(m.group(1)) and r["new_tokens"] == int(m.group(5)) and r["text"] + "\n" == so
+    assert r["ttft_s"] > 0 and r["cached_tokens"] == 0 and "prompt_cache" not in r
+    assert r["command"].startswith("ortlean generate ") and r["summary"] in se
+    assert {"commit", "date", "machine"} <= set(r)
+    code, _, se = run_cli("generate", path, "--prompt", "the sister", "--max-new-tokens", "3", "--json", f)
+    assert code == 0, se
+    runs = json.loads(f.read_text())["runs"]
+    assert len(runs) == 2 and runs[0] == r and runs[1]["prompt_tokens"] < r["prompt_tokens"]
+    for bad in ('{"a": 1}', "not json"):
+        other = tmp_path / "other.json"
+        other.write_text(bad)
+        code, so, se = run_cli("generate", path, "--prompt", "the", "--max-new-tokens", "2", "--json", other)
+        assert code == 2 and "--json" in se and "not overwritten" in se and se.count("\n") == 1 and not so, se
+        assert other.read_text() == bad
+
+
 def test_cli_chat(forms, tmp_path):
     """--chat renders the template beside the model (tokenizer_config.json here) and generates after it;
     the prompt token count in the closing line is the rendered prompt's; --system goes first."""
