@@ -603,6 +603,15 @@ def _writable(path: str, flag: str) -> None:
         raise OrtleanError(f"{flag} {path}: directory {d} does not exist")
 
 
+def _output_file(path: str, flag: str) -> Path:
+    """An output file's flag checked before any work: its directory exists and it is not a directory."""
+    _writable(path, flag)
+    f = Path(path).expanduser()
+    if f.is_dir():
+        raise OrtleanError(f"{flag} {path}: is a directory (give a file name)")
+    return f
+
+
 def cmd_perf(args) -> int:
     from custom_ops.runtime import perf
 
@@ -746,10 +755,7 @@ def _generate_runs(args) -> list:
     not write is refused, never overwritten."""
     if not args.json:
         return []
-    f = Path(args.json).expanduser()
-    _writable(str(f), "--json")
-    if f.is_dir():
-        raise OrtleanError(f"--json {args.json}: is a directory (give a file name)")
+    f = _output_file(args.json, "--json")
     if not f.exists():
         return []
     try:
@@ -787,11 +793,8 @@ def _prompt_cache_file(args) -> Path:
     file): never over another file (the model, the document, ...)."""
     from custom_ops.runtime.prompt_cache import is_cache_file
 
-    f = Path(args.prompt_cache).expanduser()
+    f = _output_file(args.prompt_cache, "--prompt-cache")
     flag = f"--prompt-cache {args.prompt_cache}"
-    _writable(str(f), "--prompt-cache")
-    if f.is_dir():
-        raise OrtleanError(f"{flag}: is a directory (give a file name)")
     if args.prompt_cache_refresh and f.exists() and not is_cache_file(f):
         raise OrtleanError(f"{flag}: exists and is not an ortlean prompt cache: not overwritten (give another "
                            "file name, or delete it)")

@@ -115,6 +115,6 @@ def test_weights_int8_holds_on_an_unseen_novel(name, tmp_path, capsys):
     rep = _rewrite(export, out, "--weights", "int8", "--calib-text", str(corpus.novels()[corpus.CALIB_NOVEL]))
     res = evaluate.evaluate(str(out), str(export), str(corpus.novels()[corpus.EVAL_NOVEL]), threads=2, windows=4)
     with capsys.disabled():
-        print(f"\n{name} --weights int8: guard {json.dumps(rep.get('quality', rep.get('check', {})))[:200]}; "
+        print(f"\n{name} --weights int8: guard {json.dumps(rep['quality'])[:200]}; "
               f"Persuasion Δppl {100 * res['delta_ppl']:+.2f} % (upper {100 * res.get('delta_ppl_upper', float('nan')):+.2f} %)")
     assert res["delta_ppl"] <= 0.02, res["delta_ppl"]
