@@ -1907,7 +1907,7 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
     } else {
       for (int64_t j = 0; j < ns; ++j) sel[nsel++] = static_cast<int32_t>(j);
       float* Qx = more;                 // [rows, 2D]: q, |q| (float queries)
-      float* U = Qx + rows * D2;        // [rows, nmid * nsb] the sub-blocks' bounds, then [rows, nmid] the blocks'
+      float* U = Qx + rows * D2;        // [rows, nsb * nmid] the sub-blocks' bounds (sub-block s of block j at s * nmid + j)
       double* Sb = reinterpret_cast<double*>((reinterpret_cast<uintptr_t>(U + rows * nmid * nsb) + 7) & ~uintptr_t{7});
       int32_t* order = reinterpret_cast<int32_t*>(Sb + nmid);  // [nmid]
       for (int64_t h = 0; h < rep; ++h)
@@ -1919,32 +1919,26 @@ bool PackedAttentionKernel::prefill_sparse(KvCall& c, Ort::KernelContext& ctx) c
             o[D + d] = std::fabs(q[d]);
           }
         }
-      blas::sgemm(false, true, rows, nmid * nsb, D2, sc, Qx, D2, blk + (bh * J + ns) * nsb * D2, D2, 0.0f, U,
-                  nmid * nsb);
-      if (nsb > 1)  // a block's bound: the largest of its sub-blocks' (NaN: -inf), in place, row by row
-        for (int64_t i = 0; i < rows; ++i) {
-          const float* us = U + i * nmid * nsb;
-          float* ub = U + i * nmid;
-          for (int64_t j = 0; j < nmid; ++j) {
-            float v = -INFINITY;
-            for (int64_t sb = 0; sb < nsb; ++sb) {
-              const float x = us[j * nsb + sb];
-              v = x > v ? x : v;
-            }
-            ub[j] = v;
-          }
-        }
-      // per block the mass a softmax of the bounds gives it, summed over the tile's rows and heads
+      // U[i, s * nmid + j]: row i's bound on sub-block s of middle block j (one GEMM per sub-block
+      // index, so that a block's sub-blocks sit nmid apart and the max over them runs along rows)
+      for (int64_t s = 0; s < nsb; ++s)
+        blas::sgemm(false, true, rows, nmid, D2, sc, Qx, D2, blk + ((bh * J + ns) * nsb + s) * D2, nsb * D2, 0.0f,
+                    U + s * nmid, nsb * nmid);
+      // per block the mass a softmax of the bounds gives it, summed over the tile's rows and heads: a
+      // block's bound is the largest of its sub-blocks' (NaN: -inf), exp(u - the row's max) in float
+      // (kernels' expsum: -inf -> 0), summed over rows in double
       for (int64_t j = 0; j < nmid; ++j) Sb[j] = 0.0;
       for (int64_t i = 0; i < rows; ++i) {
-        float* u = U + i * nmid;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < nmid; ++j) {
-          if (u[j] != u[j]) u[j] = -INFINITY;
-          top = u[j] > top ? u[j] : top;
+        float* u = U + i * nsb * nmid;
+        for (int64_t k = 0; k < nsb * nmid; ++k) u[k] = u[k] != u[k] ? -INFINITY : u[k];
+        for (int64_t s = 1; s < nsb; ++s) {
+          const float* us = u + s * nmid;
+          for (int64_t j = 0; j < nmid; ++j) u[j] = us[j] > u[j] ? us[j] : u[j];
         }
+        const float top = ak_->maxv(u, nmid);
         if (!(top > -INFINITY) || top == INFINITY) continue;  // no finite bound: the row ranks nothing
-        for (int64_t j = 0; j < nmid; ++j) Sb[j] += std::exp(static_cast<double>(u[j] - top));
+        ak_->expsum(u, top, nmid);
+        for (int64_t j = 0; j < nmid; ++j) Sb[j] += static_cast<double>(u[j]);
       }
       for (int64_t j = 0; j < nmid; ++j) order[j] = static_cast<int32_t>(j);
       std::partial_sort(order, order + keep, order + nmid, [&](int32_t x, int32_t y) {
