@@ -299,3 +299,68 @@ def test_int8_activations_is_matmulnbits_accuracy_4(K):
     assert np.abs(y4 - ref).max() <= 1e-5 * scale
     assert np.abs(y0 - x @ rows.T).max() <= 1e-5 * scale
     assert np.abs(y4 - y0).max() > 1e-3 * scale                    # the rounding is visible
+
+
+# ------------------------------------------------------------------------- block-quantized heads
+@pytest.mark.parametrize("family", ["llama"])      # tied: the embedding reads the head's blocks too
+def test_block_quant_head_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
+    """A BlockQuantMatMul head (--weights int4: the float checkpoint's calibrated blocks; GGUF-born models'
+    own blocks): the exact candidate rows come from the head's blocks through BlockQuantGather; with
+    candidates covering the vocabulary a decode step gives the head's tokens, its logits up to the head's
+    integer activations (fp32 products here); with few, the rest are −inf; the prefill keeps the head; the
+    generator's last-position view sends a prompt's last row down the decode branch."""
+    import custom_ops
+    from rewriter.kit.stream import last_position_logits
+
+    src = tiny[family] / "model.onnx"
+    tok = toy_model.parent / "tokenizer.json"
+    V = tiny_hf.FAMILIES[family]["vocab_size"]
+    prompt = np.random.default_rng(5).integers(3, V, (2, 6))
+    base = tmp_path / "base.onnx"
+    code = cli.main(["rewrite", str(src), "-o", str(base), "--weights", "int4", "--calib-text", str(toy_text),
+                     "--calib-tokens", "1024", "--calib-window", "64", "--quality-budget", "off", "-q",
+                     "--tokenizer", str(tok)])
+    assert code == 0
+    assert next(n for n in onnx.load(str(base)).graph.node if "logits" in n.output).op_type == "BlockQuantMatMul"
+
+    def decode(path, steps=5):
+        s = custom_ops.session(str(path), threads=1)
+        io = runtime.ModelIO.from_session(s)
+        return _decode(s, io, prompt, steps), s, io
+
+    (out_b, dense), sb, iob = decode(base)
+    full = tmp_path / "full.onnx"
+    code, rep = _rewrite(src, full, toy_text, "--weights", "int4", "--head-rank", "8", "--head-candidates", str(V),
+                         "--quality-budget", "off", tokenizer=tok)
+    assert code == 0
+    rec = next(g for g in rep["graph_passes"] if g["backend"] == "cheap_head")
+    assert "BlockQuantGather" in rec["decision"] and rec["bytes_head"] > 0
+    m = onnx.load(str(full))
+    assert [n.op_type for n in m.graph.node if n.output[0] == "logits"] == ["If"]
+    (out_c, cheap), sc, ioc = decode(full)
+    for a, b in zip(dense, cheap):
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))
+        np.testing.assert_allclose(b, a, rtol=0, atol=0.02 * float(np.abs(a).max()))
+    f = runtime.feeds(iob, prompt)
+    np.testing.assert_array_equal(runtime.run(sc, ioc, runtime.feeds(ioc, prompt))["logits"],
+                                  runtime.run(sb, iob, f)["logits"])           # prefill: the head itself
+    # the generator's view: the prompt's last row through the decode branch, [B, 1, V]
+    view = last_position_logits(ir.load(str(full)))
+    assert view is not None
+    p = tmp_path / "view.onnx"
+    ir.save(view, str(p))
+    sv = custom_ops.session(str(p), threads=1)
+    iov = runtime.ModelIO.from_session(sv)
+    last = runtime.run(sv, iov, runtime.feeds(iov, prompt))["logits"]
+    ref = runtime.run(sb, iob, f)["logits"][:, -1:]
+    assert last.shape == ref.shape and np.array_equal(last.argmax(-1), ref.argmax(-1))
+    np.testing.assert_allclose(last, ref, rtol=0, atol=0.02 * float(np.abs(ref).max()))
+    # few candidates: the rest −inf
+    few = tmp_path / "few.onnx"
+    code, _ = _rewrite(src, few, toy_text, "--weights", "int4", "--head-rank", "4", "--head-candidates", "16",
+                       "--quality-budget", "off", tokenizer=tok)
+    assert code == 0
+    (_, steps), _, _ = decode(few, 2)
+    for st in steps:
+        fin = np.isfinite(st)
+        assert (fin.sum(-1) == 16).all() and np.isneginf(st[~fin]).all()

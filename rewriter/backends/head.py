@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from custom_ops import schema
 from custom_ops.reference.head import FILLS, unpack_zero_points
 
 from ..builders.head import NBITS_BLOCK, HeadMatch, candidate_recall, find_head, lowrank_head
@@ -122,7 +123,7 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
             how = f"exact rows: {rows.name} (the head weight, stored transposed)"
         else:
             how = f"exact rows: {rows.name} (fp32{', tied embedding' if not head.node.inputs[1] is rows else ''})"
-    else:
+    elif head.kind == "nbits":
         nb = head.nbits
 
     # the decode branch
@@ -133,6 +134,11 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
     _, idx = b("TopK", [approx, k_v], "TopK", dict(axis=-1, largest=1, sorted=1), n_out=2)   # [B, C]
     if head.kind == "matmul":
         r = b("Gather", [rows, idx], "GatherRows")                                     # [B, C, D]
+    elif head.kind == "blockquant":
+        a = head.blocks["attrs"]
+        r = b("BlockQuantGather", [head.blocks["W"], idx], "GatherRows", a, domain=schema.DOMAIN)   # [B, C, D]
+        how = (f"exact rows: the head's own {a['format']} blocks (BlockQuantGather), their products in fp32 "
+               "(the head's own product rounds its input to integers)")
     else:
         nbk, bits, block = int(nb["blob"].const_value.shape[1]), nb["bits"], nb["block"]
         zp = None if nb["zero_points"] is None else unpack_zero_points(nb["zp"], V, nbk, bits)
@@ -140,7 +146,7 @@ def emit(model: ir.Model, head: HeadMatch, A: np.ndarray, blob: np.ndarray, scal
         how = f"exact rows: the head's own int{bits} blocks (GatherBlockQuantized)"
     xe = xs
     acc = head.node.attributes.get("accuracy_level")
-    if head.kind != "matmul" and acc is not None and acc.as_int() == 4:
+    if head.kind == "nbits" and acc is not None and acc.as_int() == 4:
         # the head computes with int8 activations (MLAS): round h the same way so that the candidates
         # get that head's logits (reference.head.int8_activations)
         xe = _int8_activations(b, g, base, xs, D, int(nb["block"]), model.opset_imports.get("", 13))
@@ -214,7 +220,8 @@ class CheapHeadPass(GraphPassBase):
         C = min(cfg.candidates, head.V)
         recall = candidate_recall(np.concatenate(X), head.W, f.A, f.B, C)
         how = emit(model, head, f.A, f.blob, f.scales, f.rank, cfg)
-        bytes_head = head.D * head.V * 4 if head.kind == "matmul" else _nbits_bytes(head)
+        bytes_head = (head.D * head.V * 4 if head.kind == "matmul" else _nbits_bytes(head) if head.kind == "nbits"
+                      else int(head.blocks["W"].const_value.nbytes))
         bytes_cheap = f.A.nbytes + f.blob.nbytes + f.scales.nbytes
         return [{**row, "backend": self.name, "gap": f.gap, "rank": f.rank, "candidates": C,
                  "calib_recall": recall, "bytes_head": bytes_head, "bytes_approx": bytes_cheap,

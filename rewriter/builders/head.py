@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from custom_ops import schema
+from custom_ops.reference import blockquant as bq
 from custom_ops.reference.head import dequant_nbits, quant_nbits, topk_indices
 
 from ..kit import candidates
@@ -28,10 +30,11 @@ class HeadMatch:
     y: ir.Value                  # the logits graph output
     D: int
     V: int
-    kind: str                    # "matmul" | "nbits"
-    W: np.ndarray                # float32 [D, V] (dequantized for MatMulNBits)
+    kind: str                    # "matmul" | "nbits" | "blockquant"
+    W: np.ndarray                # float32 [D, V] (dequantized for MatMulNBits / BlockQuantMatMul)
     rows: ir.Value | None        # an initializer holding Wᵀ [V, D] exactly (tied embedding / transposed weight)
     nbits: dict | None = None    # MatMulNBits head: blob, scales, zero_points (ir.Value), bits, block
+    blocks: dict | None = None   # BlockQuantMatMul head: W (ir.Value, its blocks), attrs (format, K, N, block_size, layout)
 
     @property
     def rows_array(self) -> np.ndarray:
@@ -82,7 +85,20 @@ def find_head(model: ir.Model) -> tuple[HeadMatch | None, str]:
         return HeadMatch(node, node.inputs[0], y, K, N, "nbits", W, None,
                          nbits=dict(blob=node.inputs[1], scales=node.inputs[2], zero_points=zp_v, zp=zp,
                                     bits=bits, block=block)), ""
-    return None, f"'logits' comes from {node.op_type} {node.name!r}, not a MatMul/MatMulNBits head"
+    if node.op_type == "BlockQuantMatMul" and node.domain == schema.DOMAIN:
+        Wv = node.inputs[1]
+        blob = _const(Wv)
+        if blob is None or (len(node.inputs) > 2 and node.inputs[2] is not None):
+            return None, f"'logits' comes from BlockQuantMatMul {node.name!r} with non-constant blocks or a bias"
+        if str(_attr(node, "glu", "none")) != "none":
+            return None, f"'logits' comes from BlockQuantMatMul {node.name!r} with glu (not a head)"
+        a = {k: _attr(node, k) for k in ("format", "K", "N", "block_size", "layout")}
+        a = {k: v for k, v in a.items() if v is not None}
+        fmt, K, N, bs = str(a["format"]), int(a["K"]), int(a["N"]), a.get("block_size")
+        rows = bq.from_split(blob, fmt, K, bs) if a.get("layout", "blocks") == "split" else blob
+        W = np.ascontiguousarray(bq.dequantize(rows, fmt, K, bs).T)       # [K, N] = [D, V]
+        return HeadMatch(node, node.inputs[0], y, K, N, "blockquant", W, None, blocks=dict(W=Wv, attrs=a)), ""
+    return None, f"'logits' comes from {node.op_type} {node.name!r}, not a MatMul/MatMulNBits/BlockQuantMatMul head"
 
 
 def _tied_rows(graph: ir.Graph, W: np.ndarray) -> ir.Value | None:

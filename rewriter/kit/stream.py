@@ -245,13 +245,16 @@ def last_position_logits(model: ir.Model, logits: str = "logits") -> ir.Model | 
     the final hidden states go through ``Slice(axis 1, -1:)`` before the head. Decode steps (one new
     token) compute exactly what they computed; a prefill no longer makes — and pays the head's
     product for — a [T, vocabulary] array nobody reads (a 4,096-token prefill of a 151,936-token
-    vocabulary: 2.5 GB of logits). None when the head is not found as a product (or several
-    products and a Concat) whose activation input feeds nothing else."""
+    vocabulary: 2.5 GB of logits). The cheap head's If (``--cheap-head``) reads the last position in
+    its test and both branches (:func:`_cheap_head_last`). None when the head is not found as a product
+    (or several products and a Concat) whose activation input feeds nothing else."""
     m = model.clone()
     out = next((v for v in m.graph.outputs if v.name == logits), None)
     if out is None or out.producer() is None:
         return None
     p = out.producer()
+    if p.op_type == "If" and p.name == CHEAP_HEAD_IF:
+        return _cheap_head_last(m, p)
     heads = [p] if (p.domain, p.op_type) in _HEAD_OPS else \
         [x.producer() for x in p.inputs if x is not None and x.producer() is not None] if p.op_type == "Concat" else []
     if not heads or any(h is None or (h.domain, h.op_type) not in _HEAD_OPS for h in heads):
@@ -271,6 +274,34 @@ def last_position_logits(model: ir.Model, logits: str = "logits") -> ir.Model | 
     m.graph.insert_before(heads[0], sl)
     for h in heads:
         h.replace_input_with(0, sl.outputs[0])
+    return m
+
+
+CHEAP_HEAD_IF = "/ortlean/cheap_head/If"   # backends/head.py: the cheap head's If (decode: one position)
+
+
+def _cheap_head_last(m: ir.Model, iff: ir.Node) -> ir.Model | None:
+    """last_position_logits of a graph with the cheap head (``--cheap-head``): its input h goes to the If's
+    sequence-length test and into both branches; the last position of h replaces it in all of them, so a
+    prompt's last row takes the decode branch (the approximate logits and exact candidates of every
+    decode step) and no branch computes the other rows' logits."""
+    shape = next((n for n in m.graph if n.op_type == "Shape" and n.name == "/ortlean/cheap_head/InputShape"), None)
+    if shape is None:
+        return None
+    x = shape.inputs[0]
+    inside = {n for a in iff.attributes.values() if a.type == ir.AttributeType.GRAPH for n in a.value.all_nodes()}
+    if x is None or x.is_graph_output() or any(u.node is not shape and u.node not in inside for u in x.uses()):
+        return None
+    ints = lambda name, vals: ir.Value(name=name, const_value=ir.tensor(np.array(vals, np.int64), name=name))
+    starts, ends, axes = ints("ortlean_last_start", [-1]), ints("ortlean_last_end", [1 << 62]), ints("ortlean_last_axis", [1])
+    for c in (starts, ends, axes):
+        m.graph.initializers[c.name] = c
+    sl = ir.Node("", "Slice", [x, starts, ends, axes], name="ortlean_last_position", num_outputs=1)
+    sl.outputs[0].name = f"{x.name}_last"
+    m.graph.insert_before(shape, sl)
+    for u in list(x.uses()):
+        if u.node is not sl:
+            u.node.replace_input_with(u.idx, sl.outputs[0])
     return m
 
 
