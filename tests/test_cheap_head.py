@@ -301,6 +301,22 @@ def test_int8_activations_is_matmulnbits_accuracy_4(K):
     assert np.abs(y4 - y0).max() > 1e-3 * scale                    # the rounding is visible
 
 
+def test_candidate_recall_is_topk_membership_with_ties():
+    """candidate_recall counts without sorting: equal to membership in topk_indices (ONNX TopK order,
+    ties to the lower index) on integer logits full of ties, and on a C at the vocabulary's size."""
+    from rewriter.builders.head import candidate_recall
+
+    rng = np.random.default_rng(3)
+    for V, C in ((40, 3), (257, 16), (64, 64)):
+        X = rng.integers(-2, 3, (300, 6)).astype(np.float32)
+        W = rng.integers(-2, 3, (6, V)).astype(np.float32)
+        A = rng.integers(-1, 2, (6, 2)).astype(np.float32)
+        B = rng.integers(-1, 2, (2, V)).astype(np.float32)
+        exact = (X @ W).argmax(axis=1)
+        want = float((topk_indices((X @ A) @ B, C) == exact[:, None]).any(axis=1).mean())
+        assert candidate_recall(X, W, A, B, C) == want
+
+
 # ------------------------------------------------------------------------- block-quantized heads
 @pytest.mark.parametrize("family", ["llama"])      # tied: the embedding reads the head's blocks too
 def test_block_quant_head_decode_steps(tiny, family, toy_model, toy_text, tmp_path):
