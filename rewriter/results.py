@@ -189,6 +189,17 @@ def describe_model(path: str) -> str:
                 key = f"{n.op_type} {fmt}".strip() + (f" {lay}" if lay != "blocks" else "")
         elif n.op_type in ("GroupQueryAttention", "GatherBlockQuantized"):
             key = n.op_type
+        elif n.op_type == "If" and n.name == "/ortlean/cheap_head/If":   # --cheap-head: its factor and candidates
+            then = next((x.g for x in n.attribute if x.name == "then_branch"), None)
+            nodes = list(then.node) if then is not None else []
+            lr = next((x for x in nodes if x.op_type == "MatMulNBits"), None)
+            la = {x.name: helper.get_attribute_value(x) for x in lr.attribute} if lr is not None else {}
+            ks = {t.name: t for t in m.graph.initializer}
+            tk = next((x for x in nodes if x.op_type == "TopK"), None)
+            cand = ks.get(tk.input[1]) if tk is not None else None
+            c = int(onnx.numpy_helper.to_array(cand).reshape(-1)[0]) if cand is not None else None
+            key = (f"cheap head rank {la.get('K', '?')} int{la.get('bits', '?')}"
+                   + (f", {c:,} exact candidates per decode step" if c else ""))
         if key:
             counts[key] = counts.get(key, 0) + 1
             first.setdefault(key, a)

@@ -4,6 +4,7 @@ with the exact head on teacher-forced held-out positions, and whole-model decode
     python tests/bench/bench_cheap_head.py [--models fp32,int4] [--threads 1,2] [--positions 2048]
                                            [--rank 128] [--candidates 768] [--bits 4] [--repeats 7]
                                            [--json tests/bench/results/cheap_head.json]
+    python tests/bench/bench_cheap_head.py --exact MODEL --cheap MODEL [--positions 2048] --json FILE
 
 Models: ``fp32`` = the optimum export (``ortlean models path smollm2``), ``int4`` = the fused graph
 quantized with rewriter.quantize.quantize_weights' int4 DEFAULTS (tests/bench/fastgraph_models.py,
@@ -15,6 +16,8 @@ Sensibility (``ortlean corpus --calib``, 4096 tokens).
   the window as decode steps through its KV cache (teacher forced: the next input is the text's
   token), so every position after the first of a window is a decode step of the cheap head. Agreement
   = share of those positions whose argmax equals the exact one.
+- ``--exact`` / ``--cheap``: the agreement alone, of two given models (e.g. Gemma 3's GGUF-born model
+  rewritten without and with ``--cheap-head``; their speed beside the peers: ``ortlean bench``).
 - Speed: runtime.bench_sessions (exact vs cheap interleaved in one process, medians): decode step at
   past 128 and prefill of 128 tokens, per thread count.
 """
@@ -150,6 +153,9 @@ def main():
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--exact", help="with --cheap: greedy agreement only, of these two models as they are (e.g. a "
+                                    "GGUF-born model rewritten without and with --cheap-head; their speed: ortlean bench)")
+    ap.add_argument("--cheap", help="see --exact")
     ap.add_argument("--json", default=str(ROOT / "tests/bench/results/cheap_head.json"))
     a = ap.parse_args()
 
@@ -162,6 +168,21 @@ def main():
 
     novels = corpus.novels()
     calib, held = novels[corpus.CALIB_NOVEL], novels[corpus.EVAL_NOVEL]
+    if a.exact or a.cheap:
+        if not (a.exact and a.cheap):
+            raise SystemExit("--exact and --cheap go together")
+        tok = runtime.load_tokenizer(Path(a.exact))
+        ids = tok.encode(held.read_text(encoding="utf-8"), add_special_tokens=False).ids
+        r = agreement(custom_ops.session(a.exact, threads=2), custom_ops.session(a.cheap, threads=2), ids, a.positions)
+        print(f"greedy agreement {r}", flush=True)
+        from rewriter.results import provenance
+
+        out = {"provenance": {k: v for k, v in provenance().items() if k != "schema"}, "isa": custom_ops.isa(),
+               "exact": a.exact, "cheap": a.cheap, "text": corpus.EVAL_NOVEL, "agreement": r,
+               "command": "python tests/bench/bench_cheap_head.py " + " ".join(sys.argv[1:])}
+        Path(a.json).write_text(json.dumps(out, indent=1, default=float))
+        print(f"wrote {a.json}")
+        return
     srcs = {}
     for m in a.models.split(","):
         if m == "fp32":
