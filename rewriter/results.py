@@ -159,6 +159,8 @@ def describe_model(path: str) -> str:
 
     from custom_ops.schema import DOMAIN
 
+    from .kit.stream import CHEAP_HEAD_IF
+
     m = onnx.load(str(path), load_external_data=False)
     counts: dict[str, int] = {}
     first: dict[str, dict] = {}
@@ -189,7 +191,7 @@ def describe_model(path: str) -> str:
                 key = f"{n.op_type} {fmt}".strip() + (f" {lay}" if lay != "blocks" else "")
         elif n.op_type in ("GroupQueryAttention", "GatherBlockQuantized"):
             key = n.op_type
-        elif n.op_type == "If" and n.name == "/ortlean/cheap_head/If":   # --cheap-head: its factor and candidates
+        elif n.op_type == "If" and n.name == CHEAP_HEAD_IF:   # --cheap-head: its factor and candidates
             then = next((x.g for x in n.attribute if x.name == "then_branch"), None)
             nodes = list(then.node) if then is not None else []
             lr = next((x for x in nodes if x.op_type == "MatMulNBits"), None)

@@ -265,16 +265,22 @@ def last_position_logits(model: ir.Model, logits: str = "logits") -> ir.Model | 
         return None
     if p.op_type == "Concat" and p.attributes.get_int("axis", -1) not in (-1, 2):
         return None
+    _last_position(m, x, heads[0])
+    return m
+
+
+def _last_position(m: ir.Model, x: ir.Value, before: ir.Node) -> None:
+    """``Slice(x, axis 1, -1:)`` inserted before ``before``; every use of ``x`` (in subgraphs too) reads it."""
     ints = lambda name, vals: ir.Value(name=name, const_value=ir.tensor(np.array(vals, np.int64), name=name))
     starts, ends, axes = ints("ortlean_last_start", [-1]), ints("ortlean_last_end", [1 << 62]), ints("ortlean_last_axis", [1])
     for c in (starts, ends, axes):
         m.graph.initializers[c.name] = c
     sl = ir.Node("", "Slice", [x, starts, ends, axes], name="ortlean_last_position", num_outputs=1)
     sl.outputs[0].name = f"{x.name}_last"
-    m.graph.insert_before(heads[0], sl)
-    for h in heads:
-        h.replace_input_with(0, sl.outputs[0])
-    return m
+    m.graph.insert_before(before, sl)
+    for u in list(x.uses()):
+        if u.node is not sl:
+            u.node.replace_input_with(u.idx, sl.outputs[0])
 
 
 CHEAP_HEAD_IF = "/ortlean/cheap_head/If"   # backends/head.py: the cheap head's If (decode: one position)
@@ -292,16 +298,7 @@ def _cheap_head_last(m: ir.Model, iff: ir.Node) -> ir.Model | None:
     inside = {n for a in iff.attributes.values() if a.type == ir.AttributeType.GRAPH for n in a.value.all_nodes()}
     if x is None or x.is_graph_output() or any(u.node is not shape and u.node not in inside for u in x.uses()):
         return None
-    ints = lambda name, vals: ir.Value(name=name, const_value=ir.tensor(np.array(vals, np.int64), name=name))
-    starts, ends, axes = ints("ortlean_last_start", [-1]), ints("ortlean_last_end", [1 << 62]), ints("ortlean_last_axis", [1])
-    for c in (starts, ends, axes):
-        m.graph.initializers[c.name] = c
-    sl = ir.Node("", "Slice", [x, starts, ends, axes], name="ortlean_last_position", num_outputs=1)
-    sl.outputs[0].name = f"{x.name}_last"
-    m.graph.insert_before(shape, sl)
-    for u in list(x.uses()):
-        if u.node is not sl:
-            u.node.replace_input_with(u.idx, sl.outputs[0])
+    _last_position(m, x, shape)
     return m
 
 
